@@ -1,0 +1,64 @@
+"""The backend interface: how expert FFN math runs on one device.
+
+A backend is a short table of operations. `place` puts one expert's weights
+where the backend computes (a no-op view on the CPU, an upload on a GPU);
+`run_experts` computes a group of experts over the rows routed to each and
+returns their gate-weighted sum as one [T, D] tensor — one call per layer's
+group, so a backend is free to batch. The public methods check their
+arguments and call a private hook; a backend that lacks a hook fails loudly.
+Backends never call tiers or the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from moetier.model.checkpoint import ExpertWeights
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    device_kind: str  # "cpu" | "cuda"
+    dtypes: tuple[str, ...]  # weight dtypes it computes in
+    zero_copy_host: bool  # place() aliases host memory instead of copying
+
+
+@dataclass(frozen=True)
+class ExpertWork:
+    """One expert's share of a layer: which rows of x it serves, with which gate weights."""
+
+    expert: Any  # what the backend's place() returned
+    rows: torch.Tensor  # [n] int64 indices into x
+    weights: torch.Tensor  # [n] float32 gate weights
+
+
+class Backend:
+    name: ClassVar[str]
+    caps: ClassVar[BackendCaps]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def place(self, weights: ExpertWeights) -> Any:
+        for tensor in (weights.gate, weights.up, weights.down):
+            if tensor.dtype != torch.float32:
+                raise TypeError(f"{self.name} backend: expert weights must be float32, got {tensor.dtype}")
+        return self._place(weights)
+
+    def run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
+        """x [T, D] float32 -> [T, D]: sum over work of weights * ffn(x[rows]) scattered to rows."""
+        if x.dim() != 2:
+            raise ValueError(f"{self.name} backend: x must be [T, D], got shape {list(x.shape)}")
+        return self._run_experts(x, work)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op on synchronous backends)."""
+
+    def _place(self, weights: ExpertWeights) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _place")
+
+    def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _run_experts")

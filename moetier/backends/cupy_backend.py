@@ -1,0 +1,55 @@
+"""CuPy backend (extra `cuda`): expert FFNs as CuPy matmuls on a CUDA device.
+
+Weights are uploaded once per expert by `place`; activations cross between
+torch and CuPy through DLPack without copies. Imported only when asked for,
+so a machine without CUDA never imports cupy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import cupy as cp
+import torch
+
+from moetier.backends.base import Backend, BackendCaps, ExpertWork
+from moetier.model.checkpoint import ExpertWeights
+
+
+@dataclass(frozen=True)
+class CupyExpert:
+    gate: Any  # cupy [I, D]
+    up: Any  # cupy [I, D]
+    down: Any  # cupy [D, I]
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+    caps = BackendCaps(device_kind="cuda", dtypes=("float32",), zero_copy_host=False)
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__(device)
+        index = torch.device(device).index or 0
+        if cp.cuda.runtime.getDeviceCount() <= index:
+            raise RuntimeError(f"cupy backend: no CUDA device {device!r}")
+        self.cuda_device = cp.cuda.Device(index)
+
+    def _place(self, weights: ExpertWeights) -> CupyExpert:
+        with self.cuda_device:
+            return CupyExpert(*(cp.asarray(t.numpy()) for t in (weights.gate, weights.up, weights.down)))
+
+    def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
+        with self.cuda_device:
+            xs = cp.from_dlpack(x.detach().to(f"cuda:{self.cuda_device.id}").contiguous())  # [T, D]
+            out = cp.zeros_like(xs)
+            for item in work:
+                rows = cp.asarray(item.rows.numpy())
+                sub = xs[rows]  # [n, D]
+                gate = sub @ item.expert.gate.T  # [n, I]
+                h = (gate / (1.0 + cp.exp(-gate))) * (sub @ item.expert.up.T)
+                out[rows] += (h @ item.expert.down.T) * cp.asarray(item.weights.numpy())[:, None]
+            return torch.from_dlpack(out).to(x.device)
+
+    def synchronize(self) -> None:
+        self.cuda_device.synchronize()

@@ -1,0 +1,59 @@
+"""Torch backend: expert FFNs with torch on the CPU or a CUDA device.
+
+On the CPU `place` keeps the checkpoint's memory-mapped views (zero copy); on
+CUDA it uploads each expert once. A layer's group runs expert by expert over
+the rows routed to each (a grouped GEMM: one matmul per expert covering all
+its tokens), so prefill does E_hit matmuls, not T x k. Decode touches each
+picked expert's weights exactly once, in place: gathering the k experts into
+one stacked tensor for a single bmm would copy every weight byte once more
+per token, and decode is bound by exactly those bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moetier.backends.base import Backend, BackendCaps, ExpertWork
+from moetier.model.checkpoint import ExpertWeights
+
+
+def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """x [n, D] -> [n, D] = down(silu(gate x) * up x)."""
+    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    caps = BackendCaps(device_kind="cpu", dtypes=("float32",), zero_copy_host=True)
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__(device)
+        self.torch_device = torch.device(device)
+        if self.torch_device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"torch backend: device {device!r} asked for but CUDA is not available")
+            self.caps = BackendCaps(device_kind="cuda", dtypes=("float32",), zero_copy_host=False)
+
+    def _place(self, weights: ExpertWeights) -> ExpertWeights:
+        if self.torch_device.type == "cpu":
+            return weights
+        return ExpertWeights(*(t.to(self.torch_device, non_blocking=True) for t in (weights.gate, weights.up, weights.down)))
+
+    def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, D]
+        if x.shape[0] == 1:  # decode: every expert serves the one row
+            for item in work:
+                out.add_(swiglu(x, item.expert), alpha=float(item.weights[0]))
+            return out
+        for item in work:
+            rows = item.rows.to(x.device)
+            y = swiglu(x.index_select(0, rows), item.expert)  # [n, D]
+            out.index_add_(0, rows, y * item.weights.to(x.device)[:, None])
+        return out
+
+    def synchronize(self) -> None:
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)

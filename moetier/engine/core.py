@@ -1,0 +1,179 @@
+"""The engine core: one decoder forward pass over a MoE checkpoint, batch 1.
+
+`Engine.forward(ids, cache)` runs embed -> layers -> norm -> lm head for T new
+tokens after `cache.length` cached ones. Attention and the trunk (norms, dense
+MLPs, shared experts, router) run in torch on the engine's device; routed
+experts go through an `ExpertExecutor` — here `ResidentExperts`, every expert
+placed on one backend — which is the seam where tiers plug in. The engine
+knows nothing about tokenization. Invariant: with the torch backend and no
+bias, logits match the transformers reference within float32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
+from moetier.engine.router import Route, route
+from moetier.model.checkpoint import Checkpoint, ExpertWeights
+
+RouteObserver = Callable[[int, Route], None]  # (layer, route) for every MoE layer of every forward
+
+
+class ExpertExecutor(Protocol):
+    def run(self, layer: int, x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], picks/weights [T, k] -> [T, D]: the gate-weighted sum of each token's experts."""
+        ...
+
+
+def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """picks/weights [T, k] -> [(expert, rows [n], weights [n])] for each expert picked at least once."""
+    tokens, k = picks.shape
+    if tokens == 1:  # decode: k distinct experts, one row each
+        return [(int(e), _ROW0, weights[0, i : i + 1]) for i, e in enumerate(picks[0].tolist())]
+    flat = picks.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows, gate = order // k, weights.reshape(-1)[order]
+    groups, start = [], 0
+    for expert, count in zip(experts.tolist(), counts.tolist()):
+        groups.append((expert, rows[start : start + count], gate[start : start + count]))
+        start += count
+    return groups
+
+
+_ROW0 = torch.zeros(1, dtype=torch.int64)
+
+
+class ResidentExperts:
+    """Every routed expert of every MoE layer placed on one backend: the all-resident executor."""
+
+    def __init__(self, checkpoint: Checkpoint, backend: Backend):
+        self.backend = backend
+        spec = checkpoint.spec
+        self.placed: dict[int, list] = {
+            layer: [backend.place(checkpoint.expert(layer, e)) for e in range(spec.num_experts)] for layer in spec.moe_layers
+        }
+
+    def run(self, layer: int, x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        placed = self.placed[layer]
+        work = [ExpertWork(placed[e], rows, w) for e, rows, w in group_by_expert(picks, weights)]
+        return self.backend.run_experts(x, work)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    post_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2G) * d, D] q, k, v projections stacked
+    qkv_bias: torch.Tensor | None  # [(H + 2G) * d]
+    o_proj: torch.Tensor  # [D, H * d]
+    o_bias: torch.Tensor | None  # [D]
+    q_norm: torch.Tensor | None  # [d]
+    k_norm: torch.Tensor | None  # [d]
+    mlp: ExpertWeights | None  # dense layers
+    router: torch.Tensor | None  # [E, D]
+    correction_bias: torch.Tensor | None  # [E]
+    shared: ExpertWeights | None  # GLM shared experts
+
+
+def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+
+
+class Engine:
+    """A loaded model ready to run: see the module docstring."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        backend: str | Backend = "torch",
+        device: str = "cpu",
+        executor: ExpertExecutor | None = None,
+    ):
+        self.checkpoint = checkpoint
+        self.spec = spec = checkpoint.spec
+        self.device = torch.device(device)
+        self.backend = get_backend(backend, device) if isinstance(backend, str) else backend
+        self.observer: RouteObserver | None = None
+        dev = self.device
+        c = checkpoint
+        self.embed = c.tensor("model.embed_tokens.weight").to(dev)  # [V, D]
+        self.final_norm = c.tensor("model.norm.weight").to(dev)  # [D]
+        self.lm_head = self.embed if spec.tie_word_embeddings else c.tensor("lm_head.weight").to(dev)  # [V, D]
+        self.layers = [self._layer_weights(layer) for layer in range(spec.num_layers)]
+        self.rope = RotaryTable(spec.rotary_dim, spec.rope_theta, dev)
+        self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
+
+    def _layer_weights(self, layer: int) -> LayerWeights:
+        c, spec, dev = self.checkpoint, self.spec, self.device
+        p = f"model.layers.{layer}."
+        attn = p + "self_attn."
+        qkv = torch.cat([c.tensor(f"{attn}{n}_proj.weight") for n in "qkv"]).to(dev)
+        bias = None
+        if spec.attention_bias:
+            bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"]).to(dev)
+        moe = spec.is_moe(layer)
+        to_dev = lambda w: None if w is None else ExpertWeights(*(t.to(dev) for t in (w.gate, w.up, w.down)))  # noqa: E731
+        return LayerWeights(
+            input_norm=c.tensor(p + "input_layernorm.weight").to(dev),
+            post_norm=c.tensor(p + "post_attention_layernorm.weight").to(dev),
+            qkv=qkv,
+            qkv_bias=bias,
+            o_proj=c.tensor(attn + "o_proj.weight").to(dev),
+            o_bias=c.tensor(attn + "o_proj.bias").to(dev) if spec.output_bias else None,
+            q_norm=c.tensor(attn + "q_norm.weight").to(dev) if spec.qk_norm else None,
+            k_norm=c.tensor(attn + "k_norm.weight").to(dev) if spec.qk_norm else None,
+            mlp=None if moe else to_dev(c.dense_mlp(layer)),
+            router=c.router_weight(layer).to(dev) if moe else None,
+            correction_bias=(lambda b: None if b is None else b.to(dev))(c.router_bias(layer)) if moe else None,
+            shared=to_dev(c.shared_experts(layer)) if moe else None,
+        )
+
+    def new_cache(self) -> KVCache:
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.device)
+
+    # -- forward ------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
+        """ids [T] int64 -> logits [T, V] (or [1, V] for the last position when all_logits is False)."""
+        start = cache.length
+        h = self.embed[ids.to(self.device)]  # [T, D]
+        mask = attention_mask(start, h.shape[0], self.spec.sliding_window, self.device)
+        for layer, weights in enumerate(self.layers):
+            h = h + self._attention(layer, weights, rms_norm(h, weights.input_norm, self.spec.rms_norm_eps), cache, start, mask)
+            x = rms_norm(h, weights.post_norm, self.spec.rms_norm_eps)  # [T, D]
+            h = h + (swiglu(x, weights.mlp) if weights.mlp is not None else self._moe(layer, weights, x))
+        cache.length = start + h.shape[0]
+        if not all_logits:
+            h = h[-1:]
+        return F.linear(rms_norm(h, self.final_norm, self.spec.rms_norm_eps), self.lm_head)  # [T, V]
+
+    def _attention(self, layer: int, w: LayerWeights, x: torch.Tensor, cache: KVCache, start: int, mask) -> torch.Tensor:
+        s = self.spec
+        new, d = x.shape[0], s.head_dim
+        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2G) * d]
+        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
+        q = q.view(new, s.num_heads, d)  # [T, H, d]
+        k = k.view(new, s.num_kv_heads, d)  # [T, G, d]
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, s.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, s.rms_norm_eps)
+        q = self.rope.apply(q.transpose(0, 1), start)  # [H, T, d]
+        k = self.rope.apply(k.transpose(0, 1), start)  # [G, T, d]
+        v = v.view(new, s.num_kv_heads, d).transpose(0, 1)  # [G, T, d]
+        keys, values = cache.append(layer, k, v, start)  # [G, P, d]
+        return F.linear(attend(q, keys, values, mask), w.o_proj, w.o_bias)  # [T, D]
+
+    def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        decision = route(self.spec, F.linear(x, w.router), w.correction_bias)
+        if self.observer is not None:
+            self.observer(layer, decision)
+        out = self.executor.run(layer, x, decision.picks, decision.weights)  # [T, D]
+        return out if w.shared is None else out + swiglu(x, w.shared)

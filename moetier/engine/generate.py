@@ -1,0 +1,116 @@
+"""Generation and teacher-forced scoring on top of `Engine.forward`.
+
+`generate` prefills the prompt in one forward, then decodes one token per
+step with the KV cache; greedy when temperature is 0, else seeded sampling
+(temperature, top-k, top-p). `score` returns float32 logits for every position
+of a sequence in one teacher-forced pass. Timings use perf_counter around
+whole phases; prefill and decode are reported separately.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moetier.engine.core import Engine
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    ids: list[int]  # new tokens only
+    prefill_s: float
+    decode_s: float  # time of the decode steps (tokens after the first)
+    logits: np.ndarray | None = field(default=None, repr=False)  # [n_new, V]: row i produced ids[i]
+
+    @property
+    def prefill_tok_per_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_s if self.prefill_s > 0 else float("inf")
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        steps = len(self.ids) - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """logits [V] -> next token id."""
+    if sampling.temperature <= 0:
+        return int(torch.argmax(logits))
+    scaled = logits / sampling.temperature
+    if 0 < sampling.top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # drop tokens once the mass before them already exceeds top_p (the first always stays)
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > sampling.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate(
+    engine: Engine,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    keep_logits: bool = False,
+    stop_ids: tuple[int, ...] = (),
+) -> Generation:
+    if not prompt_ids:
+        raise ValueError("generate: the prompt is empty (expected at least one token id)")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens is {max_new_tokens} (expected >= 1)")
+    _check_ids(engine, prompt_ids)
+    generator = None
+    if sampling.temperature > 0:
+        generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+    cache = engine.new_cache()
+    rows: list[np.ndarray] = []
+
+    begin = time.perf_counter()
+    logits = engine.forward(torch.tensor(prompt_ids, dtype=torch.int64), cache, all_logits=False)[-1]  # [V]
+    new_ids = [pick_token(logits, sampling, generator)]
+    prefill_s = time.perf_counter() - begin
+    if keep_logits:
+        rows.append(logits.numpy().copy())
+
+    begin = time.perf_counter()
+    step = torch.empty(1, dtype=torch.int64)
+    while len(new_ids) < max_new_tokens and new_ids[-1] not in stop_ids:
+        step[0] = new_ids[-1]
+        logits = engine.forward(step, cache)[0]  # [V]
+        new_ids.append(pick_token(logits, sampling, generator))
+        if keep_logits:
+            rows.append(logits.numpy().copy())
+    decode_s = time.perf_counter() - begin
+    return Generation(list(prompt_ids), new_ids, prefill_s, decode_s, np.stack(rows) if keep_logits else None)
+
+
+def score(engine: Engine, ids: np.ndarray | list[int]) -> np.ndarray:
+    """Teacher-forced logits: ids [T] -> float32 [T, V]; row t predicts token t+1."""
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if not ids:
+        raise ValueError("score: no token ids (expected a non-empty 1-D sequence)")
+    _check_ids(engine, ids)
+    logits = engine.forward(torch.tensor(ids, dtype=torch.int64), engine.new_cache())
+    return logits.numpy().astype(np.float32, copy=False)
+
+
+def _check_ids(engine: Engine, ids: list[int]) -> None:
+    vocab = engine.spec.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (expected 0 <= id < {vocab})")

@@ -1,0 +1,89 @@
+"""Trunk layers of a decoder: RMSNorm, rotary embeddings, GQA attention with a KV cache.
+
+Shapes: T new tokens, P cached positions, H query heads, G kv heads, d head dim.
+Each function computes exactly what the HF reference computes (same op order
+where it matters for float32 rounding), for batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> weight * x / rms(x), computed in float32."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+class RotaryTable:
+    """cos/sin for positions 0..n, grown on demand; rotates the first `rotary_dim` dims of each head."""
+
+    def __init__(self, rotary_dim: int, theta: float, device: torch.device):
+        self.rotary_dim = rotary_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+        self.inv_freq = 1.0 / (theta ** exponents).to(device)  # [rd/2]
+        self.cos = self.sin = torch.empty(0, rotary_dim, device=device)
+        self._grow(256)
+
+    def _grow(self, length: int) -> None:
+        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [n, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, rd]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x [heads, T, d] at positions start..start+T -> rotated copy."""
+        end = start + x.shape[1]
+        if end > self.cos.shape[0]:
+            self._grow(max(end, 2 * self.cos.shape[0]))
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, rd]
+        rd = self.rotary_dim
+        rot = x[..., :rd]
+        half = rd // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)
+
+
+class KVCache:
+    """Per-layer key/value buffers [G, capacity, d] for one sequence; capacity doubles as it fills."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity: int = 256):
+        self.length = 0
+        self.keys = [torch.empty(kv_heads, capacity, head_dim, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(kv_heads, capacity, head_dim, device=device) for _ in range(num_layers)]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [G, T, d] at start..start+T; return all keys/values so far [G, start+T, d]."""
+        end = start + k.shape[1]
+        capacity = self.keys[layer].shape[1]
+        if end > capacity:
+            new_capacity = max(end, 2 * capacity)
+            for buffers in (self.keys, self.values):
+                grown = buffers[layer].new_empty(buffers[layer].shape[0], new_capacity, buffers[layer].shape[2])
+                grown[:, :start] = buffers[layer][:, :start]
+                buffers[layer] = grown
+        self.keys[layer][:, start:end] = k
+        self.values[layer][:, start:end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+
+def attention_mask(start: int, new: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [T, start+T] (True = attend) for causal, optionally sliding-window, attention."""
+    if new == 1 and (window is None or start < window):
+        return None  # one query sees every cached key
+    query = torch.arange(start, start + new, device=device)[:, None]
+    key = torch.arange(start + new, device=device)[None, :]
+    mask = key <= query
+    if window is not None:
+        mask &= key > query - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [H, T, d], k/v [G, P, d] -> [T, H*d] with grouped-query heads."""
+    heads, new, head_dim = q.shape
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[0] != heads)  # [H, T, d]
+    return out.transpose(0, 1).reshape(new, heads * head_dim)

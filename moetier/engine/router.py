@@ -1,0 +1,51 @@
+"""The router: from gate logits to each token's k experts and their weights.
+
+softmax routers (Qwen3-MoE, Mixtral): probabilities over all experts, top-k,
+optional renormalisation over the k. sigmoid routers (GLM-4 MoE, DeepSeek-V3):
+scores = sigmoid(logits); selection uses score + e_score_correction_bias,
+limited to the top `topk_group` groups (a group's score = its two best);
+weights are the unbiased scores of the picks, renormalised and scaled by
+routed_scaling_factor. Exactly the reference's arithmetic, so routing with no
+extra bias reproduces it bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetier.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Route:
+    logits: torch.Tensor  # [T, E] raw gate logits
+    probs: torch.Tensor  # [T, E] softmax probabilities, or sigmoid scores for sigmoid routers
+    picks: torch.Tensor  # [T, k] int64 expert ids
+    weights: torch.Tensor  # [T, k] float32 gate weights applied to each pick
+
+
+def route(spec: ModelSpec, logits: torch.Tensor, correction_bias: torch.Tensor | None = None) -> Route:
+    """logits [T, E] -> Route. `correction_bias` [E] is the checkpoint's e_score_correction_bias."""
+    if spec.router == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, picks = torch.topk(probs, spec.top_k, dim=-1)  # [T, k]
+        if spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Route(logits, probs, picks, weights)
+
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
+    if spec.n_group > 1 and spec.topk_group < spec.n_group:
+        tokens = choice.shape[0]
+        grouped = choice.view(tokens, spec.n_group, -1)  # [T, n_group, E/n_group]
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)  # [T, n_group]
+        keep = torch.topk(group_scores, spec.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(tokens, -1)
+    picks = torch.topk(choice, spec.top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, picks)  # [T, k]
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Route(logits, scores, picks, weights * spec.routed_scaling_factor)

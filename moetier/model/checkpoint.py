@@ -1,0 +1,193 @@
+"""A HF-format MoE checkpoint: spec, tensors by name, experts by (layer, expert).
+
+`open_checkpoint(dir)` reads config.json and the safetensors header(s) — a
+single `model.safetensors`, a sharded set named by `model.safetensors.index.json`,
+or any `*.safetensors` in the folder — and maps the files without reading
+tensor data. Experts are reached lazily per (layer, expert) in either layout a
+checkpoint may use: per-expert tensors (`experts.{e}.gate_proj.weight`, Mixtral's
+`w1/w3/w2`) or fused stacks (`experts.gate_up_proj` [E, 2I, D],
+`experts.down_proj` [E, D, I]). Tensors come back in float32, as views of the
+mapping when stored in float32. The fingerprint hashes the config and the
+tensor index (names, dtypes, shapes), so it identifies the weights without
+reading them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
+from moetier.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed (or shared, or dense) SwiGLU FFN: down(silu(gate x) * up x)."""
+
+    gate: torch.Tensor  # [I, D]
+    up: torch.Tensor  # [I, D]
+    down: torch.Tensor  # [D, I]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+
+
+class Checkpoint:
+    """Tensors of one model folder, mapped lazily; see the module docstring."""
+
+    def __init__(self, folder: Path, spec: ModelSpec, files: list[SafetensorsFile], config: dict):
+        self.folder = folder
+        self.spec = spec
+        self.config = config
+        self._where: dict[str, SafetensorsFile] = {}
+        for file in files:
+            for name in file.entries:
+                if name in self._where:
+                    raise CheckpointError(f"{file.path}: tensor {name!r} also appears in {self._where[name].path}")
+                self._where[name] = file
+        self._mlp = "block_sparse_moe" if spec.arch == "mixtral" else "mlp"
+        self._fused = f"model.layers.{spec.moe_layers[0]}.{self._mlp}.experts.gate_up_proj" in self._where if spec.moe_layers else False
+        self.fingerprint = _fingerprint(config, {n: f.entries[n] for n, f in self._where.items()})
+        self._check_complete()
+
+    # -- raw tensors --------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._where[name].entries[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """float32 tensor by name: a view of the mapping when stored as float32, else a converted copy."""
+        try:
+            raw = self._where[name].tensor(name)
+        except KeyError:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found") from None
+        return raw if raw.dtype == torch.float32 else raw.float()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.entries[n].nbytes for n, f in self._where.items())
+
+    # -- structured access ----------------------------------------------------
+    def layer_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}."
+
+    def router_weight(self, layer: int) -> torch.Tensor:
+        return self.tensor(f"model.layers.{layer}.{self._mlp}.gate.weight")  # [E, D]
+
+    def router_bias(self, layer: int) -> torch.Tensor | None:
+        name = f"model.layers.{layer}.{self._mlp}.gate.e_score_correction_bias"
+        return self.tensor(name) if self.has(name) else None  # [E]
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        experts = f"model.layers.{layer}.{self._mlp}.experts"
+        inter = self.spec.moe_intermediate_size
+        if self._fused:
+            gate_up = self.tensor(f"{experts}.gate_up_proj")[expert]  # [2I, D]
+            return ExpertWeights(gate_up[:inter], gate_up[inter:], self.tensor(f"{experts}.down_proj")[expert])
+        prefix = f"{experts}.{expert}"
+        if self.spec.arch == "mixtral":
+            return ExpertWeights(*(self.tensor(f"{prefix}.{w}.weight") for w in ("w1", "w3", "w2")))
+        return ExpertWeights(*(self.tensor(f"{prefix}.{w}_proj.weight") for w in ("gate", "up", "down")))
+
+    def dense_mlp(self, layer: int) -> ExpertWeights:
+        """The MLP of a dense layer, or a GLM layer's shared experts when `shared` names exist."""
+        prefix = f"model.layers.{layer}.mlp"
+        return ExpertWeights(*(self.tensor(f"{prefix}.{w}_proj.weight") for w in ("gate", "up", "down")))
+
+    def shared_experts(self, layer: int) -> ExpertWeights | None:
+        prefix = f"model.layers.{layer}.mlp.shared_experts"
+        if not self.has(f"{prefix}.gate_proj.weight"):
+            return None
+        return ExpertWeights(*(self.tensor(f"{prefix}.{w}_proj.weight") for w in ("gate", "up", "down")))
+
+    def _check_complete(self) -> None:
+        """Every tensor the engine will ask for exists with the shape the spec implies."""
+        s = self.spec
+        q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        expected: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (s.vocab_size, s.hidden_size),
+            "model.norm.weight": (s.hidden_size,),
+        }
+        if not s.tie_word_embeddings:
+            expected["lm_head.weight"] = (s.vocab_size, s.hidden_size)
+        inter = s.moe_intermediate_size
+        for layer in range(s.num_layers):
+            p = self.layer_prefix(layer)
+            expected[f"{p}self_attn.q_proj.weight"] = (q_out, s.hidden_size)
+            expected[f"{p}self_attn.k_proj.weight"] = (kv_out, s.hidden_size)
+            expected[f"{p}self_attn.v_proj.weight"] = (kv_out, s.hidden_size)
+            expected[f"{p}self_attn.o_proj.weight"] = (s.hidden_size, q_out)
+            expected[f"{p}input_layernorm.weight"] = (s.hidden_size,)
+            expected[f"{p}post_attention_layernorm.weight"] = (s.hidden_size,)
+            if not s.is_moe(layer):
+                for w, shape in _ffn_shapes(s.hidden_size, s.dense_intermediate_size).items():
+                    expected[f"{p}mlp.{w}_proj.weight"] = shape
+                continue
+            expected[f"{p}{self._mlp}.gate.weight"] = (s.num_experts, s.hidden_size)
+            if self._fused:
+                expected[f"{p}{self._mlp}.experts.gate_up_proj"] = (s.num_experts, 2 * inter, s.hidden_size)
+                expected[f"{p}{self._mlp}.experts.down_proj"] = (s.num_experts, s.hidden_size, inter)
+            else:
+                names = ("w1", "w3", "w2") if s.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+                shapes = tuple(_ffn_shapes(s.hidden_size, inter).values())
+                for e in range(s.num_experts):
+                    for w, shape in zip(names, shapes):
+                        expected[f"{p}{self._mlp}.experts.{e}.{w}.weight"] = shape
+        for name, shape in expected.items():
+            if name not in self._where:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} is missing (expected shape {list(shape)})")
+            got = self.entry(name).shape
+            if got != shape:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {list(got)} (expected {list(shape)})")
+
+
+def _ffn_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+
+
+def _fingerprint(config: dict, entries: dict[str, TensorEntry]) -> str:
+    digest = hashlib.sha256()
+    # transformers_version and dtype bookkeeping do not change the weights
+    canonical = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
+    digest.update(json.dumps(canonical, sort_keys=True).encode())
+    for name in sorted(entries):
+        e = entries[name]
+        digest.update(f"{name}|{e.dtype}|{list(e.shape)}|{e.nbytes}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def open_checkpoint(folder: str | Path) -> Checkpoint:
+    """Open a HF model folder (config.json + safetensors); raises CheckpointError / SpecError with one clear line."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory (expected a HF model folder with config.json)")
+    spec = ModelSpec.from_config_file(folder / "config.json")
+    config = json.loads((folder / "config.json").read_text())
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map'") from None
+        paths = sorted({folder / shard for shard in weight_map.values()})
+    elif (folder / "model.safetensors").exists():
+        paths = [folder / "model.safetensors"]
+    else:
+        paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise CheckpointError(f"{folder}: no safetensors weights (expected model.safetensors or an index)")
+    for path in paths:
+        if not path.exists():
+            raise CheckpointError(f"{path}: shard named by the index is missing")
+    return Checkpoint(folder, spec, [SafetensorsFile(p) for p in paths], config)
