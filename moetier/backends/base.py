@@ -1,7 +1,7 @@
 """The backend interface: how expert FFN math runs on one device.
 
 A backend is a short table of operations. `place` puts one expert's weights
-where the backend computes (a no-op view on the CPU, an upload on a GPU);
+where the backend computes, in memory it owns (a copy in RAM, an upload to a GPU);
 `run_experts` computes a group of experts over the rows routed to each and
 returns their gate-weighted sum as one [T, D] tensor — one call per layer's
 group, so a backend is free to batch. The public methods check their
@@ -23,7 +23,6 @@ from moetier.model.checkpoint import ExpertWeights
 class BackendCaps:
     device_kind: str  # "cpu" | "cuda"
     dtypes: tuple[str, ...]  # weight dtypes it computes in
-    zero_copy_host: bool  # place() aliases host memory instead of copying
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Backend:
         self.device = device
 
     def place(self, weights: ExpertWeights) -> Any:
-        for tensor in (weights.gate, weights.up, weights.down):
+        for tensor in (weights.gate_up, weights.down):
             if tensor.dtype != torch.float32:
                 raise TypeError(f"{self.name} backend: expert weights must be float32, got {tensor.dtype}")
         return self._place(weights)

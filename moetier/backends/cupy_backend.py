@@ -19,14 +19,13 @@ from moetier.model.checkpoint import ExpertWeights
 
 @dataclass(frozen=True)
 class CupyExpert:
-    gate: Any  # cupy [I, D]
-    up: Any  # cupy [I, D]
+    gate_up: Any  # cupy [2I, D]
     down: Any  # cupy [D, I]
 
 
 class CupyBackend(Backend):
     name = "cupy"
-    caps = BackendCaps(device_kind="cuda", dtypes=("float32",), zero_copy_host=False)
+    caps = BackendCaps(device_kind="cuda", dtypes=("float32",))
 
     def __init__(self, device: str = "cuda"):
         super().__init__(device)
@@ -37,7 +36,7 @@ class CupyBackend(Backend):
 
     def _place(self, weights: ExpertWeights) -> CupyExpert:
         with self.cuda_device:
-            return CupyExpert(*(cp.asarray(t.numpy()) for t in (weights.gate, weights.up, weights.down)))
+            return CupyExpert(cp.asarray(weights.gate_up.numpy()), cp.asarray(weights.down.numpy()))
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         with self.cuda_device:
@@ -46,8 +45,8 @@ class CupyBackend(Backend):
             for item in work:
                 rows = cp.asarray(item.rows.numpy())
                 sub = xs[rows]  # [n, D]
-                gate = sub @ item.expert.gate.T  # [n, I]
-                h = (gate / (1.0 + cp.exp(-gate))) * (sub @ item.expert.up.T)
+                gate, up = cp.split(sub @ item.expert.gate_up.T, 2, axis=-1)  # [n, I] each
+                h = (gate / (1.0 + cp.exp(-gate))) * up
                 out[rows] += (h @ item.expert.down.T) * cp.asarray(item.weights.numpy())[:, None]
             return torch.from_dlpack(out).to(x.device)
 

@@ -2,7 +2,7 @@
 
 Plain float32 numpy (BLAS matmuls), written to be obviously right: the parity
 tests hold every other backend to it. `place` keeps zero-copy numpy views of
-the checkpoint's mapped weights.
+the expert's resident copy.
 """
 
 from __future__ import annotations
@@ -19,20 +19,19 @@ from moetier.model.checkpoint import ExpertWeights
 
 @dataclass(frozen=True)
 class NumpyExpert:
-    gate: np.ndarray  # [I, D]
-    up: np.ndarray  # [I, D]
+    gate_up: np.ndarray  # [2I, D]
     down: np.ndarray  # [D, I]
 
 
 def swiglu(x: np.ndarray, w: NumpyExpert) -> np.ndarray:
     """x [n, D] -> [n, D] = down(silu(gate x) * up x)."""
-    gate = x @ w.gate.T  # [n, I]
-    return ((gate / (1.0 + np.exp(-gate))) * (x @ w.up.T)) @ w.down.T
+    gate, up = np.split(x @ w.gate_up.T, 2, axis=-1)  # [n, I] each
+    return ((gate / (1.0 + np.exp(-gate))) * up) @ w.down.T
 
 
 class NumpyBackend(Backend):
     name = "numpy"
-    caps = BackendCaps(device_kind="cpu", dtypes=("float32",), zero_copy_host=True)
+    caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
 
     def __init__(self, device: str = "cpu"):
         if device != "cpu":
@@ -40,7 +39,8 @@ class NumpyBackend(Backend):
         super().__init__(device)
 
     def _place(self, weights: ExpertWeights) -> NumpyExpert:
-        return NumpyExpert(weights.gate.numpy(), weights.up.numpy(), weights.down.numpy())
+        resident = weights.resident()
+        return NumpyExpert(resident.gate_up.numpy(), resident.down.numpy())
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         xs = x.detach().cpu().numpy()  # [T, D]

@@ -1,7 +1,8 @@
 """Torch backend: expert FFNs with torch on the CPU or a CUDA device.
 
-On the CPU `place` keeps the checkpoint's memory-mapped views (zero copy); on
-CUDA it uploads each expert once. A layer's group runs expert by expert over
+`place` copies each expert once into memory the process owns (host RAM on the
+CPU, device memory on CUDA): a file mapping's pages can be dropped by the OS
+and re-read from disk mid-decode. A layer's group runs expert by expert over
 the rows routed to each (a grouped GEMM: one matmul per expert covering all
 its tokens), so prefill does E_hit matmuls, not T x k. Decode touches each
 picked expert's weights exactly once, in place: gathering the k experts into
@@ -22,12 +23,13 @@ from moetier.model.checkpoint import ExpertWeights
 
 def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """x [n, D] -> [n, D] = down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, w.down)
 
 
 class TorchBackend(Backend):
     name = "torch"
-    caps = BackendCaps(device_kind="cpu", dtypes=("float32",), zero_copy_host=True)
+    caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
 
     def __init__(self, device: str = "cpu"):
         super().__init__(device)
@@ -35,12 +37,12 @@ class TorchBackend(Backend):
         if self.torch_device.type == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError(f"torch backend: device {device!r} asked for but CUDA is not available")
-            self.caps = BackendCaps(device_kind="cuda", dtypes=("float32",), zero_copy_host=False)
+            self.caps = BackendCaps(device_kind="cuda", dtypes=("float32",))
 
     def _place(self, weights: ExpertWeights) -> ExpertWeights:
         if self.torch_device.type == "cpu":
-            return weights
-        return ExpertWeights(*(t.to(self.torch_device, non_blocking=True) for t in (weights.gate, weights.up, weights.down)))
+            return weights.resident()
+        return weights.to(self.torch_device)
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         out = torch.zeros_like(x)  # [T, D]

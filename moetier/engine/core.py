@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
 from moetier.engine.router import Route, route
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
@@ -82,8 +83,6 @@ class LayerWeights:
     shared: ExpertWeights | None  # GLM shared experts
 
 
-def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
 
 
 class Engine:
@@ -103,9 +102,10 @@ class Engine:
         self.observer: RouteObserver | None = None
         dev = self.device
         c = checkpoint
-        self.embed = c.tensor("model.embed_tokens.weight").to(dev)  # [V, D]
-        self.final_norm = c.tensor("model.norm.weight").to(dev)  # [D]
-        self.lm_head = self.embed if spec.tie_word_embeddings else c.tensor("lm_head.weight").to(dev)  # [V, D]
+        # Everything the engine keeps is copied out of the file mapping (load, resident).
+        self.embed = c.load("model.embed_tokens.weight").to(dev)  # [V, D]
+        self.final_norm = c.load("model.norm.weight").to(dev)  # [D]
+        self.lm_head = self.embed if spec.tie_word_embeddings else c.load("lm_head.weight").to(dev)  # [V, D]
         self.layers = [self._layer_weights(layer) for layer in range(spec.num_layers)]
         self.rope = RotaryTable(spec.rotary_dim, spec.rope_theta, dev)
         self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
@@ -119,19 +119,19 @@ class Engine:
         if spec.attention_bias:
             bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"]).to(dev)
         moe = spec.is_moe(layer)
-        to_dev = lambda w: None if w is None else ExpertWeights(*(t.to(dev) for t in (w.gate, w.up, w.down)))  # noqa: E731
+        to_dev = lambda w: None if w is None else w.resident().to(dev)  # noqa: E731
         return LayerWeights(
-            input_norm=c.tensor(p + "input_layernorm.weight").to(dev),
-            post_norm=c.tensor(p + "post_attention_layernorm.weight").to(dev),
+            input_norm=c.load(p + "input_layernorm.weight").to(dev),
+            post_norm=c.load(p + "post_attention_layernorm.weight").to(dev),
             qkv=qkv,
             qkv_bias=bias,
-            o_proj=c.tensor(attn + "o_proj.weight").to(dev),
-            o_bias=c.tensor(attn + "o_proj.bias").to(dev) if spec.output_bias else None,
-            q_norm=c.tensor(attn + "q_norm.weight").to(dev) if spec.qk_norm else None,
-            k_norm=c.tensor(attn + "k_norm.weight").to(dev) if spec.qk_norm else None,
+            o_proj=c.load(attn + "o_proj.weight").to(dev),
+            o_bias=c.load(attn + "o_proj.bias").to(dev) if spec.output_bias else None,
+            q_norm=c.load(attn + "q_norm.weight").to(dev) if spec.qk_norm else None,
+            k_norm=c.load(attn + "k_norm.weight").to(dev) if spec.qk_norm else None,
             mlp=None if moe else to_dev(c.dense_mlp(layer)),
-            router=c.router_weight(layer).to(dev) if moe else None,
-            correction_bias=(lambda b: None if b is None else b.to(dev))(c.router_bias(layer)) if moe else None,
+            router=c.router_weight(layer).clone().to(dev) if moe else None,
+            correction_bias=(lambda b: None if b is None else b.clone().to(dev))(c.router_bias(layer)) if moe else None,
             shared=to_dev(c.shared_experts(layer)) if moe else None,
         )
 

@@ -27,15 +27,36 @@ from moetier.model.spec import ModelSpec
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One routed (or shared, or dense) SwiGLU FFN: down(silu(gate x) * up x)."""
+    """One routed (or shared, or dense) SwiGLU FFN: down(silu(gate x) * up x).
 
-    gate: torch.Tensor  # [I, D]
-    up: torch.Tensor  # [I, D]
+    gate and up are stacked so one matmul computes both. `mapped` is True when
+    the tensors alias the checkpoint's file mapping (whose pages the OS may drop
+    and re-read at any time); `resident()` returns a copy in process memory.
+    """
+
+    gate_up: torch.Tensor  # [2I, D] gate rows, then up rows
     down: torch.Tensor  # [D, I]
+    mapped: bool = False
+
+    @property
+    def gate(self) -> torch.Tensor:
+        return self.gate_up[: self.down.shape[1]]  # [I, D]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.gate_up[self.down.shape[1] :]  # [I, D]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        return (self.gate_up.numel() + self.down.numel()) * self.gate_up.element_size()
+
+    def resident(self) -> "ExpertWeights":
+        if not self.mapped:
+            return self
+        return ExpertWeights(self.gate_up.clone(), self.down.clone())
+
+    def to(self, device: torch.device | str) -> "ExpertWeights":
+        return ExpertWeights(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
 
 
 class Checkpoint:
@@ -74,6 +95,14 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found") from None
         return raw if raw.dtype == torch.float32 else raw.float()
 
+    def load(self, name: str) -> torch.Tensor:
+        """float32 tensor by name, copied into process memory (never aliases the mapping)."""
+        tensor = self.tensor(name)
+        return tensor.clone() if self._mapped(name) else tensor
+
+    def _mapped(self, name: str) -> bool:
+        return self.entry(name).dtype == "F32"
+
     @property
     def total_bytes(self) -> int:
         return sum(f.entries[n].nbytes for n, f in self._where.items())
@@ -91,25 +120,31 @@ class Checkpoint:
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         experts = f"model.layers.{layer}.{self._mlp}.experts"
-        inter = self.spec.moe_intermediate_size
         if self._fused:
-            gate_up = self.tensor(f"{experts}.gate_up_proj")[expert]  # [2I, D]
-            return ExpertWeights(gate_up[:inter], gate_up[inter:], self.tensor(f"{experts}.down_proj")[expert])
-        prefix = f"{experts}.{expert}"
-        if self.spec.arch == "mixtral":
-            return ExpertWeights(*(self.tensor(f"{prefix}.{w}.weight") for w in ("w1", "w3", "w2")))
-        return ExpertWeights(*(self.tensor(f"{prefix}.{w}_proj.weight") for w in ("gate", "up", "down")))
+            stacked = f"{experts}.gate_up_proj"
+            return ExpertWeights(
+                self.tensor(stacked)[expert],  # [2I, D], a view
+                self.tensor(f"{experts}.down_proj")[expert],  # [D, I]
+                mapped=self._mapped(stacked),
+            )
+        names = ("w1", "w3", "w2") if self.spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        return self._ffn(f"{experts}.{expert}", names)
 
     def dense_mlp(self, layer: int) -> ExpertWeights:
-        """The MLP of a dense layer, or a GLM layer's shared experts when `shared` names exist."""
-        prefix = f"model.layers.{layer}.mlp"
-        return ExpertWeights(*(self.tensor(f"{prefix}.{w}_proj.weight") for w in ("gate", "up", "down")))
+        """The SwiGLU MLP of a dense (non-MoE) layer."""
+        return self._ffn(f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj"))
 
     def shared_experts(self, layer: int) -> ExpertWeights | None:
+        """A GLM MoE layer's shared experts (always applied), or None."""
         prefix = f"model.layers.{layer}.mlp.shared_experts"
         if not self.has(f"{prefix}.gate_proj.weight"):
             return None
-        return ExpertWeights(*(self.tensor(f"{prefix}.{w}_proj.weight") for w in ("gate", "up", "down")))
+        return self._ffn(prefix, ("gate_proj", "up_proj", "down_proj"))
+
+    def _ffn(self, prefix: str, names: tuple[str, str, str]) -> ExpertWeights:
+        gate, up, down = (f"{prefix}.{n}.weight" for n in names)
+        gate_up = torch.cat([self.tensor(gate), self.tensor(up)])  # [2I, D], a copy
+        return ExpertWeights(gate_up, self.tensor(down), mapped=self._mapped(down))
 
     def _check_complete(self) -> None:
         """Every tensor the engine will ask for exists with the shape the spec implies."""
