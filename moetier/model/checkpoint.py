@@ -73,6 +73,8 @@ class Checkpoint:
                     raise CheckpointError(f"{file.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = file
         self._mlp = "block_sparse_moe" if spec.arch == "mixtral" else "mlp"
+        # per-expert tensor names of (gate, up, down)
+        self._expert_names = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         self._fused = f"model.layers.{spec.moe_layers[0]}.{self._mlp}.experts.gate_up_proj" in self._where if spec.moe_layers else False
         self.fingerprint = _fingerprint(config, {n: f.entries[n] for n, f in self._where.items()})
         self._check_complete()
@@ -107,6 +109,17 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(f.entries[n].nbytes for n, f in self._where.items())
 
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one routed expert as stored (dtype of the file, not float32)."""
+        if not self.spec.moe_layers:
+            return 0
+        experts = f"model.layers.{self.spec.moe_layers[0]}.{self._mlp}.experts"
+        if self._fused:
+            stacked = self.entry(f"{experts}.gate_up_proj").nbytes + self.entry(f"{experts}.down_proj").nbytes
+            return stacked // self.spec.num_experts
+        return sum(self.entry(f"{experts}.0.{n}.weight").nbytes for n in self._expert_names)
+
     # -- structured access ----------------------------------------------------
     def layer_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}."
@@ -127,8 +140,7 @@ class Checkpoint:
                 self.tensor(f"{experts}.down_proj")[expert],  # [D, I]
                 mapped=self._mapped(stacked),
             )
-        names = ("w1", "w3", "w2") if self.spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        return self._ffn(f"{experts}.{expert}", names)
+        return self._ffn(f"{experts}.{expert}", self._expert_names)
 
     def dense_mlp(self, layer: int) -> ExpertWeights:
         """The SwiGLU MLP of a dense (non-MoE) layer."""
@@ -174,10 +186,9 @@ class Checkpoint:
                 expected[f"{p}{self._mlp}.experts.gate_up_proj"] = (s.num_experts, 2 * inter, s.hidden_size)
                 expected[f"{p}{self._mlp}.experts.down_proj"] = (s.num_experts, s.hidden_size, inter)
             else:
-                names = ("w1", "w3", "w2") if s.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
                 shapes = tuple(_ffn_shapes(s.hidden_size, inter).values())
                 for e in range(s.num_experts):
-                    for w, shape in zip(names, shapes):
+                    for w, shape in zip(self._expert_names, shapes):
                         expected[f"{p}{self._mlp}.experts.{e}.{w}.weight"] = shape
         for name, shape in expected.items():
             if name not in self._where:

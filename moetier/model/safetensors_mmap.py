@@ -69,6 +69,8 @@ class SafetensorsFile:
             raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: header is not valid JSON") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
         data_start = 8 + header_len
         self.entries: dict[str, TensorEntry] = {}

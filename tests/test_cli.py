@@ -1,0 +1,100 @@
+"""The `moetier` command line as a user runs it: real subprocesses, exit codes, JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moetier.engine import Engine, score
+from moetier.model import open_checkpoint
+from moetier.model.synth import write_synthetic
+
+
+def moetier(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("cli") / "tiny", arch="glm4_moe", preset="tiny", seed=3)
+
+
+def test_run_json_reports_tokens_and_speeds(tiny):
+    result = moetier("run", "--model", tiny, "--max-new-tokens", 6, "--prompt-ids", "5,6,7", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["prompt_ids"] == [5, 6, 7] and len(report["generated_ids"]) == 6
+    assert report["decode_tok_per_s"] > 0 and report["prefill_tok_per_s"] > 0
+
+
+def test_run_sampling_is_reproducible_by_seed(tiny):
+    runs = [json.loads(moetier("run", "--model", tiny, "--max-new-tokens", 8, "--seed", s, "--json").stdout)["generated_ids"] for s in (1, 1)]
+    assert runs[0] == runs[1]
+
+
+def test_run_without_model_uses_the_builtin(tmp_path):
+    env = dict(__import__("os").environ, MOETIER_HOME=str(tmp_path))
+    result = moetier("run", "--max-new-tokens", 3, "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"].startswith(str(tmp_path))
+    assert (tmp_path / "models").is_dir()
+
+
+def test_score_writes_float32_logits_equal_to_the_library(tiny, tmp_path):
+    ids = np.array([3, 9, 27, 81, 243, 11], dtype=np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    result = moetier("score", tiny, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "logits.npy")
+    assert result.returncode == 0, result.stderr
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.dtype == np.float32 and logits.shape == (6, open_checkpoint(tiny).spec.vocab_size)
+    assert np.array_equal(logits, score(Engine(open_checkpoint(tiny)), ids))
+
+
+def test_info_json(tiny):
+    info = json.loads(moetier("info", tiny, "--json").stdout)
+    checkpoint = open_checkpoint(tiny)
+    assert info["router"] == "sigmoid" and info["experts_per_layer"] == checkpoint.spec.num_experts
+    assert info["fingerprint"] == checkpoint.fingerprint
+    assert info["bytes_per_expert"] == 3 * checkpoint.spec.hidden_size * checkpoint.spec.moe_intermediate_size * 4
+
+
+def test_synth_writes_a_loadable_checkpoint(tmp_path):
+    result = moetier("synth", "--arch", "mixtral", "--preset", "tiny", "--seed", 1, "--out", tmp_path / "m")
+    assert result.returncode == 0, result.stderr
+    assert open_checkpoint(tmp_path / "m").spec.arch == "mixtral"
+
+
+def _bad(tmp_path, tiny):
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    np.save(tmp_path / "float_ids.npy", np.zeros(4, dtype=np.float32))
+    np.save(tmp_path / "matrix_ids.npy", np.zeros((3, 4), dtype=np.int64))
+    np.save(tmp_path / "big_ids.npy", np.array([1, 10**6]))
+    (tmp_path / "text_ids.npy").write_text("1,2,3")
+    return {
+        "missing dir": (["info", tmp_path / "nope"], "not a directory"),
+        "unsupported arch": (["info", llama], "llama"),
+        "float ids": (["score", tiny, "--ids", tmp_path / "float_ids.npy", "--out", tmp_path / "o.npy"], "integer"),
+        "2-D ids": (["score", tiny, "--ids", tmp_path / "matrix_ids.npy", "--out", tmp_path / "o.npy"], "1-D"),
+        "absent ids": (["score", tiny, "--ids", tmp_path / "none.npy", "--out", tmp_path / "o.npy"], "no such ids file"),
+        "not npy": (["score", tiny, "--ids", tmp_path / "text_ids.npy", "--out", tmp_path / "o.npy"], "not a readable"),
+        "id out of vocab": (["score", tiny, "--ids", tmp_path / "big_ids.npy", "--out", tmp_path / "o.npy"], "outside the vocabulary"),
+        "bad prompt": (["run", "--model", tiny, "--prompt-ids", "1,x"], "comma-separated"),
+        "bad backend": (["run", "--model", tiny, "--backend", "gpu9000"], "unknown"),
+        "bad arch": (["synth", "--arch", "llama", "--out", tmp_path / "s"], "not supported"),
+    }
+
+
+def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path):
+    for label, (args, words) in _bad(tmp_path, tiny).items():
+        result = moetier(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (label, result.stderr)
+        assert len(lines) == 1 and lines[0].startswith("moetier: error: ") and words in lines[0], (label, lines)
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o.npy").exists()
