@@ -125,6 +125,7 @@ def run(
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    engine.warm_up()
     result = generate(engine, prompt, max_new_tokens, sampling)
     report = {
         "model": str(engine.checkpoint.folder),
