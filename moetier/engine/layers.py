@@ -12,9 +12,8 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> weight * x / rms(x), computed in float32."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """x [..., D] -> weight * x / rms(x), computed in float32 (one fused op)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class RotaryTable:
