@@ -1,0 +1,58 @@
+"""The CPU lane: experts computed from host memory by a small thread pool.
+
+Holds every expert of the layers it serves (`layers`, default all MoE layers),
+placed once into process memory by the backend (torch or numpy on the CPU).
+`submit` runs on the lane's own threads, so the engine's main thread can do
+attention or GPU work meanwhile (torch releases the GIL inside kernels).
+Results are exactly the backend's `run_experts` over the same jobs.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.model.checkpoint import Checkpoint
+from moetier.tiers.base import ExpertJob, Tier
+
+
+class CpuTier(Tier):
+    kind = "cpu"
+
+    def __init__(
+        self,
+        name: str,
+        checkpoint: Checkpoint,
+        backend: str | Backend = "torch",
+        threads: int = 1,
+        layers: Sequence[int] | None = None,
+        us_per_expert: float = 0.0,
+    ):
+        super().__init__(name)
+        self.backend = get_backend(backend, "cpu") if isinstance(backend, str) else backend
+        spec = checkpoint.spec
+        self.layers = tuple(spec.moe_layers if layers is None else layers)
+        self._all = frozenset(range(spec.num_experts))
+        self.placed = {l: [self.backend.place(checkpoint.expert(l, e)) for e in range(spec.num_experts)] for l in self.layers}
+        self.us_per_expert = us_per_expert
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"cpu-lane-{name}")
+
+    def holds(self, layer: int) -> frozenset[int]:
+        return self._all if layer in self.placed else frozenset()
+
+    def cost_us(self, layer: int, experts: int, tokens: int) -> float:
+        return self.us_per_expert * experts
+
+    def compute(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
+        """The lane's math, synchronously on the caller's thread (also the lossless fallback of other tiers)."""
+        placed = self.placed[layer]
+        return self.backend.run_experts(x, [ExpertWork(placed[j.expert], j.rows, j.weights) for j in jobs])
+
+    def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
+        return self._pool.submit(self.compute, layer, x, jobs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
