@@ -31,7 +31,7 @@ class UsageError(ValueError):
     """Bad input found by the CLI itself."""
 
 
-def _errors_to_exit(command: Callable) -> Callable:
+def errors_to_exit(command: Callable) -> Callable:
     """Expected failures become one line on stderr and exit code 2."""
 
     @functools.wraps(command)
@@ -101,7 +101,7 @@ def _default_prompt(engine, length: int = 16) -> list[int]:
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def run(
     model: Optional[Path] = typer.Option(None, help="HF model folder; default: the built-in synthetic model"),
     max_new_tokens: int = typer.Option(32, help="tokens to generate"),
@@ -153,7 +153,7 @@ def run(
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def score(
     model: Path = typer.Argument(..., help="HF model folder"),
     ids: Path = typer.Option(..., help="token ids: a 1-D integer .npy file"),
@@ -192,7 +192,7 @@ def _load_ids(path: Path) -> np.ndarray:
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def info(
     model: Path = typer.Argument(..., help="HF model folder"),
     as_json: bool = typer.Option(False, "--json"),
@@ -231,7 +231,7 @@ def info(
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def synth(
     out: Path = typer.Option(..., help="folder to write the checkpoint into"),
     arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral"),
