@@ -11,8 +11,10 @@ bias, logits match the transformers reference within float32 rounding.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,15 +23,31 @@ from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
 from moetier.engine.router import Route, route
+from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
 RouteObserver = Callable[[int, Route], None]  # (layer, route) for every MoE layer of every forward
 
 
+class Partials(NamedTuple):
+    """A MoE layer's routed-expert output: what to add now, and the CPU lane's share (deferrable)."""
+
+    now: torch.Tensor  # [T, D]
+    lane: "Future[torch.Tensor] | None" = None  # [T, D] when done
+
+
 class ExpertExecutor(Protocol):
-    def run(self, layer: int, x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], picks/weights [T, k] -> [T, D]: the gate-weighted sum of each token's experts."""
+    def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
+        """x [T, D] and the layer's routing -> the gate-weighted sum of each token's experts."""
         ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """Consecutive layers that run on one device; DEFER_CPU never carries a partial across parts."""
+
+    layers: range
+    device: torch.device
 
 
 def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -61,10 +79,10 @@ class ResidentExperts:
             layer: [backend.place(checkpoint.expert(layer, e)) for e in range(spec.num_experts)] for layer in spec.moe_layers
         }
 
-    def run(self, layer: int, x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         placed = self.placed[layer]
-        work = [ExpertWork(placed[e], rows, w) for e, rows, w in group_by_expert(picks, weights)]
-        return self.backend.run_experts(x, work)
+        work = [ExpertWork(placed[e], rows, w) for e, rows, w in group_by_expert(decision.picks, decision.weights)]
+        return Partials(self.backend.run_experts(x, work))
 
 
 @dataclass(frozen=True)
@@ -94,24 +112,37 @@ class Engine:
         backend: str | Backend = "torch",
         device: str = "cpu",
         executor: ExpertExecutor | None = None,
+        parts: Sequence[tuple[range, str]] | None = None,
+        defer_cpu: int = 0,
     ):
+        """parts: (layers, device) in order, covering every layer once (default: one part on `device`).
+        defer_cpu: 0 waits for the CPU lane every layer; 1 defers in the first part; 2 in every part."""
+        if defer_cpu not in (0, 1, 2):
+            raise ValueError(f"defer_cpu is {defer_cpu} (expected 0, 1 or 2)")
         self.checkpoint = checkpoint
         self.spec = spec = checkpoint.spec
-        self.device = torch.device(device)
+        self.parts = [Part(r, torch.device(d)) for r, d in (parts or [(range(spec.num_layers), device)])]
+        covered = [layer for part in self.parts for layer in part.layers]
+        if covered != list(range(spec.num_layers)):
+            raise ValueError(f"parts cover layers {covered[:3]}...{covered[-3:]} (expected 0..{spec.num_layers - 1} once, in order)")
+        self.device = self.parts[0].device
+        self.defer_cpu = defer_cpu
         self.backend = get_backend(backend, device) if isinstance(backend, str) else backend
         self.observer: RouteObserver | None = None
-        dev = self.device
-        c = checkpoint
+        self.times: StepTimes | None = None  # set to a StepTimes to account where each step's time goes
+        c, first, last = checkpoint, self.parts[0].device, self.parts[-1].device
         # Everything the engine keeps is copied out of the file mapping (load, resident).
-        self.embed = c.load("model.embed_tokens.weight").to(dev)  # [V, D]
-        self.final_norm = c.load("model.norm.weight").to(dev)  # [D]
-        self.lm_head = self.embed if spec.tie_word_embeddings else c.load("lm_head.weight").to(dev)  # [V, D]
+        self.embed = c.load("model.embed_tokens.weight").to(first)  # [V, D]
+        self.final_norm = c.load("model.norm.weight").to(last)  # [D]
+        head = c.load("model.embed_tokens.weight") if spec.tie_word_embeddings else c.load("lm_head.weight")
+        self.lm_head = head.to(last)  # [V, D]
+        self.layer_device = {layer: part.device for part in self.parts for layer in part.layers}
         self.layers = [self._layer_weights(layer) for layer in range(spec.num_layers)]
-        self.rope = RotaryTable(spec.rotary_dim, spec.rope_theta, dev)
+        self.ropes = {part.device: RotaryTable(spec.rotary_dim, spec.rope_theta, part.device) for part in self.parts}
         self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
 
     def _layer_weights(self, layer: int) -> LayerWeights:
-        c, spec, dev = self.checkpoint, self.spec, self.device
+        c, spec, dev = self.checkpoint, self.spec, self.layer_device[layer]
         p = f"model.layers.{layer}."
         attn = p + "self_attn."
         qkv = torch.cat([c.tensor(f"{attn}{n}_proj.weight") for n in "qkv"]).to(dev)
@@ -137,7 +168,7 @@ class Engine:
 
     def new_cache(self) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.device)
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, [self.layer_device[l] for l in range(s.num_layers)])
 
     def warm_up(self) -> None:
         """One untimed two-token forward, so one-time kernel set-up is not billed to a timed prefill."""
@@ -147,17 +178,50 @@ class Engine:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
         """ids [T] int64 -> logits [T, V] (or [1, V] for the last position when all_logits is False)."""
-        start = cache.length
+        start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
         h = self.embed[ids.to(self.device)]  # [T, D]
-        mask = attention_mask(start, h.shape[0], self.spec.sliding_window, self.device)
-        for layer, weights in enumerate(self.layers):
-            h = h + self._attention(layer, weights, rms_norm(h, weights.input_norm, self.spec.rms_norm_eps), cache, start, mask)
-            x = rms_norm(h, weights.post_norm, self.spec.rms_norm_eps)  # [T, D]
-            h = h + (swiglu(x, weights.mlp) if weights.mlp is not None else self._moe(layer, weights, x))
+        for index, part in enumerate(self.parts):
+            h = h.to(part.device)
+            mask = attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)
+            defer = self.defer_cpu == 2 or (self.defer_cpu == 1 and index == 0)
+            pending: Future | None = None  # the previous layer's CPU-lane partial, deferred
+            for layer in part.layers:
+                w = self.layers[layer]
+                begin = time.perf_counter() if times is not None else 0.0
+                h = h + self._attention(layer, w, rms_norm(h, w.input_norm, eps), cache, start, mask)
+                if times is not None:
+                    times.add("attention", time.perf_counter() - begin)
+                if pending is not None:  # DEFER_CPU: layer-1's lane partial lands after this attention
+                    h = h + self._wait_lane(pending, index)
+                    pending = None
+                if w.mlp is not None:  # a dense layer: trunk work, accounted with attention
+                    begin = time.perf_counter() if times is not None else 0.0
+                    h = h + swiglu(rms_norm(h, w.post_norm, eps), w.mlp)
+                    if times is not None:
+                        times.add("attention", time.perf_counter() - begin)
+                    continue
+                partials = self._moe(layer, w, rms_norm(h, w.post_norm, eps))
+                if partials.lane is None:
+                    h = h + partials.now
+                elif defer and layer != part.layers[-1]:  # never across a part boundary
+                    h = h + partials.now
+                    pending = partials.lane
+                else:
+                    h = h + (partials.now + self._wait_lane(partials.lane, index))
         cache.length = start + h.shape[0]
+        if times is not None:
+            times.steps += 1
         if not all_logits:
             h = h[-1:]
-        return F.linear(rms_norm(h, self.final_norm, self.spec.rms_norm_eps), self.lm_head)  # [T, V]
+        return F.linear(rms_norm(h, self.final_norm, eps), self.lm_head)  # [T, V]
+
+    def _wait_lane(self, lane: Future, part: int) -> torch.Tensor:
+        if self.times is None:
+            return lane.result()
+        begin = time.perf_counter()
+        result = lane.result()
+        self.times.add(f"cpu lane wait (part {part})", time.perf_counter() - begin)
+        return result
 
     def _attention(self, layer: int, w: LayerWeights, x: torch.Tensor, cache: KVCache, start: int, mask) -> torch.Tensor:
         s = self.spec
@@ -169,15 +233,18 @@ class Engine:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, s.rms_norm_eps)
             k = rms_norm(k, w.k_norm, s.rms_norm_eps)
-        q = self.rope.apply(q.transpose(0, 1), start)  # [H, T, d]
-        k = self.rope.apply(k.transpose(0, 1), start)  # [G, T, d]
+        rope = self.ropes[x.device]
+        q = rope.apply(q.transpose(0, 1), start)  # [H, T, d]
+        k = rope.apply(k.transpose(0, 1), start)  # [G, T, d]
         v = v.view(new, s.num_kv_heads, d).transpose(0, 1)  # [G, T, d]
         keys, values = cache.append(layer, k, v, start)  # [G, P, d]
         return F.linear(attend(q, keys, values, mask), w.o_proj, w.o_bias)  # [T, D]
 
-    def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> Partials:
         decision = route(self.spec, F.linear(x, w.router), w.correction_bias)
         if self.observer is not None:
             self.observer(layer, decision)
-        out = self.executor.run(layer, x, decision.picks, decision.weights)  # [T, D]
-        return out if w.shared is None else out + swiglu(x, w.shared)
+        partials = self.executor.dispatch(layer, x, decision)
+        if w.shared is None:
+            return partials
+        return Partials(partials.now + swiglu(x, w.shared), partials.lane)

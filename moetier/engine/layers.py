@@ -49,10 +49,10 @@ class RotaryTable:
 class KVCache:
     """Per-layer key/value buffers [G, capacity, d] for one sequence; capacity doubles as it fills."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity: int = 256):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, devices: list[torch.device], capacity: int = 256):
         self.length = 0
-        self.keys = [torch.empty(kv_heads, capacity, head_dim, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(kv_heads, capacity, head_dim, device=device) for _ in range(num_layers)]
+        self.keys = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
+        self.values = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [G, T, d] at start..start+T; return all keys/values so far [G, start+T, d]."""

@@ -1,7 +1,7 @@
 """The CPU lane: experts computed from host memory by a small thread pool.
 
-Holds every expert of the layers it serves (`layers`, default all MoE layers),
-placed once into process memory by the backend (torch or numpy on the CPU).
+Holds every expert of the layers it serves, computing straight from the
+machine's `HostExperts` (placed by the backend without another copy).
 `submit` runs on the lane's own threads, so the engine's main thread can do
 attention or GPU work meanwhile (torch releases the GIL inside kernels).
 Results are exactly the backend's `run_experts` over the same jobs.
@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 
 from moetier.backends import Backend, ExpertWork, get_backend
-from moetier.model.checkpoint import Checkpoint
 from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.host import HostExperts
 
 
 class CpuTier(Tier):
@@ -25,18 +25,16 @@ class CpuTier(Tier):
     def __init__(
         self,
         name: str,
-        checkpoint: Checkpoint,
+        host: HostExperts,
         backend: str | Backend = "torch",
         threads: int = 1,
-        layers: Sequence[int] | None = None,
         us_per_expert: float = 0.0,
     ):
         super().__init__(name)
         self.backend = get_backend(backend, "cpu") if isinstance(backend, str) else backend
-        spec = checkpoint.spec
-        self.layers = tuple(spec.moe_layers if layers is None else layers)
-        self._all = frozenset(range(spec.num_experts))
-        self.placed = {l: [self.backend.place(checkpoint.expert(l, e)) for e in range(spec.num_experts)] for l in self.layers}
+        experts = range(host.spec.num_experts)
+        self._all = frozenset(experts)
+        self.placed = {l: [self.backend.place(host.get(l, e)) for e in experts] for l in host.layers}
         self.us_per_expert = us_per_expert
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"cpu-lane-{name}")
 

@@ -1,0 +1,90 @@
+"""The cost model: what serving experts on each tier costs, in microseconds.
+
+One `TierCost` per tier, built from the layout (links, threads, slots) and
+from calibrated rates (`Calibration`, written by `moetier calibrate`). The
+runtime scheduler and the simulator read the same numbers, so a prediction
+and a measurement can be compared line by line. Expert math at batch 1 is
+bound by streaming the expert's weights, so compute is modelled per expert
+plus per (token, expert) pair; links cost half a round trip plus bytes over
+the rate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from moetier.config import Layout, TierConfig
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Rates measured on one machine (defaults are conservative guesses for an uncalibrated layout)."""
+
+    cpu_us_per_expert: float = 400.0  # one expert at one token on one CPU-lane thread
+    cpu_us_per_token_expert: float = 5.0  # each further token row through the same expert
+    gpu_us_per_expert: float = 60.0  # one expert at one token on a GPU (or its CPU emulation)
+    gpu_us_per_token_expert: float = 1.0
+    attention_us_per_layer: float = 150.0  # trunk work per layer: norms, attention, router, dense MLPs
+    head_us: float = 500.0  # embedding, final norm, lm head
+    dispatch_us_per_layer: float = 30.0  # router + scheduler + dispatch bookkeeping
+    expert_bytes: int = 0  # bytes of one expert in the calibrated model
+    machine: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no calibration file (run `moetier calibrate` to write one)") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err.msg})") from None
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown key {sorted(unknown)[0]!r} (expected calibration fields: {', '.join(sorted(known))})")
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class TierCost:
+    name: str
+    kind: str
+    fixed_us: float  # per call: dispatch, a round trip for helper / remote
+    us_per_expert: float
+    us_per_token_expert: float
+    hidden_us_per_token: float  # shipping one token's hidden state there and its partial back
+    fetch_us: float  # vram: uploading one missed expert over the link (inf: cannot fetch)
+    lanes: int  # experts computed concurrently (CPU-lane threads)
+
+    def serve_us(self, expert_tokens: list[int]) -> float:
+        """Time to serve experts with these token counts in one call."""
+        if not expert_tokens:
+            return 0.0
+        compute = sum(self.us_per_expert + self.us_per_token_expert * (n - 1) for n in expert_tokens)
+        tokens = max(expert_tokens)
+        return self.fixed_us + self.hidden_us_per_token * tokens + compute / self.lanes
+
+
+def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert_bytes: int, hidden_bytes: int) -> TierCost:
+    """The cost of one tier of a layout for a model whose experts weigh expert_bytes."""
+    link = layout.link(tier.link) if tier.link else None
+    inf = float("inf")
+    if tier.kind == "cpu":
+        return TierCost(tier.name, "cpu", calibration.dispatch_us_per_layer, calibration.cpu_us_per_expert,
+                        calibration.cpu_us_per_token_expert, 0.0, inf, tier.threads)
+    if tier.kind == "vram":
+        fetch = link.transfer_us(expert_bytes) if link else inf
+        return TierCost(tier.name, "vram", 0.0, calibration.gpu_us_per_expert, calibration.gpu_us_per_token_expert, 0.0, fetch, 1)
+    # helper and remote: hidden states cross the link both ways, one round trip per call
+    ship = 2 * hidden_bytes * 8 / (link.gbps * 1e3) if link else 0.0
+    rtt = link.rtt_us if link else 0.0
+    per_expert = calibration.gpu_us_per_expert if tier.kind == "helper" else calibration.cpu_us_per_expert
+    per_token = calibration.gpu_us_per_token_expert if tier.kind == "helper" else calibration.cpu_us_per_token_expert
+    lanes = 1 if tier.kind == "helper" else tier.threads
+    return TierCost(tier.name, tier.kind, rtt, per_expert, per_token, ship, inf, lanes)

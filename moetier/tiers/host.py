@@ -1,0 +1,37 @@
+"""Host memory holding every routed expert of the layers a machine serves.
+
+The CPU lane computes from it and the VRAM / helper tiers upload from it, so
+each expert lives in RAM once. Copies are made out of the checkpoint's file
+mapping (whose pages the OS may drop) into process memory; with CUDA present
+they are pinned, so uploads run at full PCIe rate and asynchronously.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from moetier.model.checkpoint import Checkpoint, ExpertWeights
+
+
+class HostExperts:
+    def __init__(self, checkpoint: Checkpoint, layers: Sequence[int], pin: bool = False):
+        self.spec = checkpoint.spec
+        self.layers = tuple(layers)
+        self.expert_bytes = 3 * self.spec.hidden_size * self.spec.moe_intermediate_size * 4
+        self._weights: dict[int, list[ExpertWeights]] = {}
+        for layer in self.layers:
+            experts = [checkpoint.expert(layer, e) for e in range(self.spec.num_experts)]
+            self._weights[layer] = [_pinned(w) if pin else w.resident() for w in experts]
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self._weights[layer][expert]
+
+
+def _pinned(weights: ExpertWeights) -> ExpertWeights:
+    gate_up = torch.empty(weights.gate_up.shape, pin_memory=True)
+    down = torch.empty(weights.down.shape, pin_memory=True)
+    gate_up.copy_(weights.gate_up)
+    down.copy_(weights.down)
+    return ExpertWeights(gate_up, down)

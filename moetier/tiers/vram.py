@@ -1,0 +1,131 @@
+"""The VRAM tier: a fixed number of expert slots per MoE layer on one device, kept by a residency policy.
+
+Each layer owns an arena of `slots` experts on the device (gate_up [S, 2I, D],
+down [S, D, I]). `access(layer, picks)` asks the policy which picks were
+resident (the hits) and which experts it admits and evicts; admitted experts
+are uploaded from host memory over the link on the tier's own link thread
+(emulated time without CUDA), so a miss can be served elsewhere now and be a
+hit later. Computing an expert whose upload is still on the wire waits for
+it: the policy's residency is authoritative, so hit counts are deterministic
+and equal to a replay of the same picks through the same policy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from moetier.backends import ExpertWork
+from moetier.backends.torch_backend import TorchBackend
+from moetier.model.checkpoint import ExpertWeights
+from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.host import HostExperts
+from moetier.tiers.link import Link
+
+
+class _LayerSlots:
+    def __init__(self, slots: int, inter: int, hidden: int, device: torch.device):
+        self.gate_up = torch.empty(slots, 2 * inter, hidden, device=device)  # [S, 2I, D]
+        self.down = torch.empty(slots, hidden, inter, device=device)  # [S, D, I]
+        self.slot_of: dict[int, int] = {}
+        self.free = list(range(slots - 1, -1, -1))
+        self.ready: dict[int, threading.Event] = {}  # expert -> set when its upload has landed
+
+    def weights(self, expert: int) -> ExpertWeights:
+        slot = self.slot_of[expert]
+        return ExpertWeights(self.gate_up[slot], self.down[slot])
+
+
+class VramTier(Tier):
+    kind = "vram"
+
+    def __init__(self, name: str, host: HostExperts, layers: Sequence[int], slots: int, policy, link: Link,
+                 device: str = "cpu", us_per_expert: float = 0.0):
+        super().__init__(name)
+        self.host, self.policy, self.link = host, policy, link
+        self.slots = slots
+        self.device = torch.device(device)
+        self.backend = TorchBackend(device)
+        self.us_per_expert = us_per_expert
+        spec = host.spec
+        self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> the policy's layer index
+        self.arenas = {layer: _LayerSlots(slots, spec.moe_intermediate_size, spec.hidden_size, self.device) for layer in layers}
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link-{name}")
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-{name}")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.upload_wait_us = 0.0
+        for layer in layers:  # initial residency (a static profile, a warm start) lands before timing
+            for expert in policy.resident(self.index[layer]).tolist():
+                self._upload(layer, expert, timed=False)
+
+    # -- residency ----------------------------------------------------------------------
+    def holds(self, layer: int) -> frozenset[int]:
+        arena = self.arenas.get(layer)
+        return frozenset(arena.slot_of) if arena else frozenset()
+
+    def access(self, layer: int, picks: Sequence[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """One token-step's picks through the policy -> (hits, experts admitted now and being uploaded)."""
+        import numpy as np
+
+        index = self.index[layer]
+        picks_array = np.asarray(picks, dtype=np.int64)
+        hit_mask = self.policy.access(index, picks_array)
+        admitted, evicted = self.policy.last_changes(index)
+        arena = self.arenas[layer]
+        for expert in evicted.tolist():
+            arena.free.append(arena.slot_of.pop(expert))
+            arena.ready.pop(expert, None)
+        for expert in admitted.tolist():
+            self._upload(layer, expert, timed=True)
+        return frozenset(picks_array[hit_mask].tolist()), frozenset(admitted.tolist())
+
+    def _upload(self, layer: int, expert: int, timed: bool) -> None:
+        arena = self.arenas[layer]
+        slot = arena.free.pop()
+        arena.slot_of[expert] = slot
+        event = arena.ready[expert] = threading.Event()
+        source = self.host.get(layer, expert)
+
+        def copy() -> None:
+            if timed:
+                self.link.transfer(self.host.expert_bytes)
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
+                    arena.down[slot].copy_(source.down, non_blocking=True)
+                self._stream.synchronize()
+            else:
+                arena.gate_up[slot].copy_(source.gate_up)
+                arena.down[slot].copy_(source.down)
+            event.set()
+
+        if timed:
+            self._uploads.submit(copy)
+        else:
+            copy()
+
+    # -- compute --------------------------------------------------------------------------
+    def cost_us(self, layer: int, experts: int, tokens: int) -> float:
+        return self.us_per_expert * experts
+
+    def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
+        return self._compute.submit(self._run, layer, x, jobs)
+
+    def _run(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
+        arena = self.arenas[layer]
+        begin = time.perf_counter()
+        for job in jobs:
+            arena.ready[job.expert].wait()
+        self.upload_wait_us += (time.perf_counter() - begin) * 1e6
+        work = [ExpertWork(arena.weights(j.expert), j.rows, j.weights) for j in jobs]
+        out = self.backend.run_experts(x.to(self.device), work)
+        self.backend.synchronize()
+        return out.to(x.device)
+
+    def close(self) -> None:
+        self._uploads.shutdown(wait=True)
+        self._compute.shutdown(wait=True)
