@@ -1,0 +1,134 @@
+"""The tiered executor: each MoE layer's picks, planned across tiers and dispatched.
+
+Per layer: the VRAM tiers' policies see the picks (hits, admissions); the
+scheduler plans every picked expert onto a tier under the layer budget; each
+tier gets one submit with its jobs; the partials of GPU / helper / remote
+tiers are summed now and the CPU lane's is returned as a future the engine may
+defer (DEFER_CPU). Every expert is computed exactly once from the same
+weights, so with tail_skip off the result equals the all-resident engine up
+to float32 summation order. Counters and trace rows record who served what.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from moetier.engine.core import Partials, group_by_expert
+from moetier.engine.router import Route
+from moetier.engine.timing import StepTimes
+from moetier.sched.cost import TierCost
+from moetier.sched.plan import plan_layer
+from moetier.tiers.base import ExpertJob, Tier
+
+WAIT_CATEGORY = {"vram": "gpu experts", "helper": "gpu experts", "remote": "remote"}
+
+
+@dataclass
+class TierCounters:
+    served: int = 0  # expert computations
+    hits: int = 0  # picks found resident (vram) at access time
+    picks: int = 0  # picks on the layers this tier serves
+
+
+@dataclass
+class TraceRows:
+    """Per forward, per MoE layer: picks, weights, probabilities and the tier index serving each pick."""
+
+    layers: list[int]
+    picks: list[np.ndarray] = field(default_factory=list)  # each [T, L, k]
+    weights: list[np.ndarray] = field(default_factory=list)
+    probs: list[np.ndarray] = field(default_factory=list)  # each [T, L, E]
+    tiers: list[np.ndarray] = field(default_factory=list)  # each [T, L, k], -1 = skipped
+    _open: dict[int, tuple] = field(default_factory=dict)
+
+    def add(self, layer: int, decision: Route, tier_index: np.ndarray) -> None:
+        self._open[layer] = (decision.picks.numpy(), decision.weights.float().numpy(), decision.probs.float().numpy(), tier_index)
+        if len(self._open) == len(self.layers):  # the forward's last MoE layer: close the rows
+            rows = [self._open[l] for l in self.layers]
+            for target, index in ((self.picks, 0), (self.weights, 1), (self.probs, 2), (self.tiers, 3)):
+                target.append(np.stack([r[index] for r in rows], axis=1))
+            self._open.clear()
+
+
+class TieredExecutor:
+    def __init__(self, tiers: Sequence[Tier], serving: Mapping[int, Sequence[Tier]], costs: Mapping[str, TierCost],
+                 budget_us: float, tail_skip: bool = False):
+        self.tiers = list(tiers)
+        self.serving = {layer: list(ts) for layer, ts in serving.items()}
+        self.costs = dict(costs)
+        self.budget_us, self.tail_skip = budget_us, tail_skip
+        self.index = {tier.name: i for i, tier in enumerate(self.tiers)}
+        self.counters = {tier.name: TierCounters() for tier in self.tiers}
+        self.skipped = 0
+        self.times: StepTimes | None = None
+        self.trace: TraceRows | None = None
+
+    def reset_counters(self) -> None:
+        self.counters = {tier.name: TierCounters() for tier in self.tiers}
+        self.skipped = 0
+
+    def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
+        begin = time.perf_counter()
+        groups = group_by_expert(decision.picks, decision.weights)
+        expert_tokens = {e: int(rows.numel()) for e, rows, _ in groups}
+        serving = self.serving[layer]
+        holders: dict[str, frozenset[int]] = {}
+        fetchable: dict[str, frozenset[int]] = {}
+        picks_rows = decision.picks.tolist()
+        for tier in serving:
+            counters = self.counters[tier.name]
+            counters.picks += len(picks_rows) * len(picks_rows[0])
+            if tier.kind != "vram":
+                holders[tier.name] = tier.holds(layer)
+                continue
+            before = tier.holds(layer)
+            for row in picks_rows:  # the policy sees token steps in order
+                hits, _ = tier.access(layer, row)
+                counters.hits += len(hits)
+            holders[tier.name] = before
+            fetchable[tier.name] = tier.holds(layer) - before
+        costs = {t.name: self.costs[t.name] for t in serving}
+        plan = plan_layer(expert_tokens, holders, costs, self.budget_us, self.tail_skip, fetchable)
+        self.skipped += len(plan.skipped)
+        tier_of = plan.tier_of()
+        jobs: dict[str, list[ExpertJob]] = defaultdict(list)
+        for expert, rows, weights in groups:
+            if expert in tier_of:
+                jobs[tier_of[expert]].append(ExpertJob(expert, rows, weights))
+        futures, lane = [], None
+        for tier in serving:
+            if tier.name not in jobs:
+                continue
+            self.counters[tier.name].served += len(jobs[tier.name])
+            future = tier.submit(layer, x, jobs[tier.name])
+            if tier.kind == "cpu":
+                lane = future
+            else:
+                futures.append((tier, future))
+        if self.trace is not None:
+            self.trace.add(layer, decision, self._tier_index(decision.picks, tier_of))
+        if self.times is not None:
+            self.times.add("dispatch", time.perf_counter() - begin)
+        now = torch.zeros_like(x)
+        for tier, future in futures:
+            waited = time.perf_counter()
+            now += future.result()
+            if self.times is not None:
+                self.times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
+        return Partials(now, lane)
+
+    def _tier_index(self, picks: torch.Tensor, tier_of: dict[int, str]) -> np.ndarray:
+        lookup = np.full(int(picks.max()) + 1, -1, dtype=np.int8)
+        for expert, name in tier_of.items():
+            lookup[expert] = self.index[name]
+        return lookup[picks.numpy()]  # [T, k]
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
