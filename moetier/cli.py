@@ -67,7 +67,8 @@ def builtin_model() -> Path:
     return folder
 
 
-def _open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int]):
+def _open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):
+    """(engine, tiered runtime or None): the plain all-resident engine, or one built from a layout."""
     import torch
 
     from moetier.engine import Engine
@@ -77,7 +78,15 @@ def _open_engine(model: Optional[Path], backend: str, device: str, threads: Opti
         if threads < 1:
             raise UsageError(f"--threads is {threads} (expected >= 1)")
         torch.set_num_threads(threads)
-    return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device)
+    if layout is not None:
+        from moetier.config import load_layout
+        from moetier.engine.layout_runtime import build_runtime
+
+        plan = load_layout(layout)
+        folder = model or (Path(plan.model) if plan.model else None)
+        runtime = build_runtime(plan, open_checkpoint(folder if folder is not None else builtin_model()))
+        return runtime.engine, runtime
+    return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device), None
 
 
 def _parse_ids(text: str, option: str) -> list[int]:
@@ -113,6 +122,8 @@ def run(
     backend: str = typer.Option("torch", help="expert backend: torch, numpy, cupy, or an entry point"),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:N"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    layout: Optional[Path] = typer.Option(None, help="cluster.toml: run over its tiers and report where time goes"),
+    trace: Optional[Path] = typer.Option(None, help="with --layout: write the decode routing trace (.npz)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Generate tokens and report prefill and decode speed."""
@@ -120,12 +131,19 @@ def run(
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens is {max_new_tokens} (expected >= 1)")
-    engine = _open_engine(model, backend, device, threads)
+    if trace is not None and layout is None:
+        raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
+    engine, runtime = _open_engine(model, backend, device, threads, layout)
     prompt = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids else _default_prompt(engine)
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     engine.warm_up()
+    if runtime is not None:
+        from moetier.cli_layout import run_over_layout
+
+        run_over_layout(runtime, prompt, max_new_tokens, sampling, trace, as_json, console)
+        return
     result = generate(engine, prompt, max_new_tokens, sampling)
     report = {
         "model": str(engine.checkpoint.folder),
@@ -161,13 +179,18 @@ def score(
     backend: str = typer.Option("torch"),
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None),
+    layout: Optional[Path] = typer.Option(None, help="cluster.toml: score over its tiers"),
 ):
     """Teacher-forced logits for every position of a sequence."""
     from moetier.engine import score as score_ids
 
     token_ids = _load_ids(ids)
-    engine = _open_engine(model, backend, device, threads)
-    logits = score_ids(engine, token_ids)
+    engine, runtime = _open_engine(model, backend, device, threads, layout)
+    try:
+        logits = score_ids(engine, token_ids)
+    finally:
+        if runtime is not None:
+            runtime.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial.npy")
     np.save(partial, logits)
@@ -250,6 +273,16 @@ def synth(
         raise UsageError(f"--out {out} exists and is not empty (expected a new folder)")
     folder = write_synthetic(out, arch=arch, preset=preset, seed=seed, fused=fused)
     console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)
+
+
+from moetier.cli_layout import register as _register_layout  # noqa: E402
+
+_register_layout(app)
+
+
+from moetier.transport.commands import register as register_transport  # noqa: E402  (after app; it imports errors_to_exit)
+
+register_transport(app)
 
 
 def main() -> None:

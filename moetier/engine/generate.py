@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -68,7 +69,9 @@ def generate(
     sampling: Sampling = Sampling(),
     keep_logits: bool = False,
     stop_ids: tuple[int, ...] = (),
+    before_decode: Callable[[], None] | None = None,
 ) -> Generation:
+    """before_decode runs between prefill and the first decode step (e.g. to reset counters)."""
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty (expected at least one token id)")
     if max_new_tokens < 1:
@@ -87,6 +90,8 @@ def generate(
     if keep_logits:
         rows.append(logits.numpy().copy())
 
+    if before_decode is not None:
+        before_decode()
     begin = time.perf_counter()
     step = torch.empty(1, dtype=torch.int64)
     while len(new_ids) < max_new_tokens and new_ids[-1] not in stop_ids:

@@ -60,7 +60,7 @@ class TierCost:
     us_per_token_expert: float
     hidden_us_per_token: float  # shipping one token's hidden state there and its partial back
     fetch_us: float  # vram: uploading one missed expert over the link (inf: cannot fetch)
-    lanes: int  # experts computed concurrently (CPU-lane threads)
+    lanes: int  # experts computed concurrently (1: a call's experts run one after another, each on all its threads)
 
     def serve_us(self, expert_tokens: list[int]) -> float:
         """Time to serve experts with these token counts in one call."""
@@ -76,8 +76,9 @@ def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert
     link = layout.link(tier.link) if tier.link else None
     inf = float("inf")
     if tier.kind == "cpu":
+        # the calibrated rate already uses the lane's torch threads; pool threads only let calls overlap
         return TierCost(tier.name, "cpu", calibration.dispatch_us_per_layer, calibration.cpu_us_per_expert,
-                        calibration.cpu_us_per_token_expert, 0.0, inf, tier.threads)
+                        calibration.cpu_us_per_token_expert, 0.0, inf, 1)
     if tier.kind == "vram":
         fetch = link.transfer_us(expert_bytes) if link else inf
         return TierCost(tier.name, "vram", 0.0, calibration.gpu_us_per_expert, calibration.gpu_us_per_token_expert, 0.0, fetch, 1)
@@ -86,5 +87,4 @@ def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert
     rtt = link.rtt_us if link else 0.0
     per_expert = calibration.gpu_us_per_expert if tier.kind == "helper" else calibration.cpu_us_per_expert
     per_token = calibration.gpu_us_per_token_expert if tier.kind == "helper" else calibration.cpu_us_per_token_expert
-    lanes = 1 if tier.kind == "helper" else tier.threads
-    return TierCost(tier.name, tier.kind, rtt, per_expert, per_token, ship, inf, lanes)
+    return TierCost(tier.name, tier.kind, rtt, per_expert, per_token, ship, inf, 1)

@@ -1,0 +1,179 @@
+"""Layout commands: `layout check`, `layout show`, `calibrate`, and the report of `run --layout`.
+
+Registered into the main typer app by moetier.cli. The report answers "where
+does a token's time go": hit rate and experts served per tier, ms per token
+by category (attention, GPU experts, CPU-lane wait per part, transfers,
+remote, dispatch) and tok/s, as a table or one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def layout_report(runtime, result, times) -> dict:
+    """The `run --layout` JSON: tiers, parts, ms per token by category, speeds, hit rate."""
+    executor, engine, layout = runtime.executor, runtime.engine, runtime.layout
+    steps = max(len(result.ids) - 1, 1)
+    tiers, hits, picks = [], 0, 0
+    for config in layout.tiers:
+        counters = executor.counters[config.name]
+        device = config.device or config.host or "local"
+        tiers.append({
+            "name": config.name, "kind": config.kind, "device": device,
+            "emulated": runtime.emulated.get(config.device, False),
+            "experts_served": counters.served, "experts_served_per_token": counters.served / steps,
+            "hits": counters.hits, "picks": counters.picks,
+            "hit_rate": counters.hits / counters.picks if config.kind == "vram" and counters.picks else None,
+        })
+        if config.kind == "vram":
+            hits += counters.hits
+    picks = steps * len(engine.spec.moe_layers) * engine.spec.top_k
+    ms = times.ms_per_token()
+    parts = []
+    for index, (config, part) in enumerate(zip(layout.parts, engine.parts)):
+        parts.append({"name": config.name, "device": config.device, "torch_device": str(part.device),
+                      "layers": [part.layers.start, part.layers.stop],
+                      "cpu_lane_wait_ms_per_token": ms.get(f"cpu lane wait (part {index})", 0.0)})
+    return {
+        "layout": str(layout.path), "model": str(engine.checkpoint.folder), "fingerprint": engine.checkpoint.fingerprint,
+        "defer_cpu": engine.defer_cpu, "tail_skip": executor.tail_skip, "budget_us": executor.budget_us,
+        "generated_ids": result.ids, "prefill_tok_per_s": result.prefill_tok_per_s,
+        "decode_tok_per_s": result.decode_tok_per_s, "decode_tokens": len(result.ids) - 1,
+        "hit_rate": hits / picks if picks else 0.0, "skipped_per_token": executor.skipped / steps,
+        "ms_per_token": ms, "tiers": tiers, "parts": parts,
+    }
+
+
+def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optional[Path], as_json: bool, out: Console) -> dict:
+    from moetier.engine import generate
+    from moetier.engine.tiered import TraceRows
+    from moetier.engine.timing import StepTimes
+
+    engine, executor = runtime.engine, runtime.executor
+    times = StepTimes()
+
+    def start_decode() -> None:
+        executor.reset_counters()
+        engine.times = executor.times = times
+        if trace_path is not None:
+            executor.trace = TraceRows(layers=list(engine.spec.moe_layers))
+
+    try:
+        result = generate(engine, prompt, max_new_tokens, sampling, before_decode=start_decode)
+    finally:
+        engine.times = executor.times = None
+        runtime.close()
+    report = layout_report(runtime, result, times)
+    if trace_path is not None:
+        write_trace(trace_path, executor.trace, runtime)
+        report["trace"] = str(trace_path)
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print_report(report, out)
+    return report
+
+
+def write_trace(path: Path, rows, runtime) -> None:
+    """The DESIGN.md routing-trace npz, plus the tier that served each pick."""
+    import numpy as np
+
+    engine = runtime.engine
+    metadata = {"fingerprint": engine.checkpoint.fingerprint, "top_k": engine.spec.top_k,
+                "num_experts": engine.spec.num_experts, "layers": list(engine.spec.moe_layers),
+                "tier_names": [t.name for t in runtime.layout.tiers], "source": f"moetier run --layout {runtime.layout.path}"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial.npz")
+    np.savez_compressed(partial, picks=np.concatenate(rows.picks).astype(np.int16),
+                        weights=np.concatenate(rows.weights).astype(np.float16),
+                        probs=np.concatenate(rows.probs).astype(np.float16),
+                        tiers=np.concatenate(rows.tiers), metadata=np.array(json.dumps(metadata)))
+    partial.replace(path)
+
+
+def print_report(report: dict, out: Console) -> None:
+    out.print(f"layout {report['layout']}  model {report['model']} ({report['fingerprint']})  "
+              f"DEFER_CPU={report['defer_cpu']}  tail_skip={report['tail_skip']}", highlight=False)
+    table = Table("tier", "kind", "device", "experts/token", "hit rate")
+    for tier in report["tiers"]:
+        device = tier["device"] + (" (emulated)" if tier["emulated"] else "")
+        rate = f"{tier['hit_rate']:.1%}" if tier["hit_rate"] is not None else "-"
+        table.add_row(tier["name"], tier["kind"], device, f"{tier['experts_served_per_token']:.1f}", rate)
+    out.print(table)
+    times = Table("where a token's time goes", "ms/token")
+    for category, value in report["ms_per_token"].items():
+        times.add_row(category, f"{value:.2f}")
+    out.print(times)
+    out.print(f"decode {report['decode_tok_per_s']:.1f} tok/s, prefill {report['prefill_tok_per_s']:.1f} tok/s, "
+              f"VRAM hit rate {report['hit_rate']:.1%}, skipped {report['skipped_per_token']:.2f} experts/token", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    from moetier.cli import errors_to_exit
+
+    layout_app = typer.Typer(no_args_is_help=True, help="Check and show cluster.toml layouts.")
+    app.add_typer(layout_app, name="layout")
+
+    @layout_app.command("check")
+    @errors_to_exit
+    def check(file: Path = typer.Argument(..., help="cluster.toml"),
+              model: Optional[Path] = typer.Option(None, help="also check against this model")):
+        """Validate a layout (and, with --model, that it fits the model)."""
+        from moetier.config import load_layout
+
+        layout = load_layout(file)
+        if model is not None:
+            from moetier.model import open_checkpoint
+
+            spec = open_checkpoint(model).spec
+            layout.check_model(spec.num_layers, spec.num_experts)
+        console.print(f"{file}: ok ({len(layout.parts)} parts, {len(layout.tiers)} tiers)", highlight=False)
+
+    @layout_app.command("show")
+    @errors_to_exit
+    def show(file: Path = typer.Argument(..., help="cluster.toml"),
+             model: Optional[Path] = typer.Option(None, help="model folder (default: the layout's, else the built-in)"),
+             as_json: bool = typer.Option(False, "--json")):
+        """Per tier: slots, bytes, initial residency; and the per-token cost the layout implies."""
+        from moetier.cli import builtin_model
+        from moetier.config import load_layout
+        from moetier.sched.estimate import describe_layout
+
+        layout = load_layout(file)
+        folder = model or (layout.relative(layout.model) if layout.model else builtin_model())
+        summary = describe_layout(layout, folder)
+        if as_json:
+            print(json.dumps(summary))
+            return
+        table = Table("tier", "kind", "where", "slots/layer", "bytes", "policy", "initial residency", "us/expert", title=str(file))
+        for t in summary["tiers"]:
+            table.add_row(t["name"], t["kind"], t["where"], str(t["slots_per_layer"] or "-"), f"{t['bytes']:,}",
+                          t["policy"] or "-", t["initial_residency"], f"{t['us_per_expert']:.0f}")
+        console.print(table)
+        c = summary["per_token"]
+        console.print(f"implied per token: {c['ms']:.2f} ms ({c['tok_per_s']:.1f} tok/s) = trunk {c['trunk_ms']:.2f} ms + "
+                      f"MoE layers {c['moe_ms']:.2f} ms at an estimated VRAM hit rate of {c['hit_rate']:.0%} "
+                      f"(calibration: {summary['calibration']})", highlight=False)
+
+    @app.command()
+    @errors_to_exit
+    def calibrate(layout: Optional[Path] = typer.Option(None, help="cluster.toml whose [scheduler].calibration names the output"),
+                  model: Optional[Path] = typer.Option(None, help="model to measure (default: the layout's, else the built-in)"),
+                  out: Optional[Path] = typer.Option(None, help="where to write the calibration JSON"),
+                  threads: Optional[int] = typer.Option(None, help="torch CPU threads")):
+        """Measure the cost model's parameters on this machine and write them to a file."""
+        from moetier.calibrate import measure
+
+        calibration, target = measure(layout, model, out, threads)
+        console.print(f"wrote {target}", highlight=False)
+        for key, value in json.loads(calibration.to_json()).items():
+            console.print(f"  {key:28} {value}", highlight=False)
