@@ -102,7 +102,7 @@ class TieredExecutor:
             if expert in tier_of:
                 jobs[tier_of[expert]].append(ExpertJob(expert, rows, weights))
         futures, lane = [], None
-        for tier in serving:
+        for tier in sorted(serving, key=lambda t: t.inline):  # other threads start first, then inline work
             if tier.name not in jobs:
                 continue
             self.counters[tier.name].served += len(jobs[tier.name])

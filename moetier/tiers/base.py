@@ -29,6 +29,7 @@ class ExpertJob:
 
 class Tier:
     kind: ClassVar[str]
+    inline: ClassVar[bool] = False  # submit computes on the calling thread (the engine's own device)
 
     def __init__(self, name: str):
         self.name = name

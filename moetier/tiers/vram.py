@@ -42,6 +42,7 @@ class _LayerSlots:
 
 class VramTier(Tier):
     kind = "vram"
+    inline = True
 
     def __init__(self, name: str, host: HostExperts, layers: Sequence[int], slots: int, policy, link: Link,
                  device: str = "cpu", us_per_expert: float = 0.0):
@@ -55,7 +56,6 @@ class VramTier(Tier):
         self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> the policy's layer index
         self.arenas = {layer: _LayerSlots(slots, spec.moe_intermediate_size, spec.hidden_size, self.device) for layer in layers}
         self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link-{name}")
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-{name}")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.upload_wait_us = 0.0
         for layer in layers:  # initial residency (a static profile, a warm start) lands before timing
@@ -113,7 +113,11 @@ class VramTier(Tier):
         return self.us_per_expert * experts
 
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
-        return self._compute.submit(self._run, layer, x, jobs)
+        # The engine's own device: kernels are queued from the calling thread (on CUDA they run
+        # asynchronously; emulated, the main thread plays the GPU while the CPU lane runs beside it).
+        done: Future[torch.Tensor] = Future()
+        done.set_result(self._run(layer, x, jobs))
+        return done
 
     def _run(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
         arena = self.arenas[layer]
@@ -128,4 +132,3 @@ class VramTier(Tier):
 
     def close(self) -> None:
         self._uploads.shutdown(wait=True)
-        self._compute.shutdown(wait=True)

@@ -1,0 +1,209 @@
+"""Layouts run the same model: lossless with DEFER_CPU=0 and tail_skip off; DEFER_CPU's exact semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moetier.config import load_layout
+from moetier.engine import Engine, generate, score
+from moetier.engine.core import Partials
+from moetier.engine.layout_runtime import build_runtime
+from moetier.model import open_checkpoint
+from moetier.model.synth import write_synthetic
+
+HEAD = """
+[[devices]]
+name = "gpu0"
+host = "local"
+kind = "cuda"
+[[devices]]
+name = "gpu1"
+host = "local"
+kind = "cuda"
+index = 1
+[[links]]
+name = "pcie"
+rtt_us = 20.0
+gbps = 64.0
+"""
+ONE_PART = '[[parts]]\nname = "all"\ndevice = "gpu0"\nlayers = "0:"\n'
+TWO_PARTS = '[[parts]]\nname = "a"\ndevice = "gpu0"\nlayers = "0:2"\n[[parts]]\nname = "b"\ndevice = "gpu1"\nlayers = "2:"\n'
+CPU = '[[tiers]]\nname = "cpu"\nkind = "cpu"\nthreads = 2\n'
+
+
+def vram(name: str, device: str, slots: int, policy: str) -> str:
+    return f'[[tiers]]\nname = "{name}"\nkind = "vram"\ndevice = "{device}"\nslots = {slots}\npolicy = "{policy}"\nlink = "pcie"\n'
+
+
+HELPER = '[[tiers]]\nname = "helper"\nkind = "helper"\ndevice = "gpu1"\nslots = 5\nexperts = "3:8"\nlink = "pcie"\n'
+
+LAYOUTS = {
+    "cpu-only": ONE_PART + CPU,
+    "vram-lru": ONE_PART + vram("vram", "gpu0", 6, "lru") + CPU,
+    "vram-lfu-helper": ONE_PART + vram("vram", "gpu0", 4, "lfu") + HELPER + CPU,
+    "two-parts-two-caches": TWO_PARTS + vram("v0", "gpu0", 5, "lru") + vram("v1", "gpu1", 7, "lfu") + CPU,
+}
+
+
+def scheduler(defer: int, tail_skip: bool = False, budget_us: float = 5000.0) -> str:
+    return f"[scheduler]\nbudget_us = {budget_us}\ntail_skip = {str(tail_skip).lower()}\ndefer_cpu = {defer}\n"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = write_synthetic(tmp_path_factory.mktemp("tiers") / "m", arch="glm4_moe", preset="tiny", seed=5)
+    checkpoint = open_checkpoint(folder)
+    assert checkpoint.spec.num_layers >= 3  # the two-part layouts split at layer 2
+    return checkpoint
+
+
+def runtime_for(tmp_path, checkpoint, body: str):
+    path = tmp_path / "layout.toml"
+    path.write_text(HEAD + body)
+    return build_runtime(load_layout(path), checkpoint)
+
+
+IDS = np.array([7, 19, 3, 250, 41, 8, 8, 90, 310, 12, 5, 77, 200, 31, 64, 2, 99, 150, 11, 4])
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layouts_are_lossless(model, tmp_path, name):
+    expected = score(Engine(model), IDS)
+    expected_tokens = generate(Engine(model), [5, 9, 13], 12).ids
+    runtime = runtime_for(tmp_path, model, LAYOUTS[name] + scheduler(defer=0))
+    try:
+        got = score(runtime.engine, IDS)
+        tokens = generate(runtime.engine, [5, 9, 13], 12).ids
+        served = {n: c.served for n, c in runtime.executor.counters.items()}
+    finally:
+        runtime.close()
+    assert np.abs(got - expected).max() <= 1e-5
+    assert tokens == expected_tokens
+    assert sum(served.values()) > 0 and all(v > 0 for v in served.values()), served
+
+
+def test_tail_skip_is_lossy_and_counted(model, tmp_path):
+    runtime = runtime_for(tmp_path, model, ONE_PART + vram("vram", "gpu0", 4, "lru") + CPU + scheduler(0, tail_skip=True, budget_us=1.0))
+    try:
+        got = score(runtime.engine, IDS)
+        skipped = runtime.executor.skipped
+    finally:
+        runtime.close()
+    assert skipped > 0
+    assert np.abs(got - score(Engine(model), IDS)).max() > 1e-5
+
+
+def defer_logits(model, tmp_path, body: str, defer: int) -> np.ndarray:
+    runtime = runtime_for(tmp_path, model, body + scheduler(defer))
+    try:
+        return score(runtime.engine, IDS)
+    finally:
+        runtime.close()
+
+
+def test_defer_modes_are_lossy_and_1_equals_2_with_one_part(model, tmp_path):
+    body = ONE_PART + vram("vram", "gpu0", 4, "lru") + CPU
+    plain = defer_logits(model, tmp_path, body, 0)
+    one, two = defer_logits(model, tmp_path, body, 1), defer_logits(model, tmp_path, body, 2)
+    assert np.abs(one - plain).max() > 1e-4
+    assert np.array_equal(one, two)
+
+
+class LaneOnly:
+    """Every expert on a synchronous 'CPU lane', so deferral is the only difference between runs."""
+
+    def __init__(self, checkpoint):
+        from moetier.engine.core import ResidentExperts
+
+        self.inner = ResidentExperts(checkpoint, Engine(checkpoint).backend)
+
+    def dispatch(self, layer, x, decision):
+        from concurrent.futures import Future
+
+        lane: Future = Future()
+        lane.set_result(self.inner.dispatch(layer, x, decision).now)
+        return Partials(torch.zeros_like(x), lane)
+
+
+def reference_deferred(engine: Engine, ids: np.ndarray, boundaries: list[range], defer_parts: set[int]) -> np.ndarray:
+    """DEFER_CPU written out plainly: a layer's lane partial joins after the next layer's attention,
+    flushed at the end of each part."""
+    from moetier.engine.layers import attention_mask, rms_norm
+    from moetier.backends.torch_backend import swiglu
+
+    spec, eps = engine.spec, engine.spec.rms_norm_eps
+    cache = engine.new_cache()
+    tokens = torch.tensor(ids)
+    h = engine.embed[tokens]
+    mask = attention_mask(0, len(ids), spec.sliding_window, h.device)
+    for index, part in enumerate(boundaries):
+        pending = None
+        for layer in part:
+            w = engine.layers[layer]
+            h = h + engine._attention(layer, w, rms_norm(h, w.input_norm, eps), cache, 0, mask)
+            if pending is not None:
+                h, pending = h + pending, None
+            x = rms_norm(h, w.post_norm, eps)
+            if w.mlp is not None:
+                h = h + swiglu(x, w.mlp)
+                continue
+            partials = engine._moe(layer, w, x)
+            lane = partials.lane.result()
+            if index in defer_parts and layer != part[-1]:
+                h, pending = h + partials.now, lane
+            else:
+                h = h + (partials.now + lane)
+        assert pending is None  # flushed inside the part
+    return torch.nn.functional.linear(rms_norm(h, engine.final_norm, eps), engine.lm_head).numpy()
+
+
+@pytest.fixture(scope="module")
+def four_moe_layers(tmp_path_factory):
+    """Two parts of two MoE layers each, so either part has something to defer."""
+    checkpoint = open_checkpoint(write_synthetic(tmp_path_factory.mktemp("defer") / "m", arch="qwen3_moe", preset="small", seed=2))
+    assert checkpoint.spec.moe_layers == (0, 1, 2, 3)
+    return checkpoint
+
+
+def test_nothing_deferred_crosses_a_part_boundary(four_moe_layers):
+    model = four_moe_layers
+    parts = [(range(0, 2), "cpu"), (range(2, model.spec.num_layers), "cpu")]
+    results = {}
+    for mode in (0, 1, 2):
+        engine = Engine(model, executor=LaneOnly(model), parts=parts, defer_cpu=mode)
+        results[mode] = score(engine, IDS)
+    ranges = [r for r, _ in parts]
+    engine = Engine(model, executor=LaneOnly(model), parts=parts)
+    with torch.inference_mode():
+        assert np.array_equal(results[1], reference_deferred(engine, IDS, ranges, {0}))
+        assert np.array_equal(results[2], reference_deferred(engine, IDS, ranges, {0, 1}))
+        # the same deferral without the flush at the boundary is a different model: the test can tell
+        crossing = reference_deferred(engine, IDS, [range(0, model.spec.num_layers)], {0})
+    assert not np.array_equal(results[2], crossing)
+    assert not np.array_equal(results[1], results[2])
+    assert np.abs(results[0] - score(Engine(model), IDS)).max() <= 1e-5
+
+
+def test_run_layout_report_json(model, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "layout.toml"
+    path.write_text(HEAD + LAYOUTS["vram-lfu-helper"] + scheduler(2))
+    trace = tmp_path / "trace.npz"
+    result = subprocess.run([sys.executable, "-m", "moetier.cli", "run", "--layout", str(path), "--model", str(model.folder),
+                             "--max-new-tokens", "9", "--json", "--trace", str(trace)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {"tiers", "parts", "decode_tok_per_s", "hit_rate", "ms_per_token"} <= set(report)
+    assert [t["name"] for t in report["tiers"]] == ["vram", "helper", "cpu"]
+    served = sum(t["experts_served"] for t in report["tiers"])
+    spec = model.spec
+    assert served == 8 * len(spec.moe_layers) * spec.top_k  # every pick of the 8 decode steps served once
+    assert 0.0 <= report["hit_rate"] <= 1.0 and "attention" in report["ms_per_token"]
+    saved = np.load(trace, allow_pickle=False)
+    assert saved["picks"].shape == (8, len(spec.moe_layers), spec.top_k)
+    assert (saved["tiers"] >= 0).all()
