@@ -23,22 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moetier.cli import moetier_home  # noqa: E402
+from moetier.calibrate import copy_bandwidth_bytes_per_s  # noqa: E402
+from moetier.cli import cached_synthetic  # noqa: E402
 from moetier.engine import Engine, generate  # noqa: E402
 from moetier.model import open_checkpoint  # noqa: E402
-from moetier.model.synth import sample_session, write_synthetic  # noqa: E402
-
-
-def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best of `repeats` copies of an nbytes tensor: (read + write) bytes per second."""
-    source = torch.ones(nbytes // 4)
-    target = torch.zeros_like(source)  # both touched, so no first-touch page faults are timed
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - begin)
-    return 2 * nbytes / best
+from moetier.model.synth import sample_session  # noqa: E402
 
 
 def bytes_per_decoded_token(engine: Engine) -> int:
@@ -91,10 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    folder = args.model or moetier_home() / "models" / f"{args.arch}-medium-seed0"
-    if not (folder / "config.json").exists():
-        print(f"writing the medium checkpoint to {folder} (once)", file=sys.stderr)
-        write_synthetic(folder, arch=args.arch, preset="medium", seed=0)
+    folder = args.model or cached_synthetic(args.arch, "medium")
     checkpoint = open_checkpoint(folder)
     prompt = [int(i) for i in sample_session(folder, tokens_per_phase=16, seed=1)[0][1][:16]] if (folder / "moetier_synth.json").exists() else list(range(1, 17))
 

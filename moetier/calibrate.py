@@ -26,6 +26,18 @@ from moetier.model import open_checkpoint
 from moetier.sched.cost import Calibration
 
 
+def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Memory bandwidth of this machine: best of `repeats` copies of an nbytes tensor, (read + write) bytes/s."""
+    source = torch.ones(nbytes // 4)
+    target = torch.zeros_like(source)  # both touched first, so no page faults are timed
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - begin)
+    return 2 * nbytes / best
+
+
 def expert_rate_us(checkpoint, backend: TorchBackend, tokens: int, rounds: int = 3) -> float:
     """Microseconds per expert at `tokens` rows, over distinct experts of every MoE layer."""
     spec = checkpoint.spec

@@ -56,15 +56,20 @@ def moetier_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetier"
 
 
-def builtin_model() -> Path:
-    """The built-in model (synthetic `small` preset), written once into the cache folder."""
+def cached_synthetic(arch: str, preset: str, seed: int = 0) -> Path:
+    """A synthetic checkpoint in the cache folder, written the first time it is asked for."""
     from moetier.model.synth import write_synthetic
 
-    folder = moetier_home() / "models" / "{arch}-{preset}-seed{seed}".format(**BUILTIN)
+    folder = moetier_home() / "models" / f"{arch}-{preset}-seed{seed}"
     if not (folder / "config.json").exists():
-        status.print(f"[dim]writing the built-in model to {folder} (once)[/dim]", highlight=False)
-        write_synthetic(folder, **BUILTIN)
+        status.print(f"[dim]writing the synthetic {arch} {preset} model to {folder} (once)[/dim]", highlight=False)
+        write_synthetic(folder, arch=arch, preset=preset, seed=seed)
     return folder
+
+
+def builtin_model() -> Path:
+    """The built-in model: the synthetic `small` preset."""
+    return cached_synthetic(**BUILTIN)
 
 
 def _open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):

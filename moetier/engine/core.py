@@ -241,9 +241,12 @@ class Engine:
         return F.linear(attend(q, keys, values, mask), w.o_proj, w.o_bias)  # [T, D]
 
     def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> Partials:
+        begin = time.perf_counter() if self.times is not None else 0.0
         decision = route(self.spec, F.linear(x, w.router), w.correction_bias)
         if self.observer is not None:
             self.observer(layer, decision)
+        if self.times is not None:
+            self.times.add("router", time.perf_counter() - begin)
         partials = self.executor.dispatch(layer, x, decision)
         if w.shared is None:
             return partials

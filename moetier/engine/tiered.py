@@ -91,8 +91,9 @@ class TieredExecutor:
             for row in picks_rows:  # the policy sees token steps in order
                 hits, _ = tier.access(layer, row)
                 counters.hits += len(hits)
-            holders[tier.name] = before
-            fetchable[tier.name] = tier.holds(layer) - before
+            after = tier.holds(layer)  # a later row of a prefill may evict an earlier row's hit
+            holders[tier.name] = before & after
+            fetchable[tier.name] = after - before
         costs = {t.name: self.costs[t.name] for t in serving}
         plan = plan_layer(expert_tokens, holders, costs, self.budget_us, self.tail_skip, fetchable)
         self.skipped += len(plan.skipped)
@@ -101,11 +102,14 @@ class TieredExecutor:
         for expert, rows, weights in groups:
             if expert in tier_of:
                 jobs[tier_of[expert]].append(ExpertJob(expert, rows, weights))
-        futures, lane = [], None
-        for tier in sorted(serving, key=lambda t: t.inline):  # other threads start first, then inline work
+        futures, lane, inline = [], None, []
+        for tier in serving:
             if tier.name not in jobs:
                 continue
             self.counters[tier.name].served += len(jobs[tier.name])
+            if tier.inline:  # computed on this thread after every other tier has started
+                inline.append(tier)
+                continue
             future = tier.submit(layer, x, jobs[tier.name])
             if tier.kind == "cpu":
                 lane = future
@@ -113,14 +117,20 @@ class TieredExecutor:
                 futures.append((tier, future))
         if self.trace is not None:
             self.trace.add(layer, decision, self._tier_index(decision.picks, tier_of))
-        if self.times is not None:
-            self.times.add("dispatch", time.perf_counter() - begin)
+        times = self.times
+        if times is not None:
+            times.add("dispatch", time.perf_counter() - begin)
         now = torch.zeros_like(x)
+        for tier in inline:
+            waited = time.perf_counter() if times is not None else 0.0
+            now += tier.submit(layer, x, jobs[tier.name]).result()
+            if times is not None:
+                times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
         for tier, future in futures:
-            waited = time.perf_counter()
+            waited = time.perf_counter() if times is not None else 0.0
             now += future.result()
-            if self.times is not None:
-                self.times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
+            if times is not None:
+                times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
         return Partials(now, lane)
 
     def _tier_index(self, picks: torch.Tensor, tier_of: dict[int, str]) -> np.ndarray:

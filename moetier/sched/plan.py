@@ -44,46 +44,47 @@ def plan_layer(
 ) -> LayerPlan:
     """expert -> tokens routed to it; tier -> experts it holds now; tier -> cost; vram tier -> experts it
     may fetch now (None: any expert, on every tier with a finite fetch cost). See module docstring."""
-    plan = LayerPlan()
-    finish: dict[str, float] = {}
-    tokens_on: dict[str, int] = {}
     if fetchable is None:
         everything = frozenset(expert_tokens)
         fetchable = {name: everything for name, cost in costs.items() if cost.fetch_us != float("inf")}
-    for expert in sorted(expert_tokens, key=lambda e: (-expert_tokens[e], e)):
+    # One row per way to serve an expert: (tier, holds, fetch cost or None, kind rank, fast kind?)
+    ways = [(name, held, None, KIND_ORDER[costs[name].kind], costs[name].kind != "cpu") for name, held in holders.items()]
+    ways += [(name, fetchable[name], costs[name].fetch_us, KIND_ORDER[costs[name].kind], False) for name in fetchable]
+    finish = {name: None for name in costs}  # None: the tier is not used yet
+    tokens_on = dict.fromkeys(costs, 0)
+    assign: dict[str, list[int]] = {}
+    fetch: dict[str, list[int]] = {}
+    skipped: list[int] = []
+    order = sorted(expert_tokens, key=lambda e: (-expert_tokens[e], e)) if len(set(expert_tokens.values())) > 1 else sorted(expert_tokens)
+    for expert in order:
         tokens = expert_tokens[expert]
-        options: list[tuple[float, int, str, bool]] = []
+        best = None
         held_somewhere = False
-        for name, held in holders.items():
-            if expert in held:
-                options.append((_finish_after(costs[name], finish, tokens_on, tokens, fetch=False), KIND_ORDER[costs[name].kind], name, False))
-                held_somewhere |= costs[name].kind != "cpu"
-        for name, may_fetch in fetchable.items():
-            if expert in may_fetch and expert not in holders.get(name, frozenset()):
-                options.append((_finish_after(costs[name], finish, tokens_on, tokens, fetch=True), KIND_ORDER[costs[name].kind], name, True))
-        if not options:
+        for name, members, fetch_us, rank, fast in ways:
+            if expert not in members:
+                continue
+            if fetch_us is not None and expert in holders.get(name, ()):
+                continue  # already resident: served as a hit, not fetched
+            held_somewhere |= fast
+            cost = costs[name]
+            start = finish[name]
+            done = (cost.fixed_us if start is None else start) \
+                + (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes \
+                + cost.hidden_us_per_token * max(0, tokens - tokens_on[name]) + (fetch_us or 0.0)
+            if best is None or (done, rank, name) < best[:3]:
+                best = (done, rank, name, fetch_us is not None)
+        if best is None:
             raise ValueError(f"expert {expert}: no tier holds it and none can fetch it (a layout needs a cpu tier)")
-        done_us, _, name, fetch = min(options)
-        if tail_skip and done_us > budget_us and not held_somewhere:
-            plan.skipped.append(expert)
+        done, _, name, fetched = best
+        if tail_skip and done > budget_us and not held_somewhere:
+            skipped.append(expert)
             continue
-        finish[name] = done_us
-        tokens_on[name] = max(tokens_on.get(name, 0), tokens)
-        plan.assign.setdefault(name, []).append(expert)
-        if fetch:
-            plan.fetch.setdefault(name, []).append(expert)
-    plan.finish_us = finish
-    return plan
-
-
-def _finish_after(cost: TierCost, finish: dict[str, float], tokens_on: dict[str, int], tokens: int, fetch: bool) -> float:
-    """The tier's finish time if it also served this expert (first use pays the fixed cost)."""
-    start = finish.get(cost.name)
-    if start is None:
-        start = cost.fixed_us
-    extra_tokens = max(0, tokens - tokens_on.get(cost.name, 0))
-    work = (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes
-    return start + work + cost.hidden_us_per_token * extra_tokens + (cost.fetch_us if fetch else 0.0)
+        finish[name] = done
+        tokens_on[name] = max(tokens_on[name], tokens)
+        assign.setdefault(name, []).append(expert)
+        if fetched:
+            fetch.setdefault(name, []).append(expert)
+    return LayerPlan(assign, fetch, skipped, {name: value for name, value in finish.items() if value is not None})
 
 
 def cpu_only_us(expert_tokens: Mapping[int, int], cpu: TierCost) -> float:

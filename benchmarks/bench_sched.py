@@ -1,0 +1,157 @@
+"""Scheduling overhead and CPU-lane bandwidth, on the synthetic `medium` checkpoint.
+
+Regime: batch-1 decode over a layout with a VRAM cache (LRU, a quarter of each
+layer's experts) and a CPU lane, on this machine (the GPU emulated when
+absent). (1) Router + scheduler + dispatch time per MoE layer, excluding
+expert math: the engine's `router` and the executor's `dispatch` categories
+(policy lookups, the plan, job building, handing work to the lane's thread),
+per MoE layer, with every tier's backend replaced by one that returns zeros
+and link emulation off; for a static (profile) cache and for LRU. Target <= 50 us. (2) The CPU lane computing 8 distinct experts
+of one layer at batch 1, cycling over layers so no expert is cached, as bytes
+of expert weights per second against the copy bandwidth measured in the same
+run. Target >= 60%. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moetier.backends import Backend, BackendCaps  # noqa: E402
+from moetier.calibrate import copy_bandwidth_bytes_per_s  # noqa: E402
+from moetier.cli import cached_synthetic  # noqa: E402
+from moetier.config import load_layout  # noqa: E402
+from moetier.engine import generate  # noqa: E402
+from moetier.engine.layout_runtime import build_runtime  # noqa: E402
+from moetier.engine.timing import StepTimes  # noqa: E402
+from moetier.model import open_checkpoint  # noqa: E402
+from moetier.tiers.base import ExpertJob  # noqa: E402
+from moetier.tiers.cpu import CpuTier  # noqa: E402
+from moetier.tiers.host import HostExperts  # noqa: E402
+
+LAYOUT = """
+[[devices]]
+name = "gpu0"
+host = "local"
+kind = "cuda"
+[[links]]
+name = "pcie"
+rtt_us = 10.0
+gbps = 64.0
+[[parts]]
+name = "all"
+device = "gpu0"
+layers = "0:"
+[[tiers]]
+name = "vram"
+kind = "vram"
+device = "gpu0"
+slots = {slots}
+policy = "{policy}"
+profile = "{profile}"
+link = "pcie"
+[[tiers]]
+name = "cpu"
+kind = "cpu"
+[scheduler]
+budget_us = 5000.0
+defer_cpu = 0
+"""
+
+
+class NullBackend(Backend):
+    """Expert math removed: returns zeros at once, so only routing, planning and dispatch are timed."""
+
+    name = "null"
+    caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
+
+    def _place(self, weights):
+        return None
+
+    def _run_experts(self, x, work):
+        return torch.zeros_like(x)
+
+
+def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, float]:
+    """Router + dispatch per MoE layer, with every tier's expert math (and the emulated link's time) removed."""
+    spec = checkpoint.spec
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "layout.toml"
+        path.write_text(LAYOUT.format(slots=max(1, spec.num_experts // 4), policy=policy, profile=folder + "/profile.npy"))
+        np.save(Path(folder) / "profile.npy", np.random.default_rng(0).random((len(spec.moe_layers), spec.num_experts)))
+        runtime = build_runtime(load_layout(path), checkpoint)
+    for tier in runtime.executor.tiers:
+        tier.backend = NullBackend()
+        if hasattr(tier, "link"):
+            tier.link.emulated = False
+    times = StepTimes()
+
+    def start() -> None:
+        runtime.engine.times = runtime.executor.times = times
+
+    try:
+        generate(runtime.engine, [1, 2, 3, 4], 8)
+        generate(runtime.engine, [1, 2, 3, 4], tokens + 1, before_decode=start)
+    finally:
+        runtime.close()
+    per_layer = 1e6 / times.steps / len(spec.moe_layers)
+    return {"router_us": times.seconds["router"] * per_layer, "dispatch_us": times.seconds["dispatch"] * per_layer}
+
+
+def lane_bandwidth(checkpoint, experts: int = 8, rounds: int = 5) -> float:
+    """Bytes of expert weights per second the CPU lane streams computing `experts` experts per call."""
+    spec = checkpoint.spec
+    host = HostExperts(checkpoint, spec.moe_layers)
+    lane = CpuTier("cpu", host)
+    x = torch.randn(1, spec.hidden_size)
+    rows, weight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 0.125)
+    calls = [(layer, list(range(start, start + experts))) for layer in spec.moe_layers
+             for start in range(0, spec.num_experts - experts + 1, experts)]
+    samples = []
+    for round_index in range(rounds + 1):
+        begin = time.perf_counter()
+        for layer, chosen in calls:
+            lane.compute(layer, x, [ExpertJob(e, rows, weight) for e in chosen])
+        if round_index:
+            samples.append(len(calls) * experts * host.expert_bytes / (time.perf_counter() - begin))
+    lane.close()
+    return median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="HF model folder (default: synthetic medium, written once)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    checkpoint = open_checkpoint(args.model or cached_synthetic("qwen3_moe", "medium"))
+    bandwidth = copy_bandwidth_bytes_per_s()
+    lane = lane_bandwidth(checkpoint)
+    overheads = {policy: overhead_us_per_layer(checkpoint, args.tokens, policy) for policy in ("static", "lru")}
+    for policy, overhead in overheads.items():
+        total = overhead["router_us"] + overhead["dispatch_us"]
+        print(f"{'router + scheduler + dispatch per MoE layer, ' + policy:52}{total:8.1f} us  (router {overhead['router_us']:.1f}, "
+              f"dispatch {overhead['dispatch_us']:.1f}; target <= 50)")
+    result = {"model": str(checkpoint.folder), "threads": args.threads, "top_k": checkpoint.spec.top_k,
+              "overhead_us_per_moe_layer": {p: o["router_us"] + o["dispatch_us"] for p, o in overheads.items()},
+              "overhead_parts_us": overheads, "overhead_target_us": 50.0,
+              "copy_bandwidth_gb_per_s": bandwidth / 1e9, "cpu_lane_gb_per_s": lane / 1e9,
+              "cpu_lane_bandwidth_share": lane / bandwidth, "bandwidth_target_share": 0.6}
+    print(f"{'CPU lane, 8 experts per call':52}{lane / 1e9:10.2f} GB/s = {lane / bandwidth:.0%} of copy bandwidth "
+          f"{bandwidth / 1e9:.2f} GB/s (target >= 60%)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
