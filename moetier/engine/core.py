@@ -43,6 +43,16 @@ class ExpertExecutor(Protocol):
 
 
 @dataclass(frozen=True)
+class RouterBias:
+    """moetier's router nudges: a table [MoE layers, E] (zeros for none) and live-cache affinity."""
+
+    table: torch.Tensor  # [L_moe, E] float32, added to selection scores; -inf = never picked
+    damped: bool = False  # weights from the biased scores too
+    affinity: float = 0.0  # lambda added to the experts resident now
+    affinity_prefill: bool = False  # also during prefill (decode only by default)
+
+
+@dataclass(frozen=True)
 class Part:
     """Consecutive layers that run on one device; DEFER_CPU never carries a partial across parts."""
 
@@ -140,6 +150,19 @@ class Engine:
         self.layers = [self._layer_weights(layer) for layer in range(spec.num_layers)]
         self.ropes = {part.device: RotaryTable(spec.rotary_dim, spec.rope_theta, part.device) for part in self.parts}
         self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.router_bias: RouterBias | None = None  # None: the reference router, bit for bit
+
+    def set_router_bias(self, bias: "RouterBias | None") -> None:
+        if bias is not None and tuple(bias.table.shape) != (len(self.spec.moe_layers), self.spec.num_experts):
+            raise ValueError(f"router bias has shape {list(bias.table.shape)} (expected [{len(self.spec.moe_layers)}, {self.spec.num_experts}]: MoE layers x experts)")
+        self.router_bias = bias
+
+    def executor_affinity(self, layer: int) -> torch.Tensor | None:
+        """lambda on the experts resident in a cache right now [E], from executors that have one."""
+        resident = getattr(self.executor, "resident_mask", None)
+        mask = resident(layer) if resident is not None else None
+        return None if mask is None else mask.to(torch.float32) * self.router_bias.affinity
 
     def _layer_weights(self, layer: int) -> LayerWeights:
         c, spec, dev = self.checkpoint, self.spec, self.layer_device[layer]
@@ -242,7 +265,13 @@ class Engine:
 
     def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> Partials:
         begin = time.perf_counter() if self.times is not None else 0.0
-        decision = route(self.spec, F.linear(x, w.router), w.correction_bias)
+        bias = affinity = None
+        if self.router_bias is not None:
+            bias = self.router_bias.table[self.moe_index[layer]]  # [E]
+            if self.router_bias.affinity and (x.shape[0] == 1 or self.router_bias.affinity_prefill):
+                affinity = self.executor_affinity(layer)
+        decision = route(self.spec, F.linear(x, w.router), w.correction_bias, bias, affinity,
+                         self.router_bias is not None and self.router_bias.damped)
         if self.observer is not None:
             self.observer(layer, decision)
         if self.times is not None:

@@ -104,7 +104,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
         for layer in layers:
             serving[layer].append(tier)
         costs[config.name] = tier_cost(layout, config, calibration, host.expert_bytes, hidden_bytes)
-    executor = TieredExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip)
+    executor = TieredExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
     engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
     return TieredRuntime(engine, executor, layout, calibration, emulated)
 

@@ -26,17 +26,40 @@ class Route:
     weights: torch.Tensor  # [T, k] float32 gate weights applied to each pick
 
 
-def route(spec: ModelSpec, logits: torch.Tensor, correction_bias: torch.Tensor | None = None) -> Route:
-    """logits [T, E] -> Route. `correction_bias` [E] is the checkpoint's e_score_correction_bias."""
+def route(
+    spec: ModelSpec,
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    affinity: torch.Tensor | None = None,
+    damped: bool = False,
+) -> Route:
+    """logits [T, E] -> Route.
+
+    correction_bias [E]: the checkpoint's e_score_correction_bias (sigmoid routers).
+    bias [E]: moetier's router bias (profile table), added to the selection score: to the
+    logits of softmax routers, to the probabilities of sigmoid routers; -inf never picks.
+    affinity [E]: lambda on experts resident now, 0 elsewhere; added like `bias`.
+    damped: the weights come from the biased scores too (else from the unbiased router).
+    With bias and affinity None this is exactly the reference router.
+    """
+    nudge = bias if affinity is None else (affinity if bias is None else bias + affinity)  # [E] or None
     if spec.router == "softmax":
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-        weights, picks = torch.topk(probs, spec.top_k, dim=-1)  # [T, k]
+        if nudge is None:
+            weights, picks = torch.topk(probs, spec.top_k, dim=-1)  # [T, k]
+        else:
+            picks = torch.topk(logits + nudge, spec.top_k, dim=-1)[1]  # [T, k]
+            source = torch.softmax(logits + nudge, dim=-1, dtype=torch.float32) if damped else probs
+            weights = source.gather(1, picks)
         if spec.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Route(logits, probs, picks, weights)
 
     scores = logits.sigmoid()  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
+    if nudge is not None:
+        choice = choice + nudge
     if spec.n_group > 1 and spec.topk_group < spec.n_group:
         tokens = choice.shape[0]
         grouped = choice.view(tokens, spec.n_group, -1)  # [T, n_group, E/n_group]
@@ -45,7 +68,8 @@ def route(spec: ModelSpec, logits: torch.Tensor, correction_bias: torch.Tensor |
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(tokens, -1)
     picks = torch.topk(choice, spec.top_k, dim=-1, sorted=False)[1]  # [T, k]
-    weights = scores.gather(1, picks)  # [T, k]
+    source = (scores + nudge).clamp_min(0.0) if damped and nudge is not None else scores
+    weights = source.gather(1, picks)  # [T, k]
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return Route(logits, scores, picks, weights * spec.routed_scaling_factor)

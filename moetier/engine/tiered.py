@@ -58,16 +58,29 @@ class TraceRows:
 
 class TieredExecutor:
     def __init__(self, tiers: Sequence[Tier], serving: Mapping[int, Sequence[Tier]], costs: Mapping[str, TierCost],
-                 budget_us: float, tail_skip: bool = False):
+                 budget_us: float, tail_skip: bool = False, num_experts: int = 0):
         self.tiers = list(tiers)
         self.serving = {layer: list(ts) for layer, ts in serving.items()}
         self.costs = dict(costs)
         self.budget_us, self.tail_skip = budget_us, tail_skip
+        self.num_experts = num_experts
         self.index = {tier.name: i for i, tier in enumerate(self.tiers)}
         self.counters = {tier.name: TierCounters() for tier in self.tiers}
         self.skipped = 0
         self.times: StepTimes | None = None
         self.trace: TraceRows | None = None
+
+    def resident_mask(self, layer: int) -> torch.Tensor | None:
+        """[E] bool: experts of `layer` resident in a VRAM tier now (for live-cache affinity)."""
+        caches = [t for t in self.serving.get(layer, []) if t.kind == "vram"]
+        if not caches:
+            return None
+        mask = torch.zeros(self.num_experts, dtype=torch.bool)
+        for tier in caches:
+            held = list(tier.holds(layer))
+            if held:
+                mask[held] = True
+        return mask
 
     def reset_counters(self) -> None:
         self.counters = {tier.name: TierCounters() for tier in self.tiers}
