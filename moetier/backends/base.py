@@ -12,7 +12,7 @@ Backends never call tiers or the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
@@ -25,8 +25,7 @@ class BackendCaps:
     dtypes: tuple[str, ...]  # weight dtypes it computes in
 
 
-@dataclass(frozen=True)
-class ExpertWork:
+class ExpertWork(NamedTuple):  # a tuple: built per expert per layer on the hot path
     """One expert's share of a layer: which rows of x it serves, with which gate weights."""
 
     expert: Any  # what the backend's place() returned

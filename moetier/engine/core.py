@@ -63,8 +63,8 @@ class Part:
 def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """picks/weights [T, k] -> [(expert, rows [n], weights [n])] for each expert picked at least once."""
     tokens, k = picks.shape
-    if tokens == 1:  # decode: k distinct experts, one row each
-        return [(int(e), _ROW0, weights[0, i : i + 1]) for i, e in enumerate(picks[0].tolist())]
+    if tokens == 1:  # decode: k distinct experts, one row each; one unbind, not k slices
+        return list(zip(picks[0].tolist(), (_ROW0,) * k, weights.t().unbind(0)))
     flat = picks.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)

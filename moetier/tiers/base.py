@@ -12,14 +12,12 @@ engine decides the order of a step.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
 
-@dataclass(frozen=True)
-class ExpertJob:
+class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot path
     """One expert's share of a layer for one tier: rows of x it serves and their gate weights."""
 
     expert: int
