@@ -232,11 +232,14 @@ class Engine:
                 else:
                     h = h + (partials.now + self._wait_lane(partials.lane, index))
         cache.length = start + h.shape[0]
-        if times is not None:
-            times.steps += 1
         if not all_logits:
             h = h[-1:]
-        return F.linear(rms_norm(h, self.final_norm, eps), self.lm_head)  # [T, V]
+        begin = time.perf_counter() if times is not None else 0.0
+        logits = F.linear(rms_norm(h, self.final_norm, eps), self.lm_head)  # [T, V]
+        if times is not None:
+            times.add("head", time.perf_counter() - begin)
+            times.steps += 1
+        return logits
 
     def _wait_lane(self, lane: Future, part: int) -> torch.Tensor:
         if self.times is None:

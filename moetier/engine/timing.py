@@ -4,7 +4,8 @@ Categories are the ones `moetier run --layout` prints and the simulator
 predicts: attention (the trunk: norms, attention, router, dense MLPs), gpu
 experts (waiting for VRAM / helper partials), cpu lane wait (per part),
 transfers (waiting for uploads still on the link), remote (waiting for remote
-workers), dispatch (router + scheduler + bookkeeping). Only waits on the
+workers), router, dispatch (scheduler + bookkeeping), head (final norm and lm
+head). Only waits on the
 engine's main thread are counted, so the categories add up to the step time.
 """
 

@@ -1,0 +1,129 @@
+"""The per-token critical path of a layout: where a decode pass's time goes, predicted.
+
+A pass runs the parts in sequence; within a part, one GPU timeline and one
+CPU-lane timeline (shared by all parts), layer by layer, as the engine does:
+trunk work (attention, norms, router, dense MLPs) on the GPU, the embedding,
+final norm and lm head once per pass ("head"); dispatch; the
+CPU lane starts its misses; the GPU computes its hits; helper GPUs and
+remote workers answer after their round trips; the layer ends when every
+non-deferred partial is in. DEFER_CPU lets a layer's CPU partial land after
+the next layer's attention (never across a part boundary). A pass verifies
+`tokens_per_pass` tokens (multi-token prediction); per-token figures divide
+the pass by it. Costs come from the same `TierCost` model the runtime plans
+with, so predictions and `moetier run --layout` share categories and numbers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from moetier.sched.cost import Calibration, TierCost
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """Expected work one tier does for one MoE layer in one pass."""
+
+    experts: float  # distinct experts computed
+    pairs: float  # (token, expert) pairs, >= experts
+    uploads: float = 0.0  # experts fetched over the link on the critical path (vram)
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    name: str
+    layers: Sequence[int]
+
+
+@dataclass
+class PassPrediction:
+    ms_per_token: dict[str, float] = field(default_factory=dict)
+    pass_ms: float = 0.0
+    tokens_per_pass: float = 1.0
+
+    @property
+    def tok_per_s(self) -> float:
+        return 1e3 * self.tokens_per_pass / self.pass_ms if self.pass_ms > 0 else float("inf")
+
+    @property
+    def token_ms(self) -> float:
+        return self.pass_ms / self.tokens_per_pass
+
+
+def tier_time_us(cost: TierCost, load: TierLoad, tokens: float) -> float:
+    """Time for a tier to serve its load of one layer (0 when it has none)."""
+    if load.experts <= 0:
+        return 0.0
+    compute = cost.us_per_expert * load.experts + cost.us_per_token_expert * max(0.0, load.pairs - load.experts)
+    uploads = load.uploads * (cost.fetch_us if cost.fetch_us != float("inf") else 0.0)
+    return cost.fixed_us + cost.hidden_us_per_token * tokens + compute / cost.lanes + uploads
+
+
+def predict_pass(
+    parts: Sequence[PartSpec],
+    moe_layers: Sequence[int],
+    loads: Mapping[int, Mapping[str, TierLoad]],
+    costs: Mapping[str, TierCost],
+    calibration: Calibration,
+    defer_cpu: int = 0,
+    tokens_per_pass: float = 1.0,
+    part_attention_us: Mapping[str, float] | None = None,
+) -> PassPrediction:
+    """loads: MoE layer -> tier name -> its expected load in one pass. Returns ms per token by category."""
+    moe = set(moe_layers)
+    spent: dict[str, float] = defaultdict(float)
+    clock = 0.0  # the pass's wall clock: parts run one after another
+    lane_free = 0.0  # when the CPU lane is free
+    for index, part in enumerate(parts):
+        defer = defer_cpu == 2 or (defer_cpu == 1 and index == 0)
+        attention_us = (part_attention_us or {}).get(part.name, calibration.attention_us_per_layer)
+        pending = None  # when the deferred CPU partial of the previous layer lands
+        for position, layer in enumerate(part.layers):
+            clock += attention_us
+            spent["attention"] += attention_us
+            if pending is not None:
+                wait = max(0.0, pending - clock)
+                spent[f"cpu lane wait (part {index})"] += wait
+                clock += wait
+                pending = None
+            if layer not in moe:
+                continue
+            clock += calibration.dispatch_us_per_layer
+            spent["dispatch"] += calibration.dispatch_us_per_layer
+            start = lane_done = clock  # every tier is handed its work now; the GPU's own comes last
+            replies, gpu_busy = [], 0.0
+            for name, load in loads.get(layer, {}).items():
+                cost = costs[name]
+                busy = tier_time_us(cost, load, tokens_per_pass)
+                if busy <= 0:
+                    continue
+                if cost.kind == "cpu":
+                    lane_done = max(start, lane_free) + busy
+                    lane_free = lane_done
+                elif cost.kind == "vram":  # the GPU itself: hits now, fetched misses after their upload
+                    upload = load.uploads * (cost.fetch_us if cost.fetch_us != float("inf") else 0.0)
+                    spent["gpu experts"] += busy - upload
+                    spent["transfers"] += upload
+                    gpu_busy += busy
+                else:
+                    replies.append((cost.kind, start + busy))
+            clock += gpu_busy
+            # helper GPUs and remote workers started with the lane; wait for their answers now
+            for kind, done in replies:
+                wait = max(0.0, done - clock)
+                spent["remote" if kind == "remote" else "gpu experts"] += wait
+                clock += wait
+            last = position == len(part.layers) - 1
+            if defer and not last:
+                pending = lane_done
+            else:
+                wait = max(0.0, lane_done - clock)
+                spent[f"cpu lane wait (part {index})"] += wait
+                clock += wait
+    clock += calibration.head_us
+    spent["head"] += calibration.head_us
+    prediction = PassPrediction(tokens_per_pass=tokens_per_pass, pass_ms=clock / 1e3)
+    prediction.ms_per_token = {name: value / 1e3 / tokens_per_pass for name, value in sorted(spent.items())}
+    return prediction
