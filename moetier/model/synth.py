@@ -1,0 +1,416 @@
+"""Synthetic Hugging Face MoE checkpoints (qwen3_moe, glm4_moe, mixtral) with realistic routing.
+
+`write_synthetic` writes config.json + safetensors (one file, or shards with
+model.safetensors.index.json) that transformers loads with the matching
+*ForCausalLM class, plus moetier_synth.json describing the token families that
+`sample_session` draws agent-like sessions from. The routing skew comes from
+the weight design in synth_routing. Invariants: output bytes are a pure
+function of (arch, preset, seed, fused), whatever the BLAS or thread count;
+tensors are streamed one at a time, expert-major, so one expert's tensors are
+contiguous in the file and memory stays at one tensor (plus the embedding);
+the model directory appears, fsynced, only when it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from moetier.model import synth_routing as design
+
+ARCHES = ("qwen3_moe", "glm4_moe", "mixtral")
+SYNTH_META = "moetier_synth.json"
+SYNTH_FORMAT_VERSION = 1
+DEFAULT_FAMILY_MIX = design.SESSION_MIX
+MEAN_RUN_TOKENS = 4.0     # mean length of a run of tokens from one family in a session
+ZIPF_TOKEN = 1.0          # token frequency inside a family
+ROUTED_SCALING = 2.5      # glm4_moe routed_scaling_factor (GLM-4.5's value)
+SILU_GLU_RMS = 0.6        # rms of silu(g) * u for g, u ~ N(0, 1)
+ATTN_MIX_RMS = 0.25       # rms of an attention-weighted mean of zero-mean value vectors (measured)
+
+
+@dataclass(frozen=True)
+class SynthPreset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int
+    vocab_size: int
+    shard_bytes: int | None = None     # None: one model.safetensors; else shards of about this size
+
+
+PRESETS: dict[str, SynthPreset] = {
+    # a forward in milliseconds; ~1.5 MB
+    "tiny": SynthPreset(64, 3, 4, 2, 16, 16, 4, 32, 128, 512),
+    # the built-in demo model; ~60 MB
+    "small": SynthPreset(256, 4, 8, 4, 32, 48, 6, 96, 1024, 4096),
+    # ~1.06 GB; decode touches ~200-330 MB of weights per token (memory-bound)
+    "medium": SynthPreset(768, 8, 12, 4, 64, 64, 8, 192, 2048, 16384, shard_bytes=300_000_000),
+}
+
+
+def arch_preset(arch: str, preset: SynthPreset) -> SynthPreset:
+    """Per-arch dims: mixtral has 8 experts top-2 with the same expert bytes per layer."""
+    if arch not in ARCHES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
+    if arch == "mixtral":
+        inter = preset.moe_intermediate_size * preset.num_experts // 8
+        return replace(preset, num_experts=8, top_k=2, moe_intermediate_size=inter)
+    return preset
+
+
+def _glm_groups(experts: int) -> tuple[int, int]:
+    """(n_group, topk_group): 4 groups of >= 2 experts, 2 kept, where the count allows."""
+    return (4, 2) if experts % 4 == 0 and experts // 4 >= 2 else (1, 1)
+
+
+def _config(arch: str, p: SynthPreset) -> dict:
+    common = {
+        "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                           "mixtral": "MixtralForCausalLM"}[arch]],
+        "model_type": arch, "hidden_size": p.hidden_size, "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads, "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim, "vocab_size": p.vocab_size, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_dropout": 0.0,
+        "num_experts_per_tok": p.top_k, "dtype": "float32", "use_cache": True,
+        "bos_token_id": design.SPECIAL_TOKENS["bos"], "eos_token_id": design.SPECIAL_TOKENS["eos"],
+        "pad_token_id": design.SPECIAL_TOKENS["pad"], "rope_theta": 1_000_000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }
+    if arch == "qwen3_moe":
+        return common | {
+            "num_experts": p.num_experts, "moe_intermediate_size": p.moe_intermediate_size,
+            "intermediate_size": p.dense_intermediate_size, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+            "rms_norm_eps": 1e-6, "use_sliding_window": False, "sliding_window": None,
+            "router_aux_loss_coef": 0.001, "output_router_logits": False}
+    if arch == "glm4_moe":
+        n_group, topk_group = _glm_groups(p.num_experts)
+        return common | {
+            "n_routed_experts": p.num_experts, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "moe_intermediate_size": p.moe_intermediate_size,
+            "intermediate_size": p.dense_intermediate_size, "n_group": n_group,
+            "topk_group": topk_group, "routed_scaling_factor": ROUTED_SCALING,
+            "norm_topk_prob": True, "partial_rotary_factor": 0.5, "use_qk_norm": False,
+            "attention_bias": False, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
+                                "partial_rotary_factor": 0.5}}
+    return common | {
+        "num_local_experts": p.num_experts, "intermediate_size": p.moe_intermediate_size,
+        "rms_norm_eps": 1e-5, "sliding_window": None, "router_jitter_noise": 0.0,
+        "router_aux_loss_coef": 0.001, "output_router_logits": False}
+
+
+# --- tensor plan -------------------------------------------------------------
+
+Chunks = Callable[[], Iterator[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]
+    chunks: Chunks        # yields float32 arrays whose bytes, concatenated, are the tensor
+    group: str            # tensors of one group never straddle a shard boundary
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * int(np.prod(self.shape))
+
+
+def _normal(seed: int, key: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """N(0, std^2) float32 values that depend only on (seed, key)."""
+    return design.rng_for(seed, key).standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+
+def _one(fn: Callable[[], np.ndarray]) -> Chunks:
+    return lambda: iter([np.ascontiguousarray(fn(), dtype=np.float32)])
+
+
+class _Plan:
+    """Every tensor of one checkpoint, in file order, each with a lazy value."""
+
+    def __init__(self, arch: str, p: SynthPreset, seed: int, fused: bool):
+        self.arch, self.p, self.seed, self.fused = arch, p, seed, fused
+        self.family = design.family_of_tokens(p.vocab_size, seed)          # [V]
+        self.sub = design.subspaces(p.hidden_size, seed)
+        self.router_kind = "sigmoid" if arch == "glm4_moe" else "softmax"
+        self.first_moe = 1 if arch == "glm4_moe" else 0
+        self.tensors: list[_Tensor] = []
+        self._build()
+
+    def moe_layers(self) -> range:
+        return range(self.first_moe, self.p.num_layers)
+
+    def _add(self, name: str, shape: tuple[int, ...], fn: Callable[[], np.ndarray], group: str = "") -> None:
+        self.tensors.append(_Tensor(name, shape, _one(fn), group or name))
+
+    def _norm(self, name: str, n: int) -> None:
+        # near 1, not exactly 1, so that a loader which swaps two norms is caught by parity tests
+        self._add(name, (n,), lambda: 1.0 + _normal(self.seed, name, (n,), 0.05))
+
+    def _build(self) -> None:
+        p, s = self.p, self.seed
+        emb = design.embeddings(self.family, self.sub, s)                  # [V, D]
+        self._add("model.embed_tokens.weight", emb.shape, lambda: emb)
+        for layer in range(p.num_layers):
+            self._layer(layer)
+        self._norm("model.norm.weight", p.hidden_size)
+        self._add("lm_head.weight", emb.shape, lambda: design.lm_head(emb, self.sub, p.num_layers, s))
+
+    def _layer(self, layer: int) -> None:
+        p, s, D = self.p, self.seed, self.p.hidden_size
+        pre = f"model.layers.{layer}."
+        H, KV, hd = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.head_dim
+        self._norm(pre + "input_layernorm.weight", D)
+        for proj, rows in (("q_proj", H), ("k_proj", KV)):
+            key = f"{pre}self_attn.{proj}.weight"
+            self._add(key, (rows, D), lambda key=key, rows=rows: _normal(s, key, (rows, D), D**-0.5))
+        v_key = pre + "self_attn.v_proj.weight"
+        self._add(v_key, (KV, D), lambda: design.reader(
+            design.rng_for(s, v_key), self.sub, KV, 2 * layer, identity_only=True))
+        o_key = pre + "self_attn.o_proj.weight"
+        self._add(o_key, (D, H), lambda: design.writer(design.rng_for(s, o_key), self.sub, H, ATTN_MIX_RMS))
+        if self.arch == "qwen3_moe":
+            self._norm(pre + "self_attn.q_norm.weight", hd)
+            self._norm(pre + "self_attn.k_norm.weight", hd)
+        self._norm(pre + "post_attention_layernorm.weight", D)
+        if layer < self.first_moe:
+            self._mlp(pre + "mlp.", p.dense_intermediate_size, f"L{layer}.dense", layer, 1.0)
+            return
+        moe = pre + ("block_sparse_moe." if self.arch == "mixtral" else "mlp.")
+        self._add(moe + "gate.weight", (p.num_experts, D), lambda: self._router(layer))
+        if self.arch == "glm4_moe":
+            self._add(moe + "gate.e_score_correction_bias", (p.num_experts,),
+                      lambda: design.correction_bias(self.mass(layer), design.session_family_mix()))
+            self._mlp(moe + "shared_experts.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5)
+        self._experts(layer, moe + "experts.")
+
+    def roles(self, layer: int) -> dict[str, np.ndarray]:
+        n_group = _glm_groups(self.p.num_experts)[0] if self.arch == "glm4_moe" else 1
+        return design.expert_roles(self.p.num_experts, self.p.top_k, layer, self.seed, n_group)
+
+    def mass(self, layer: int) -> np.ndarray:
+        roles = self.roles(layer)
+        return design.target_mass(roles, self.p.num_experts)              # [F, E]
+
+    def _router(self, layer: int) -> np.ndarray:
+        return design.router_weight(self.mass(layer), self.sub, layer, self.router_kind,
+                                    self.p.top_k, self.seed)               # [E, D]
+
+    def _glu(self, key: str, inter: int, layer: int, scale: float, part: int) -> np.ndarray:
+        """Part 0 gate [I, D], 1 up [I, D], 2 down [D, I] of a SwiGLU block writing rms ~scale * UPDATE_RMS."""
+        D, s = self.p.hidden_size, self.seed
+        if part == 2:
+            return design.writer(design.rng_for(s, key + ".down"), self.sub, inter, SILU_GLU_RMS, scale)
+        return design.reader(design.rng_for(s, key + (".gate", ".up")[part]), self.sub, inter, 2 * layer + 1)
+
+    def _mlp(self, pre: str, inter: int, key: str, layer: int, scale: float) -> None:
+        D = self.p.hidden_size
+        for i, (proj, shape) in enumerate((("gate_proj", (inter, D)), ("up_proj", (inter, D)),
+                                           ("down_proj", (D, inter)))):
+            self._add(f"{pre}{proj}.weight", shape,
+                      lambda i=i: self._glu(key, inter, layer, scale, i), group=pre)
+
+    def _expert_scale(self) -> float:
+        # The block writes sum_k w_k y_k with sum w = 1: rms ~ rms(y) sqrt(sum w^2), and
+        # sum w^2 ~ 1.5 / k for the designed routing; glm4 multiplies w by routed_scaling_factor.
+        gain = np.sqrt(self.p.top_k / 1.5)
+        return gain / (ROUTED_SCALING if self.arch == "glm4_moe" else 1.0)
+
+    def _experts(self, layer: int, pre: str) -> None:
+        p, D, inter, sc = self.p, self.p.hidden_size, self.p.moe_intermediate_size, self._expert_scale()
+        key = f"L{layer}.E{{}}"
+        if self.fused:
+            def gate_up() -> Iterator[np.ndarray]:
+                for e in range(p.num_experts):
+                    yield self._glu(key.format(e), inter, layer, sc, 0)            # [I, D] gate rows
+                    yield self._glu(key.format(e), inter, layer, sc, 1)            # [I, D] then up rows
+
+            def down() -> Iterator[np.ndarray]:
+                for e in range(p.num_experts):
+                    yield self._glu(key.format(e), inter, layer, sc, 2)            # [D, I]
+            E = p.num_experts
+            self.tensors.append(_Tensor(pre + "gate_up_proj", (E, 2 * inter, D), gate_up, pre))       # [E, 2I, D]
+            self.tensors.append(_Tensor(pre + "down_proj", (E, D, inter), down, pre + "down"))       # [E, D, I]
+            return
+        names = ("w1", "w3", "w2") if self.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for e in range(p.num_experts):
+            for i, (proj, shape) in enumerate(zip(names, ((inter, D), (inter, D), (D, inter)))):
+                self._add(f"{pre}{e}.{proj}.weight", shape,
+                          lambda e=e, i=i: self._glu(key.format(e), inter, layer, sc, i), group=f"{pre}{e}")
+
+
+# --- safetensors streaming writer ---------------------------------------------
+
+def _shards(tensors: list[_Tensor], shard_bytes: int | None) -> list[list[_Tensor]]:
+    if shard_bytes is None:
+        return [tensors]
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for i, t in enumerate(tensors):
+        starts_group = i == 0 or tensors[i - 1].group != t.group
+        if starts_group and size >= shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _write_safetensors(path: pathlib.Path, tensors: list[_Tensor]) -> None:
+    """One tensor in memory at a time; the header is known up front from the shapes."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors:
+            written = 0
+            for chunk in t.chunks():
+                buf = np.ascontiguousarray(chunk, dtype="<f4")
+                if not np.isfinite(buf).all():
+                    raise ValueError(f"{t.name}: non-finite values")
+                f.write(memoryview(buf).cast("B"))
+                written += buf.nbytes
+            if written != t.nbytes:
+                raise AssertionError(f"{t.name}: wrote {written} bytes, shape needs {t.nbytes}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _synth_meta(plan: _Plan, arch: str, preset: str, dims: SynthPreset) -> dict:
+    tokens = design.family_tokens(plan.family, plan.seed)
+    layers = {}
+    for layer in plan.moe_layers():
+        layers[str(layer)] = {k: v.tolist() for k, v in plan.roles(layer).items()}
+    return {
+        "format": "moetier-synth", "version": SYNTH_FORMAT_VERSION, "arch": arch, "preset": preset,
+        "seed": plan.seed, "fused": plan.fused, "dims": asdict(dims),
+        "phases": list(design.PHASE_FAMILIES), "special_tokens": design.SPECIAL_TOKENS,
+        # token ids per family in frequency-rank order (first = most frequent in sessions)
+        "families": {k: v.tolist() for k, v in tokens.items()},
+        # designed expert sets per MoE layer: core, explore, edit, verify, second_language, tail
+        "expert_roles": layers,
+    }
+
+
+def write_synthetic(out_dir, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
+                    fused: bool = False) -> pathlib.Path:
+    """Write a synthetic checkpoint to out_dir (must not exist, or be empty); returns its path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
+    dims = arch_preset(arch, PRESETS[preset])
+    out = pathlib.Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        plan = _Plan(arch, dims, seed, fused)
+        shards = _shards(plan.tensors, dims.shard_bytes)
+        if len(shards) == 1:
+            _write_safetensors(tmp / "model.safetensors", shards[0])
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                _write_safetensors(tmp / fname, shard)
+                weight_map.update({t.name: fname for t in shard})
+            index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
+                     "weight_map": weight_map}
+            _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        _write_text(tmp / "config.json", json.dumps(_config(arch, dims), indent=2) + "\n")
+        _write_text(tmp / SYNTH_META, json.dumps(_synth_meta(plan, arch, preset, dims)) + "\n")
+        _fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# --- sessions -----------------------------------------------------------------
+
+def _read_meta(model_dir) -> dict:
+    path = pathlib.Path(model_dir) / SYNTH_META
+    meta = json.loads(path.read_text())
+    if meta.get("format") != "moetier-synth" or meta.get("version") != SYNTH_FORMAT_VERSION:
+        raise ValueError(f"{path}: not a moetier-synth v{SYNTH_FORMAT_VERSION} description")
+    return meta
+
+
+def token_families(model_dir) -> dict[str, np.ndarray]:
+    """Family name -> token ids of that family (frequency-rank order), from moetier_synth.json."""
+    return {k: np.asarray(v, dtype=np.int64) for k, v in _read_meta(model_dir)["families"].items()}
+
+
+def sample_session(model_dir, phases: Sequence[str] = design.PHASE_FAMILIES, tokens_per_phase: int = 64,
+                   seed: int = 0, family_mix: Mapping[str, float] = DEFAULT_FAMILY_MIX,
+                   ) -> list[tuple[str, np.ndarray]]:
+    """An agent-like session: per phase, runs of tokens from that phase's family mixed with others.
+
+    family_mix maps a family name, or "phase" for the current phase's own family,
+    to its share of the phase's tokens. Tokens inside a family follow a Zipf law
+    over the family's rank order.
+    """
+    if tokens_per_phase < 1:
+        raise ValueError(f"tokens_per_phase must be >= 1, got {tokens_per_phase}")
+    families = token_families(model_dir)
+    rng = np.random.default_rng([seed, 0x5E55])
+    out = []
+    for phase in phases:
+        if phase not in families:
+            raise ValueError(f"phase {phase!r} is not a token family; expected one of {tuple(families)}")
+        names = [phase if k == "phase" else k for k in family_mix]
+        unknown = [k for k in names if k not in families]
+        if unknown:
+            raise ValueError(f"family_mix names unknown families {unknown}; "
+                             f"expected {tuple(families)} or 'phase'")
+        weights = np.array(list(family_mix.values()), dtype=np.float64)
+        weights /= weights.sum()
+        ids: list[np.ndarray] = []
+        count = 0
+        while count < tokens_per_phase:
+            fam = families[names[rng.choice(len(names), p=weights)]]
+            run = int(rng.geometric(1.0 / MEAN_RUN_TOKENS))
+            zipf = 1.0 / np.arange(1, len(fam) + 1) ** ZIPF_TOKEN
+            ids.append(fam[rng.choice(len(fam), size=run, p=zipf / zipf.sum())])
+            count += run
+        out.append((phase, np.concatenate(ids)[:tokens_per_phase]))
+    return out

@@ -1,0 +1,383 @@
+"""Synthetic checkpoints: transformers loads them, bytes are deterministic, writes are
+atomic, and routing over sampled sessions has a realistic skew (hot sets per phase,
+a cold-leaning family, temporal reuse).
+
+Router outputs come from transformers' reference model through `route_sessions`,
+the one place to swap for moetier's engine once it can observe the router.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from moetier.model import synth
+from moetier.model.synth import ARCHES, PRESETS, sample_session, token_families, write_synthetic
+
+try:
+    import transformers
+    transformers.logging.set_verbosity_error()
+except ImportError:     # a dev extra; the numpy-only tests still run
+    transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None, reason="needs transformers (pip install -e '.[dev]')")
+MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+N_SESSIONS = 6
+TOKENS_PER_PHASE = 64
+
+
+def load_reference(model_dir):
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    cls = getattr(transformers, MODEL_CLASSES[config["model_type"]])
+    model, info = cls.from_pretrained(model_dir, output_loading_info=True)
+    return model.eval(), info
+
+
+def route_sessions(model_dir, token_ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per MoE layer: (router mass per token [T, E], top-k picks [T, k]) for a batch [S, L] of sessions.
+
+    Measured with moetier's own engine (its router matches transformers', see test_engine):
+    mass is the softmax probabilities (qwen3_moe, mixtral) or the sigmoid scores normalised
+    per token (glm4_moe); picks are the router's choice (for glm4_moe after the correction
+    bias and the group limit). Sessions run one at a time (the engine is batch 1), rows in order.
+    """
+    from moetier.engine import Engine, score
+    from moetier.model import open_checkpoint
+
+    engine = Engine(open_checkpoint(model_dir))
+    sigmoid = engine.spec.router == "sigmoid"
+    captured: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def observe(layer, decision):
+        p = decision.probs.float()  # [T, E]
+        if sigmoid:
+            p = p / p.sum(-1, keepdim=True)
+        captured.setdefault(layer, []).append((p.numpy(), decision.picks.numpy()))
+
+    engine.observer = observe
+    for row in np.asarray(token_ids):
+        score(engine, row)
+    return {layer: (np.concatenate([m for m, _ in rows]), np.concatenate([k for _, k in rows])) for layer, rows in captured.items()}
+
+
+def sessions_batch(model_dir, n=N_SESSIONS):
+    """Token ids [S, 3*TOKENS_PER_PHASE], phase index per token [S*L], family name per token [S*L]."""
+    fams = token_families(model_dir)
+    family_of = {int(t): name for name, ids in fams.items() for t in ids}
+    ids, phase = [], []
+    for s in range(n):
+        sess = sample_session(model_dir, tokens_per_phase=TOKENS_PER_PHASE, seed=s)
+        ids.append(np.concatenate([t for _, t in sess]))
+        phase.append(np.concatenate([np.full(len(t), i) for i, (_, t) in enumerate(sess)]))
+    ids = np.stack(ids)
+    family = np.array([family_of.get(int(t), "special") for t in ids.ravel()])
+    return ids, np.concatenate(phase), family
+
+
+def top_set(mass: np.ndarray, share: float) -> set[int]:
+    n = max(1, round(share * len(mass)))
+    return set(np.argsort(-mass, kind="stable")[:n].tolist())
+
+
+def routing_properties(probs, picks, phase, family, session_len) -> dict[str, float]:
+    """The four properties for one layer, over all session tokens.
+
+    top20_mass: share of router mass on the top 20% of experts. max_phase_jaccard:
+    largest Jaccard overlap of two phases' top-25% expert sets. *_cold: share of
+    top-k picks outside the pooled top-25% hot set (pooled_cold: all tokens;
+    others_cold: every token not in second_language; max_other_cold: the worst single family).
+    reuse_*: mean |picks(t) & picks(t+1)| / k, in order and with each session shuffled.
+    """
+    E, k = probs.shape[1], picks.shape[1]
+    mass = probs.sum(0)                                              # [E]
+    top20 = float(np.sort(mass)[::-1][: max(1, round(0.2 * E))].sum() / mass.sum())
+    hot_by_phase = [top_set(probs[phase == i].sum(0), 0.25) for i in range(3)]
+    jaccard = max(len(a & b) / len(a | b) for i, a in enumerate(hot_by_phase) for b in hot_by_phase[i + 1:])
+    hot = np.array(sorted(top_set(mass, 0.25)))
+    cold = ~np.isin(picks, hot)                                      # [T, k]
+    cold_rate = {f: float(cold[family == f].mean()) for f in np.unique(family) if f != "special"}
+    pooled_cold = float(cold.mean())
+    others_cold = float(cold[(family != "second_language") & (family != "special")].mean())
+    onehot = np.zeros((len(picks), E), bool)                         # [T, E]
+    np.put_along_axis(onehot, picks, True, axis=1)
+    onehot = onehot.reshape(-1, session_len, E)                      # [S, L, E]
+    consecutive = float((onehot[:, 1:] & onehot[:, :-1]).sum(-1).mean() / k)
+    rng = np.random.default_rng(0)
+    shuffled = np.stack([s[rng.permutation(session_len)] for s in onehot])
+    random_pairs = float((shuffled[:, 1:] & shuffled[:, :-1]).sum(-1).mean() / k)
+    others = max(v for f, v in cold_rate.items() if f != "second_language")
+    return {"top20_mass": top20, "max_phase_jaccard": jaccard, "pooled_cold": pooled_cold,
+            "others_cold": others_cold, "sl_cold": cold_rate["second_language"], "max_other_cold": others,
+            "reuse_consecutive": consecutive, "reuse_shuffled": random_pairs}
+
+
+def measure(model_dir) -> dict[int, dict[str, float]]:
+    ids, phase, family = sessions_batch(model_dir)
+    routed = route_sessions(model_dir, ids)
+    return {layer: routing_properties(probs, picks, phase, family, ids.shape[1])
+            for layer, (probs, picks) in sorted(routed.items())}
+
+
+def check_properties(props: dict[int, dict[str, float]]) -> None:
+    assert props, "no MoE layer observed"
+    for layer, m in props.items():
+        assert m["top20_mass"] >= 0.60, (layer, m)
+        assert m["max_phase_jaccard"] < 0.60, (layer, m)
+        assert m["sl_cold"] >= 2.0 * m["others_cold"], (layer, m)
+        assert m["sl_cold"] > m["max_other_cold"], (layer, m)
+        assert m["reuse_consecutive"] >= 1.15 * m["reuse_shuffled"], (layer, m)
+
+
+# --- fixtures -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(arch, preset, fused) -> model dir, each written once per module."""
+    root = tmp_path_factory.mktemp("synth")
+    cache = {}
+
+    def get(arch, preset="tiny", fused=False):
+        key = (arch, preset, fused)
+        if key not in cache:
+            out = root / f"{arch}-{preset}-{int(fused)}"
+            cache[key] = write_synthetic(out, arch, preset, seed=0, fused=fused)
+        return cache[key]
+
+    return get
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits
+
+
+def _tree_digest(folder: pathlib.Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
+
+
+def _header(path: pathlib.Path) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+# --- loading and layout -----------------------------------------------------------
+
+@needs_transformers
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_transformers_loads_without_missing_or_unexpected_keys(models, arch, preset):
+    model, info = load_reference(models(arch, preset))
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    dims = synth.arch_preset(arch, PRESETS[preset])
+    assert model.config.num_hidden_layers == dims.num_layers
+    ids = torch.randint(3, dims.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits                                           # [2, 48, V]
+    assert torch.isfinite(logits).all()
+    assert 1.0 < logits.abs().max() < 30.0
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fused_layout_gives_the_same_logits(models, arch):
+    fused = models(arch, fused=True)
+    prefix = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    layer = 1                                                               # a MoE layer in every arch
+    header = _header(fused / "model.safetensors")
+    dims = synth.arch_preset(arch, PRESETS["tiny"])
+    E, I, D = dims.num_experts, dims.moe_intermediate_size, dims.hidden_size
+    assert header[f"model.layers.{layer}.{prefix}.experts.gate_up_proj"]["shape"] == [E, 2 * I, D]
+    assert header[f"model.layers.{layer}.{prefix}.experts.down_proj"]["shape"] == [E, D, I]
+    assert not any(".experts.0." in k for k in header)
+    per_expert_model, fused_model = load_reference(models(arch))[0], load_reference(fused)[0]
+    fused_state = fused_model.state_dict()
+    assert all(torch.equal(v, fused_state[k]) for k, v in per_expert_model.state_dict().items())
+    # identical weights; two model instances may still differ in the last float bits
+    ids = sample_session(fused, tokens_per_phase=16)[0][1][None]
+    torch.testing.assert_close(_logits(per_expert_model, ids), _logits(fused_model, ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_one_experts_tensors_are_contiguous_in_the_file(models, arch):
+    header = _header(models(arch) / "model.safetensors")
+    header.pop("__metadata__")
+    prefix = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    spans = sorted((v["data_offsets"], k) for k, v in header.items())
+    assert all(a[0][1] == b[0][0] for a, b in zip(spans, spans[1:]))       # dense, no gaps
+    for layer in (1, 2):
+        for e in range(synth.arch_preset(arch, PRESETS["tiny"]).num_experts):
+            mine = [off for off, k in spans if f".{layer}.{prefix}.experts.{e}." in k]
+            assert len(mine) == 3
+            assert mine[0][1] == mine[1][0] and mine[1][1] == mine[2][0]
+
+
+@needs_transformers
+def test_sharded_write_loads_the_same_as_one_file(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], shard_bytes=300_000))
+    sharded = write_synthetic(tmp_path / "sharded", "glm4_moe", "tiny")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (sharded / "model.safetensors").exists()
+    header_bytes = [8 + int.from_bytes((sharded / f).read_bytes()[:8], "little") for f in shards]
+    assert index["metadata"]["total_size"] == sum((sharded / f).stat().st_size for f in shards) - sum(header_bytes)
+    ids = sample_session(sharded, tokens_per_phase=16)[1][1][None]
+    one_file, split = load_reference(models("glm4_moe"))[0], load_reference(sharded)[0]
+    torch.testing.assert_close(_logits(one_file, ids), _logits(split, ids), rtol=0, atol=1e-5)
+
+
+def test_configs_carry_the_arch_features():
+    glm = synth._config("glm4_moe", synth.arch_preset("glm4_moe", PRESETS["tiny"]))
+    assert [glm[k] for k in ("first_k_dense_replace", "n_shared_experts", "n_group", "topk_group")] == [1, 1, 4, 2]
+    assert glm["routed_scaling_factor"] != 1.0 and glm["partial_rotary_factor"] == 0.5
+    qwen = synth._config("qwen3_moe", PRESETS["small"])
+    assert qwen["norm_topk_prob"] is True
+    for preset in PRESETS:
+        mixtral = synth.arch_preset("mixtral", PRESETS[preset])
+        assert (mixtral.num_experts, mixtral.top_k) == (8, 2)
+
+
+def test_glm_correction_bias_is_nonzero(models):
+    from safetensors.numpy import load_file
+    tensors = load_file(models("glm4_moe") / "model.safetensors")
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]       # [E]
+    assert np.abs(bias).max() > 0.01 and "model.layers.0.mlp.gate_proj.weight" in tensors
+
+
+@needs_transformers
+def test_logits_depend_on_context(models):
+    a, b = (np.concatenate([t for _, t in sample_session(models("qwen3_moe"), seed=s)])[None] for s in (1, 2))
+    b[0, -1] = a[0, -1]
+    model, _ = load_reference(models("qwen3_moe"))
+    la, lb = _logits(model, a)[0, -1], _logits(model, b)[0, -1]
+    assert (la - lb).abs().mean() > 0.05
+
+
+# --- determinism and atomic writes ----------------------------------------------------
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
+    one = _tree_digest(write_synthetic(tmp_path / "a", "glm4_moe", "tiny", seed=3))
+    two = _tree_digest(write_synthetic(tmp_path / "b", "glm4_moe", "tiny", seed=3))
+    other = _tree_digest(write_synthetic(tmp_path / "c", "glm4_moe", "tiny", seed=4))
+    assert one == two
+    assert one["model.safetensors"] != other["model.safetensors"]
+    assert one["config.json"] == other["config.json"]
+
+
+def test_bytes_do_not_depend_on_the_blas_thread_count(tmp_path):
+    here = _tree_digest(write_synthetic(tmp_path / "here", "mixtral", "tiny", seed=1, fused=True))
+    repo = pathlib.Path(synth.__file__).resolve().parents[2]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    code = ("from moetier.model.synth import write_synthetic; "
+            f"write_synthetic({str(tmp_path / 'one')!r}, 'mixtral', 'tiny', seed=1, fused=True)")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert _tree_digest(tmp_path / "one") == here
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    real = synth._write_safetensors
+
+    def fail_after_writing(path, tensors):
+        real(path, tensors[:3])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(synth, "_write_safetensors", fail_after_writing)
+    with pytest.raises(OSError, match="disk full"):
+        write_synthetic(tmp_path / "model", "qwen3_moe", "tiny")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_non_empty_directory_but_fills_an_empty_one(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        write_synthetic(tmp_path / "full")
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    (tmp_path / "empty").mkdir()
+    out = write_synthetic(tmp_path / "empty")
+    assert {"config.json", "model.safetensors", synth.SYNTH_META} <= {p.name for p in out.iterdir()}
+    with pytest.raises(ValueError, match="preset"):
+        write_synthetic(tmp_path / "x", preset="huge")
+    with pytest.raises(ValueError, match="arch"):
+        write_synthetic(tmp_path / "y", arch="llama")
+
+
+# --- sessions -------------------------------------------------------------------
+
+def test_sessions_draw_runs_from_the_phase_family(models):
+    model_dir = models("qwen3_moe")
+    families = token_families(model_dir)
+    assert set(families) == {"common", "explore", "edit", "verify", "second_language"}
+    every = np.concatenate(list(families.values()))
+    assert len(every) == len(set(every.tolist())) == PRESETS["tiny"].vocab_size - 3
+    session = sample_session(model_dir, tokens_per_phase=200, seed=5)
+    assert [p for p, _ in session] == ["explore", "edit", "verify"]
+    for phase, ids in session:
+        assert ids.shape == (200,) and ids.dtype == np.int64
+        own = np.isin(ids, families[phase]).mean()
+        assert 0.55 < own < 0.85, (phase, own)
+        runs = 1 + np.count_nonzero(np.diff(np.isin(ids, families[phase]).astype(int)))
+        assert runs < 0.5 * len(ids)                                     # runs, not a token-by-token mix
+    again = sample_session(model_dir, tokens_per_phase=200, seed=5)
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(session, again))
+    only_sl = sample_session(model_dir, phases=("edit",), family_mix={"second_language": 1.0})[0][1]
+    assert np.isin(only_sl, families["second_language"]).all()
+    with pytest.raises(ValueError, match="family"):
+        sample_session(model_dir, phases=("plan",))
+
+
+# --- routing properties -----------------------------------------------------------
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ARCHES)
+def test_routing_is_skewed_phase_specific_and_local_tiny(models, arch):
+    check_properties(measure(models(arch, "tiny")))
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ARCHES)
+def test_routing_is_skewed_phase_specific_and_local_small(models, arch):
+    check_properties(measure(models(arch, "small")))
+
+
+# --- medium (about 1 GB) --------------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+@needs_transformers
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHES)
+def test_medium_is_about_1gb_sharded_lazy_and_routes_realistically(tmp_path, arch):
+    from safetensors import safe_open
+    out = write_synthetic(tmp_path / "medium", arch, "medium")
+    shards = sorted(out.glob("model-*.safetensors"))
+    total = sum(f.stat().st_size for f in shards)
+    assert 0.9e9 <= total <= 1.2e9 and len(shards) >= 3
+    assert all(f.stat().st_size < 0.4e9 for f in shards)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    prefix = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    names = [k for k in weight_map if f"layers.5.{prefix}.experts.7." in k]
+    assert len(names) == 3 and len({weight_map[k] for k in names}) == 1     # one expert, one shard
+    before = _rss_bytes()
+    with safe_open(out / weight_map[names[0]], framework="pt") as f:
+        expert = [f.get_tensor(k) for k in names]
+    assert sum(t.numel() * 4 for t in expert) < 20e6
+    assert _rss_bytes() - before < 150e6                                       # not the whole shard
+    model, info = load_reference(out)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    del model
+    check_properties(measure(out))
