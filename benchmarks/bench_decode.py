@@ -36,7 +36,7 @@ def bytes_per_decoded_token(engine: Engine) -> int:
     total = s.hidden_size * 4 + engine.lm_head.numel() * 4 + engine.final_norm.numel() * 4
     for layer, w in enumerate(engine.layers):
         total += sum(t.numel() * 4 for t in (w.input_norm, w.post_norm, w.qkv, w.o_proj) if t is not None)
-        total += sum(t.numel() * 4 for t in (w.q_norm, w.k_norm, w.qkv_bias, w.o_bias, w.router) if t is not None)
+        total += sum(t.numel() * 4 for t in (w.qk_norm, w.qkv_bias, w.o_bias, w.router) if t is not None)
         total += sum(m.nbytes for m in (w.mlp, w.shared) if m is not None)
         if s.is_moe(layer):
             total += s.top_k * engine.checkpoint.expert_nbytes

@@ -46,9 +46,14 @@ class TorchBackend(Backend):
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         out = torch.zeros_like(x)  # [T, D]
-        if x.shape[0] == 1:  # decode: every expert serves the one row
-            for item in work:
-                out.add_(swiglu(x, item.expert), alpha=float(item.weights[0]))
+        if x.shape[0] == 1 and work:  # decode: every expert serves the one row
+            scales = torch.cat([item.weights for item in work]).tolist()  # one host read, not one per expert
+            for item, scale in zip(work, scales):
+                w = item.expert
+                gate_up = F.linear(x, w.gate_up)  # [1, 2I]
+                inter = w.down.shape[1]
+                hidden = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [1, I]
+                out.addmm_(hidden, w.down.t(), alpha=scale)  # out += scale * hidden @ down^T, one kernel
             return out
         for item in work:
             rows = item.rows.to(x.device)

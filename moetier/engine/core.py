@@ -103,8 +103,7 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(H + 2G) * d]
     o_proj: torch.Tensor  # [D, H * d]
     o_bias: torch.Tensor | None  # [D]
-    q_norm: torch.Tensor | None  # [d]
-    k_norm: torch.Tensor | None  # [d]
+    qk_norm: torch.Tensor | None  # [H + G, d]: q_norm for each query head, then k_norm for each kv head
     mlp: ExpertWeights | None  # dense layers
     router: torch.Tensor | None  # [E, D]
     correction_bias: torch.Tensor | None  # [E]
@@ -181,8 +180,8 @@ class Engine:
             qkv_bias=bias,
             o_proj=c.load(attn + "o_proj.weight").to(dev),
             o_bias=c.load(attn + "o_proj.bias").to(dev) if spec.output_bias else None,
-            q_norm=c.load(attn + "q_norm.weight").to(dev) if spec.qk_norm else None,
-            k_norm=c.load(attn + "k_norm.weight").to(dev) if spec.qk_norm else None,
+            qk_norm=torch.cat([c.load(attn + "q_norm.weight").expand(spec.num_heads, -1),
+                               c.load(attn + "k_norm.weight").expand(spec.num_kv_heads, -1)]).to(dev) if spec.qk_norm else None,
             mlp=None if moe else to_dev(c.dense_mlp(layer)),
             router=c.router_weight(layer).clone().to(dev) if moe else None,
             correction_bias=(lambda b: None if b is None else b.clone().to(dev))(c.router_bias(layer)) if moe else None,
@@ -252,17 +251,14 @@ class Engine:
     def _attention(self, layer: int, w: LayerWeights, x: torch.Tensor, cache: KVCache, start: int, mask) -> torch.Tensor:
         s = self.spec
         new, d = x.shape[0], s.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2G) * d]
-        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
-        q = q.view(new, s.num_heads, d)  # [T, H, d]
-        k = k.view(new, s.num_kv_heads, d)  # [T, G, d]
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, s.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, s.rms_norm_eps)
-        rope = self.ropes[x.device]
-        q = rope.apply(q.transpose(0, 1), start)  # [H, T, d]
-        k = rope.apply(k.transpose(0, 1), start)  # [G, T, d]
-        v = v.view(new, s.num_kv_heads, d).transpose(0, 1)  # [G, T, d]
+        heads, groups = s.num_heads, s.num_kv_heads
+        qkv = F.linear(x, w.qkv, w.qkv_bias).view(new, heads + 2 * groups, d)  # [T, H + 2G, d]
+        qk, v = qkv[:, : heads + groups], qkv[:, heads + groups :]  # [T, H + G, d], [T, G, d]
+        if w.qk_norm is not None:  # per-head RMSNorm; q and k heads carry their own weights
+            qk = F.rms_norm(qk, (d,), None, s.rms_norm_eps) * w.qk_norm
+        qk = self.ropes[x.device].apply(qk.transpose(0, 1), start)  # [H + G, T, d]: one rotation for q and k
+        q, k = qk[:heads], qk[heads:]  # [H, T, d], [G, T, d]
+        v = v.transpose(0, 1)  # [G, T, d]
         keys, values = cache.append(layer, k, v, start)  # [G, P, d]
         return F.linear(attend(q, keys, values, mask), w.o_proj, w.o_bias)  # [T, D]
 

@@ -56,8 +56,9 @@ PRESETS: dict[str, SynthPreset] = {
     "tiny": SynthPreset(64, 3, 4, 2, 16, 16, 4, 32, 128, 512),
     # the built-in demo model; ~60 MB
     "small": SynthPreset(256, 4, 8, 4, 32, 48, 6, 96, 1024, 4096),
-    # ~1.06 GB; decode touches ~200-330 MB of weights per token (memory-bound)
-    "medium": SynthPreset(768, 8, 12, 4, 64, 64, 8, 192, 2048, 16384, shard_bytes=300_000_000),
+    # ~1.1 GB, fine-grained like Qwen3-Next (many small experts, top-10, many layers):
+    # decode touches ~200 MB of weights per token, far beyond the caches (memory-bound)
+    "medium": SynthPreset(512, 16, 8, 2, 64, 80, 10, 128, 1024, 16384, shard_bytes=300_000_000),
 }
 
 
