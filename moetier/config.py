@@ -18,7 +18,7 @@ from typing import Any
 
 TIER_KINDS = ("vram", "helper", "cpu", "remote")
 DEVICE_KINDS = ("cuda", "cpu")
-POLICY_NAMES = ("static", "lru", "lfu", "adaptive")
+POLICY_NAMES = ("static", "lru", "lfu", "xlayer")
 BIAS_MODES = ("selection", "damped")
 
 

@@ -213,7 +213,7 @@ class _Plan:
 
     def _glu(self, key: str, inter: int, layer: int, scale: float, part: int) -> np.ndarray:
         """Part 0 gate [I, D], 1 up [I, D], 2 down [D, I] of a SwiGLU block writing rms ~scale * UPDATE_RMS."""
-        D, s = self.p.hidden_size, self.seed
+        s = self.seed
         if part == 2:
             return design.writer(design.rng_for(s, key + ".down"), self.sub, inter, SILU_GLU_RMS, scale)
         return design.reader(design.rng_for(s, key + (".gate", ".up")[part]), self.sub, inter, 2 * layer + 1)
