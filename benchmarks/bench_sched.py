@@ -6,7 +6,9 @@ absent). (1) Router + scheduler + dispatch time per MoE layer, excluding
 expert math: the engine's `router` and the executor's `dispatch` categories
 (policy lookups, the plan, job building, handing work to the lane's thread),
 per MoE layer, with every tier's backend replaced by one that returns zeros
-and link emulation off; for a static (profile) cache and for LRU. Target <= 50 us. (2) The CPU lane computing 8 distinct experts
+and link emulation off, replaying recorded decode decisions one call at a
+time (medians, which a busy machine inflates least); for a static (profile)
+cache, LRU and xlayer. Target <= 50 us. (2) The CPU lane computing 8 distinct experts
 of one layer at batch 1, cycling over layers so no expert is cached, as bytes
 of expert weights per second against the copy bandwidth measured in the same
 run. Target >= 60%. Prints a table, then one JSON line.
@@ -83,7 +85,12 @@ class NullBackend(Backend):
 
 
 def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, float]:
-    """Router + dispatch per MoE layer, with every tier's expert math (and the emulated link's time) removed."""
+    """Median router and dispatch time per MoE layer, with every tier's expert math (and the emulated
+    link's time) removed. Decode decisions are recorded from a real run, then replayed through
+    `route` and `TieredExecutor.dispatch` one call at a time (its `dispatch` category: everything
+    before the inline tier's expert math)."""
+    from moetier.engine.router import route
+
     spec = checkpoint.spec
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "layout.toml"
@@ -94,18 +101,28 @@ def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, flo
         tier.backend = NullBackend()
         if hasattr(tier, "link"):
             tier.link.emulated = False
-    times = StepTimes()
-
-    def start() -> None:
-        runtime.engine.times = runtime.executor.times = times
-
+    engine, executor = runtime.engine, runtime.executor
+    recorded = []
+    engine.observer = lambda layer, decision: recorded.append((layer, decision))
     try:
-        generate(runtime.engine, [1, 2, 3, 4], 8)
-        generate(runtime.engine, [1, 2, 3, 4], tokens + 1, before_decode=start)
+        generate(engine, [1, 2, 3, 4], tokens + 1)
+        engine.observer = None
+        decode = [(l, d) for l, d in recorded if d.picks.shape[0] == 1]
+        x = torch.randn(1, spec.hidden_size)
+        router, dispatch = [], []
+        for layer, decision in decode:
+            w = engine.layers[layer]
+            begin = time.perf_counter()
+            route(spec, torch.nn.functional.linear(x, w.router), w.correction_bias)
+            router.append(time.perf_counter() - begin)
+            executor.times = StepTimes()  # its "dispatch" ends where the inline tier's expert math begins
+            partials = executor.dispatch(layer, x, decision)
+            dispatch.append(executor.times.seconds["dispatch"])
+            if partials.lane is not None:
+                partials.lane.result()
     finally:
         runtime.close()
-    per_layer = 1e6 / times.steps / len(spec.moe_layers)
-    return {"router_us": times.seconds["router"] * per_layer, "dispatch_us": times.seconds["dispatch"] * per_layer}
+    return {"router_us": median(router) * 1e6, "dispatch_us": median(dispatch) * 1e6, "layers_timed": len(decode)}
 
 
 def lane_bandwidth(checkpoint, experts: int = 8, rounds: int = 5) -> float:
@@ -138,7 +155,7 @@ def main() -> None:
     checkpoint = open_checkpoint(args.model or cached_synthetic("qwen3_moe", "medium"))
     bandwidth = copy_bandwidth_bytes_per_s()
     lane = lane_bandwidth(checkpoint)
-    overheads = {policy: overhead_us_per_layer(checkpoint, args.tokens, policy) for policy in ("static", "lru")}
+    overheads = {policy: overhead_us_per_layer(checkpoint, args.tokens, policy) for policy in ("static", "lru", "xlayer")}
     for policy, overhead in overheads.items():
         total = overhead["router_us"] + overhead["dispatch_us"]
         print(f"{'router + scheduler + dispatch per MoE layer, ' + policy:52}{total:8.1f} us  (router {overhead['router_us']:.1f}, "

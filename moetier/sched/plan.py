@@ -68,9 +68,11 @@ def plan_layer(
             held_somewhere |= fast
             cost = costs[name]
             start = finish[name]
-            done = (cost.fixed_us if start is None else start) \
-                + (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes \
-                + cost.hidden_us_per_token * max(0, tokens - tokens_on[name]) + (fetch_us or 0.0)
+            done = (cost.fixed_us if start is None else start) + (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes
+            if tokens > tokens_on[name]:
+                done += cost.hidden_us_per_token * (tokens - tokens_on[name])
+            if fetch_us is not None:
+                done += fetch_us
             if best is None or (done, rank, name) < best[:3]:
                 best = (done, rank, name, fetch_us is not None)
         if best is None:

@@ -75,7 +75,8 @@ class ResidencyPolicy:
                 self._key[layer, top] = -1 - np.arange(len(top))  # int policies: oldest last
         self._snapshot = [self.resident(layer) for layer in range(L)]
         none = np.zeros(0, np.int64)
-        self._changes = [(none, none)] * L
+        self._no_changes = (none, none)
+        self._changes = [self._no_changes] * L
 
     # -- public API -----------------------------------------------------------------
     def access(self, layer: int, picks: np.ndarray) -> np.ndarray:
@@ -83,11 +84,18 @@ class ResidencyPolicy:
         picks = np.asarray(picks, dtype=np.int64)
         if not 0 <= layer < self.num_layers or picks.ndim != 1 or picks.size == 0:
             raise ValueError(f"{self.name}: access(layer in [0, {self.num_layers}), picks [k]), got layer {layer}, shape {picks.shape}")
-        if picks.min() < 0 or picks.max() >= self.num_experts or len(np.unique(picks)) != len(picks):
-            raise ValueError(f"{self.name}: picks must be distinct expert ids in [0, {self.num_experts}), got {picks.tolist()}")
+        listed = picks.tolist()  # k is small: Python checks beat numpy's per-call overhead here
+        if min(listed) < 0 or max(listed) >= self.num_experts or len(set(listed)) != len(listed):
+            raise ValueError(f"{self.name}: picks must be distinct expert ids in [0, {self.num_experts}), got {listed}")
         hits = self._access_layer(layer, picks)
+        if not self.mutable and not self.prefetches:
+            return hits  # nothing ever changes: last_changes stays empty
         after, before = self.resident(layer), self._snapshot[layer]
-        self._changes[layer] = (np.setdiff1d(after, before), np.setdiff1d(before, after))
+        if after.shape != before.shape or (after != before).any():
+            now, then = set(after.tolist()), set(before.tolist())
+            self._changes[layer] = (np.array(sorted(now - then), np.int64), np.array(sorted(then - now), np.int64))
+        else:
+            self._changes[layer] = self._no_changes
         self._snapshot[layer] = after
         return hits
 

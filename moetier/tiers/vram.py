@@ -59,8 +59,9 @@ class VramTier(Tier):
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.upload_wait_us = 0.0
         for layer in layers:  # initial residency (a static profile, a warm start) lands before timing
-            for expert in policy.resident(self.index[layer]).tolist():
-                self._upload(layer, expert, timed=False)
+            resident = policy.resident(self.index[layer]).tolist()
+            if resident:
+                self._upload(layer, resident, timed=False)
 
     # -- residency ----------------------------------------------------------------------
     def holds(self, layer: int) -> frozenset[int]:
@@ -79,28 +80,35 @@ class VramTier(Tier):
         for expert in evicted.tolist():
             arena.free.append(arena.slot_of.pop(expert))
             arena.ready.pop(expert, None)
-        for expert in admitted.tolist():
-            self._upload(layer, expert, timed=True)
-        return frozenset(picks_array[hit_mask].tolist()), frozenset(admitted.tolist())
+        admitted_list = admitted.tolist()
+        if admitted_list:
+            self._upload(layer, admitted_list, timed=True)
+        return frozenset(picks_array[hit_mask].tolist()), frozenset(admitted_list)
 
-    def _upload(self, layer: int, expert: int, timed: bool) -> None:
+    def _upload(self, layer: int, experts: list[int], timed: bool) -> None:
+        """Give each expert a slot now; copy them in, in one job on the link thread (or here when untimed)."""
         arena = self.arenas[layer]
-        slot = arena.free.pop()
-        arena.slot_of[expert] = slot
-        event = arena.ready[expert] = threading.Event()
-        source = self.host.get(layer, expert)
+        event = threading.Event()  # one per batch: the batch lands together
+        slots = []
+        for expert in experts:
+            slots.append(arena.free.pop())
+            arena.slot_of[expert] = slots[-1]
+            arena.ready[expert] = event
 
         def copy() -> None:
-            if timed:
-                self.link.transfer(self.host.expert_bytes)
+            for expert, slot in zip(experts, slots):
+                source = self.host.get(layer, expert)
+                if timed:
+                    self.link.transfer(self.host.expert_bytes)
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
+                        arena.down[slot].copy_(source.down, non_blocking=True)
+                else:
+                    arena.gate_up[slot].copy_(source.gate_up)
+                    arena.down[slot].copy_(source.down)
             if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
-                    arena.down[slot].copy_(source.down, non_blocking=True)
                 self._stream.synchronize()
-            else:
-                arena.gate_up[slot].copy_(source.gate_up)
-                arena.down[slot].copy_(source.down)
             event.set()
 
         if timed:
