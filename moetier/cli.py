@@ -41,6 +41,9 @@ def errors_to_exit(command: Callable) -> Callable:
 
         try:
             return command(*args, **kwargs)
+        except BrokenPipeError:  # `moetier ... | head`: the reader left; nothing to report
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
         except (UsageError, SpecError, CheckpointError, BackendError, ValueError, OSError) as err:
             message = str(err) if not isinstance(err, OSError) else f"{err.filename or ''}: {err.strerror or err}"
             print(f"moetier: error: {message}", file=sys.stderr)
@@ -60,7 +63,11 @@ def cached_synthetic(arch: str, preset: str, seed: int = 0) -> Path:
     """A synthetic checkpoint in the cache folder, written the first time it is asked for."""
     from moetier.model.synth import write_synthetic
 
-    folder = moetier_home() / "models" / f"{arch}-{preset}-seed{seed}"
+    from moetier.model.synth import synth_version
+
+    # The folder name carries the generator's version (format and preset dims), so a cache
+    # written by an older generator is never mistaken for this one's output.
+    folder = moetier_home() / "models" / f"{arch}-{preset}-seed{seed}-{synth_version(arch, preset)}"
     if not (folder / "config.json").exists():
         status.print(f"[dim]writing the synthetic {arch} {preset} model to {folder} (once)[/dim]", highlight=False)
         write_synthetic(folder, arch=arch, preset=preset, seed=seed)
@@ -129,6 +136,9 @@ def run(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     layout: Optional[Path] = typer.Option(None, help="cluster.toml: run over its tiers and report where time goes"),
     trace: Optional[Path] = typer.Option(None, help="with --layout: write the decode routing trace (.npz)"),
+    bias: Optional[Path] = typer.Option(None, help="router bias table (.safetensors, from `moetier bias`)"),
+    affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (needs --layout with a vram tier)"),
+    bias_mode: Optional[str] = typer.Option(None, help="selection | damped (weights from the biased scores too)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Generate tokens and report prefill and decode speed."""
@@ -139,6 +149,7 @@ def run(
     if trace is not None and layout is None:
         raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
     engine, runtime = _open_engine(model, backend, device, threads, layout)
+    apply_router_options(engine, bias, affinity, bias_mode)
     prompt = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids else _default_prompt(engine)
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
@@ -185,6 +196,9 @@ def score(
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None),
     layout: Optional[Path] = typer.Option(None, help="cluster.toml: score over its tiers"),
+    bias: Optional[Path] = typer.Option(None, help="router bias table (.safetensors, from `moetier bias`)"),
+    affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (needs --layout with a vram tier)"),
+    bias_mode: Optional[str] = typer.Option(None, help="selection | damped"),
 ):
     """Teacher-forced logits for every position of a sequence."""
     from moetier.engine import score as score_ids
@@ -192,6 +206,7 @@ def score(
     token_ids = _load_ids(ids)
     engine, runtime = _open_engine(model, backend, device, threads, layout)
     try:
+        apply_router_options(engine, bias, affinity, bias_mode)
         logits = score_ids(engine, token_ids)
     finally:
         if runtime is not None:
@@ -285,9 +300,16 @@ from moetier.cli_layout import register as _register_layout  # noqa: E402
 _register_layout(app)
 
 
+from moetier.cli_profile import apply_router_options, register as _register_profile  # noqa: E402
+
+_register_profile(app)
+
+
 from moetier.transport.commands import register as register_transport  # noqa: E402  (after app; it imports errors_to_exit)
 
 register_transport(app)
+from moetier.cli_sim import register as _register_sim  # noqa: E402
+_register_sim(app)
 
 
 def main() -> None:

@@ -271,7 +271,15 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
     other = _tree_digest(write_synthetic(tmp_path / "c", "glm4_moe", "tiny", seed=4))
     assert one == two
     assert one["model.safetensors"] != other["model.safetensors"]
-    assert one["config.json"] == other["config.json"]
+    assert one["config.json"] != other["config.json"]  # the seed is in the config: fingerprints differ
+
+
+def test_fingerprint_tells_seeds_apart(tmp_path):
+    from moetier.model import open_checkpoint
+
+    a = open_checkpoint(write_synthetic(tmp_path / "a", "qwen3_moe", "tiny", seed=1)).fingerprint
+    b = open_checkpoint(write_synthetic(tmp_path / "b", "qwen3_moe", "tiny", seed=2)).fingerprint
+    assert a != b
 
 
 def test_bytes_do_not_depend_on_the_blas_thread_count(tmp_path):

@@ -266,9 +266,10 @@ class Engine:
         begin = time.perf_counter() if self.times is not None else 0.0
         bias = affinity = None
         if self.router_bias is not None:
-            bias = self.router_bias.table[self.moe_index[layer]]  # [E]
+            bias = self.router_bias.table[self.moe_index[layer]].to(x.device)  # [E]
             if self.router_bias.affinity and (x.shape[0] == 1 or self.router_bias.affinity_prefill):
                 affinity = self.executor_affinity(layer)
+                affinity = None if affinity is None else affinity.to(x.device)
         decision = route(self.spec, F.linear(x, w.router), w.correction_bias, bias, affinity,
                          self.router_bias is not None and self.router_bias.damped)
         if self.observer is not None:

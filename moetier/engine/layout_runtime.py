@@ -106,7 +106,21 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
         costs[config.name] = tier_cost(layout, config, calibration, host.expert_bytes, hidden_bytes)
     executor = TieredExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
     engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
+    _apply_router(layout, engine)
     return TieredRuntime(engine, executor, layout, calibration, emulated)
+
+
+def _apply_router(layout: Layout, engine: Engine) -> None:
+    """cluster.toml's [router]: bias table, affinity, bias mode (all off by default: the reference router)."""
+    from moetier.profile.bias import apply_router_options  # the profile package sits above the engine
+
+    r = layout.router
+    if not r.bias and not r.affinity:
+        return
+    try:
+        apply_router_options(engine, layout.relative(r.bias) if r.bias else None, r.affinity, r.bias_mode, r.affinity_prefill)
+    except ValueError as err:
+        raise ConfigError(f"{layout.path}: [router]: {err}") from None
 
 
 def _slots(config: TierConfig, expert_bytes: int, layers: int, experts: int, layout: Layout, where: str) -> int:

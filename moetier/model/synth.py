@@ -77,6 +77,14 @@ def _glm_groups(experts: int) -> tuple[int, int]:
     return (4, 2) if experts % 4 == 0 and experts // 4 >= 2 else (1, 1)
 
 
+def synth_version(arch: str, preset: str) -> str:
+    """A short hash of the generator's format version and the preset's dims for `arch`."""
+    import hashlib
+
+    dims = asdict(arch_preset(arch, PRESETS[preset]))
+    return hashlib.sha256(json.dumps([SYNTH_FORMAT_VERSION, arch, dims], sort_keys=True).encode()).hexdigest()[:8]
+
+
 def _config(arch: str, p: SynthPreset) -> dict:
     common = {
         "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
@@ -353,7 +361,10 @@ def write_synthetic(out_dir, arch: str = "qwen3_moe", preset: str = "tiny", seed
             index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
                      "weight_map": weight_map}
             _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
-        _write_text(tmp / "config.json", json.dumps(_config(arch, dims), indent=2) + "\n")
+        # The generator's identity goes into config.json, so the model fingerprint (config + tensor
+        # index) tells apart two synthetic models that differ only in seed or generator version.
+        config = _config(arch, dims) | {"moetier_synthetic": {"seed": seed, "version": synth_version(arch, preset)}}
+        _write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         _write_text(tmp / SYNTH_META, json.dumps(_synth_meta(plan, arch, preset, dims)) + "\n")
         _fsync_dir(tmp)
         if out.exists():
