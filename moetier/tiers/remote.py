@@ -8,7 +8,8 @@ their gate-weighted partial sum comes back. Each call has a deadline, the
 layer budget. Invariant: no token is ever lost — on timeout, disconnect or an
 ERROR reply the same work is recomputed on the fallback CpuTier,
 synchronously, and the worker is suspect (`holds` is empty, `cost_us`
-infinite) until its client reconnects, with backoff.
+infinite) until its client reconnects, with backoff. A request over the
+message limit (a long prefill) is computed on the fallback as well.
 
 cost_us = round trip (measured, EWMA) + experts x compute per expert (measured
 from the worker's own timings on decode calls, EWMA) + the extra rows' bytes
@@ -127,9 +128,9 @@ class RemoteTier(Tier):
             return self._done(self._fall_back(layer, x, jobs, "suspect", None))
         tokens = x.shape[0]
         index = None  # rows of x that go out; None: all of them
-        if tokens == 1:  # decode: every expert serves the one row
+        if tokens == 1:  # decode: every expert serves the one row, so every row index is 0
             sub = x  # [1, D]
-            rows = torch.cat([j.rows for j in jobs]).to(torch.int32)  # [k] zeros
+            rows = torch.zeros(sum(int(j.rows.numel()) for j in jobs), dtype=torch.int32)  # [k]
         else:
             wanted = torch.cat([j.rows for j in jobs]).cpu()  # [r] grouped by expert
             index = torch.unique(wanted)  # [n] sorted
@@ -139,7 +140,8 @@ class RemoteTier(Tier):
                 sub = x.index_select(0, index.to(x.device))  # [n, D]
                 rows = torch.searchsorted(index, wanted).to(torch.int32)  # [r] into sub
         sub = sub.to("cpu", self.wire_dtype)  # [n, D]
-        if sub.numel() * sub.element_size() + rows.numel() * 8 + MAX_HEADER_BYTES > self.client.hello.max_message_bytes:
+        limit_bytes = min(self.client.hello.max_message_bytes, self.client.max_message_bytes)  # both ends enforce one
+        if sub.numel() * sub.element_size() + rows.numel() * 8 + MAX_HEADER_BYTES > limit_bytes:
             return self._done(self._fall_back(layer, x, jobs, "too_large", None))
         weights = torch.cat([j.weights.float().cpu() for j in jobs])  # [r]
         request = Run(layer, tuple(j.expert for j in jobs), tuple(int(j.rows.numel()) for j in jobs), sub, rows, weights)
@@ -152,15 +154,15 @@ class RemoteTier(Tier):
                 index: torch.Tensor | None, begin: float) -> None:
         """Reply in: scatter it into [T, D]; failed: recompute on the fallback. Runs on whichever thread saw the reply."""
         try:
-            error = Future.exception(reply, 0)
-            n = x.shape[0] if index is None else index.numel()
-            if error is None and tuple(reply.result(0).y.shape) != (n, self.hidden_size):
-                error = TransportError(f"RUN reply of shape {list(reply.result(0).y.shape)} (expected {[n, self.hidden_size]})")
+            error = Future.exception(reply, 0)  # the base class's: the reply is in, nothing to pump
+            answer = Future.result(reply, 0) if error is None else None
+            rows = x.shape[0] if index is None else index.numel()
+            if answer is not None and tuple(answer.y.shape) != (rows, self.hidden_size):
+                error = TransportError(f"RUN reply of shape {list(answer.y.shape)} (expected {[rows, self.hidden_size]})")
             if error is not None:
                 reason = "timeout" if isinstance(error, DeadlineError) else "error" if isinstance(error, RemoteError) else "disconnect"
                 future.set_result(self._fall_back(layer, x, jobs, reason, begin))
                 return
-            answer = reply.result(0)
             y = answer.y.to(x.device, x.dtype)  # [n, D]
             if index is None:
                 out = y  # [T, D]

@@ -1,0 +1,293 @@
+"""Round trips across processes on loopback: a moetier RUN against raw pyzmq and torch.distributed (gloo).
+
+Regime: decode. One hidden state [1, D] in bf16 goes to another process and
+[1, D] comes back, D in 2048 / 4096 / 5120 (4-10 KiB each way). Peers, each
+in its own process, one CPU thread each:
+  raw     pyzmq DEALER -> ROUTER echo of the same bytes (the floor for Python + ZeroMQ)
+  run     WorkerClient.call(RUN) -> an ExpertWorker whose expert is a no-op
+          (returns x): the whole protocol — msgpack header, x/rows/weights
+          frames, validation, dispatch, reply decode — minus expert math
+  tier    RemoteTier.submit(...).result() on the same worker: run + the tier's
+          packing of jobs and its future (what the engine pays)
+  gloo    torch.distributed send + recv of the same tensor (gloo over lo)
+  *-curve the same over CurveZMQ (raw: encryption only; run: + ZAP-admitted client)
+Samples of the zmq peers are interleaved in rounds so machine noise hits all
+alike; gloo runs after them. perf_counter around each round trip (CPU only:
+nothing to synchronise). Prints a table, then one JSON line.
+Targets (issue 4): run median <= raw median + 30 us; run p99 <= 2 x raw
+median; run faster than gloo; CurveZMQ adds <= 10% to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moetier.backends.base import BackendCaps  # noqa: E402
+from moetier.tiers.base import ExpertJob  # noqa: E402
+from moetier.transport import protocol as P  # noqa: E402
+from moetier.transport.client import WorkerClient  # noqa: E402
+from moetier.transport.keys import generate, make_client, make_server  # noqa: E402
+
+SIZES = (2048, 4096, 5120)
+
+
+# -- peers (each runs in its own process) -----------------------------------------------------------
+
+
+class NoopBackend:
+    """The expert returns its input: the reply is x itself, so only transport is timed."""
+
+    name = "noop"
+    caps = BackendCaps(device_kind="cpu", dtypes=("float32", "bfloat16", "float16"))
+
+    def place(self, weights):
+        return None
+
+    def run_experts(self, x, work):
+        return x  # [n, D]
+
+
+@dataclass(frozen=True)
+class NoopModel:
+    """Just enough of a Checkpoint for a worker: one MoE layer of one expert, hidden size D."""
+
+    hidden: int
+
+    @property
+    def spec(self):
+        return SimpleNamespace(hidden_size=self.hidden, num_experts=1, moe_layers=[0], is_moe=lambda layer: layer == 0)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"noop-{self.hidden}"
+
+    folder = "(no-op model)"
+
+    def expert(self, layer, expert):
+        return SimpleNamespace(nbytes=0)
+
+
+def serve_noop(hidden: int, keys: str | None, ready) -> None:
+    from moetier.transport.worker import ExpertWorker, serve
+
+    torch.set_num_threads(1)
+    serve(ExpertWorker(NoopModel(hidden), NoopBackend()), "tcp://127.0.0.1:0", keys, on_ready=ready.put)
+
+
+def serve_echo(keys: str | None, ready) -> None:
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    if keys is not None:
+        make_server(router, keys)  # encryption, no ZAP: the cost of CURVE itself
+    router.bind("tcp://127.0.0.1:0")
+    ready.put(router.last_endpoint.decode())
+    while True:
+        router.send_multipart(router.recv_multipart(copy=False), copy=False)
+
+
+def gloo_peer(rank: int, store: str, sizes: tuple[int, ...], count: int, out) -> None:
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    results = {}
+    for hidden in sizes:
+        tensor = torch.randn(1, hidden).to(torch.bfloat16)  # [1, D]
+        samples = []
+        cpu_before = time.process_time()
+        for i in range(count + count // 10):
+            begin = time.perf_counter()
+            if rank == 0:
+                dist.send(tensor, 1)
+                dist.recv(tensor, 1)
+            else:
+                dist.recv(tensor, 0)
+                dist.send(tensor, 0)
+            if i >= count // 10:
+                samples.append((time.perf_counter() - begin) * 1e6)
+        results[hidden] = (samples, (time.process_time() - cpu_before) * 1e6 / (count + count // 10))
+    out.put((rank, results))
+    dist.destroy_process_group()
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+
+
+def summary(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {"median_us": statistics.median(ordered), "p99_us": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], "n": len(ordered)}
+
+
+def raw_caller(endpoint: str, payload: bytes, keys: str | None):
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.linger = 0
+    if keys is not None:
+        make_client(socket, keys)
+    socket.connect(endpoint)
+
+    def call() -> None:
+        socket.send(payload)
+        socket.recv()
+
+    return call, socket.close
+
+
+def run_caller(endpoint: str, hidden: int, keys: str | None):
+    client = WorkerClient(endpoint, f"noop-{hidden}", keys, name="bench", setup=lambda: [P.Load(torch.zeros(1, 2, dtype=torch.int32))])
+    x = torch.randn(1, hidden).to(torch.bfloat16)  # [1, D]
+    run = P.Run(0, (0,), (1,), x, torch.zeros(1, dtype=torch.int32), torch.ones(1))
+
+    def call() -> None:
+        client.call(run, 5.0)
+
+    return call, client.close
+
+
+def tier_caller(endpoint: str, hidden: int):
+    from moetier.tiers.remote import RemoteTier
+
+    lane = SimpleNamespace(name="lane", holds=lambda layer: frozenset({0}))
+    tier = RemoteTier("bench", endpoint, NoopModel(hidden), {0: [0]}, lane, layer_budget_us=5e6, wire_dtype=torch.bfloat16)
+    x = torch.randn(1, hidden).to(torch.bfloat16)  # [1, D]: the tier sends it as is
+    jobs = [ExpertJob(0, torch.zeros(1, dtype=torch.int64), torch.ones(1))]
+
+    def call() -> None:
+        tier.submit(0, x, jobs).result()
+
+    return call, tier.close
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of another one from /proc (10 ms ticks)."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_calls(call, count: int, server_pid: int | None = None, cpu: list | None = None) -> list[float]:
+    """Wall time of each round trip in us; adds (round trips, client + server CPU seconds) to `cpu`."""
+    samples = []
+    cpu_before = cpu_s() + (cpu_s(server_pid) if server_pid else 0.0)
+    for _ in range(count):
+        begin = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - begin) * 1e6)
+    if cpu is not None:
+        cpu.append((count, cpu_s() + (cpu_s(server_pid) if server_pid else 0.0) - cpu_before))
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=1000, help="round trips per peer per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    args = parser.parse_args()
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    torch.set_num_threads(1)
+    spawn = mp.get_context("spawn")
+    keys = tempfile.mkdtemp(prefix="moetier-bench-keys-")
+    generate(keys)
+    processes, closers = [], []
+
+    def start(target, *target_args) -> str:
+        ready = spawn.Queue()
+        process = spawn.Process(target=target, args=(*target_args, ready), daemon=True)
+        process.start()
+        processes.append(process)
+        return ready.get(timeout=120)
+
+    def last_pid() -> int:
+        return processes[-1].pid
+
+    results: dict[int, dict[str, list[float]]] = {}
+    cpu_us: dict[int, dict[str, float]] = {}
+    try:
+        for hidden in sizes:
+            payload = torch.randn(1, hidden).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+            callers, pids = {}, {}
+            for name, make in [("raw", lambda: raw_caller(start(serve_echo, None), payload, None)),
+                               ("raw-curve", lambda: raw_caller(start(serve_echo, keys), payload, keys)),
+                               ("run", lambda: run_caller(start(serve_noop, hidden, None), hidden, None)),
+                               ("run-curve", lambda: run_caller(start(serve_noop, hidden, keys), hidden, keys)),
+                               ("tier", lambda: tier_caller(start(serve_noop, hidden, None), hidden))]:
+                callers[name] = make()
+                pids[name] = last_pid()
+            closers.extend(close for _, close in callers.values())
+            samples: dict[str, list[float]] = {name: [] for name in callers}
+            cpu: dict[str, list] = {name: [] for name in callers}
+            for name, (call, _) in callers.items():
+                time_calls(call, args.count // 5)  # warm-up
+            for _ in range(args.rounds):
+                for name, (call, _) in callers.items():
+                    samples[name].extend(time_calls(call, args.count, pids[name], cpu[name]))
+            results[hidden] = samples
+            cpu_us[hidden] = {name: 1e6 * sum(c for _, c in v) / sum(n for n, _ in v) for name, v in cpu.items()}
+            print(f"D={hidden}: done", file=sys.stderr)
+        store = tempfile.mktemp(prefix="moetier-bench-gloo-")
+        out = spawn.Queue()
+        peers = [spawn.Process(target=gloo_peer, args=(rank, store, sizes, args.count * args.rounds, out)) for rank in (0, 1)]
+        for peer in peers:
+            peer.start()
+        for _ in peers:  # both ranks report; CPU is the sum of the two
+            rank, measured = out.get(timeout=600)
+            for hidden, (gloo, gloo_cpu_us) in measured.items():
+                if rank == 0:
+                    results[hidden]["gloo"] = gloo
+                cpu_us[hidden]["gloo"] = cpu_us[hidden].get("gloo", 0.0) + gloo_cpu_us
+        for peer in peers:
+            peer.join(timeout=60)
+    finally:
+        for close in closers:
+            close()
+        for process in processes:
+            process.kill()
+    report_results(results, cpu_us)
+
+
+def report_results(results: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, float]]) -> None:
+    names = ["raw", "run", "tier", "gloo", "raw-curve", "run-curve"]
+    print(f"{'D':>5} {'bytes':>6} " + " ".join(f"{n + ' med/p99 us':>22}" for n in names))
+    report: dict = {"regime": "loopback, cross-process, [1, D] bf16 each way, 1 CPU thread per process",
+                    "cpus": os.cpu_count(), "loadavg_1min": float(Path("/proc/loadavg").read_text().split()[0]),
+                    "results": {}, "cpu_us_per_round_trip": cpu_us, "targets": {}}
+    for hidden, samples in results.items():
+        stats = {name: summary(values) for name, values in samples.items()}
+        print(f"{hidden:>5} {hidden * 2:>6} " + " ".join(f"{stats[n]['median_us']:>11.1f}/{stats[n]['p99_us']:<10.1f}" for n in names))
+        print(f"{'':>5} {'cpu us':>6} " + " ".join(f"{cpu_us[hidden][n]:>22.1f}" for n in names))
+        raw, run, gloo = stats["raw"]["median_us"], stats["run"], stats["gloo"]["median_us"]
+        curve_overhead = stats["run-curve"]["median_us"] / run["median_us"] - 1
+        report["results"][hidden] = stats
+        report["targets"][hidden] = {
+            "run_minus_raw_us": run["median_us"] - raw, "median_ok": run["median_us"] <= raw + 30,
+            "run_p99_over_raw_median": run["p99_us"] / raw, "p99_ok": run["p99_us"] <= 2 * raw,
+            "faster_than_gloo": run["median_us"] < gloo, "curve_overhead": curve_overhead, "curve_ok": curve_overhead <= 0.10,
+        }
+    print()
+    for hidden, t in report["targets"].items():
+        print(f"D={hidden}: run - raw = {t['run_minus_raw_us']:+.1f} us ({'ok' if t['median_ok'] else 'MISSED'} <= 30), "
+              f"run p99 = {t['run_p99_over_raw_median']:.2f} x raw median ({'ok' if t['p99_ok'] else 'MISSED'} <= 2), "
+              f"{'faster' if t['faster_than_gloo'] else 'SLOWER'} than gloo, CurveZMQ +{100 * t['curve_overhead']:.1f}% "
+              f"({'ok' if t['curve_ok'] else 'MISSED'} <= 10%)")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The expert worker: a ROUTER socket that computes experts for remote tiers.
+
+A worker opens its own copy of the weights (`open_checkpoint`), places only
+the (layer, expert)s that clients LOAD (weights never cross the wire), and
+answers each RUN with the gate-weighted partial sum its backend computes. It
+serves any number of clients, one message at a time; each must HELLO (same
+protocol version, same model fingerprint) before LOAD, RUN, STATS or BYE.
+Invariants: no message can crash it — a bad one gets an ERROR reply, or is
+dropped by ZeroMQ when a frame exceeds the size limit; memory is bounded by
+the experts loaded, the message limit times the per-peer queue, and the
+session table; SIGTERM (via `stop`) ends the loop and closes every socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.transport.keys import check_listen, make_server, start_authenticator
+from moetier.transport.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES, HIDDEN_DTYPES, MAX_HEADER_BYTES, Bye, ByeReply, ErrorCode, ErrorReply, Hello,
+    HelloReply, Load, LoadReply, Message, Ping, PingReply, ProtocolError, Run, RunReply, Stats, StatsReply, decode_request,
+    encode, send,
+)
+
+log = logging.getLogger("moetier.worker")
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+@dataclass
+class Session:
+    client: str
+    peer: str
+    opened_s: float
+    requests: int = 0
+
+
+class ExpertWorker:
+    """The worker's state and message handling, without sockets (see `serve`)."""
+
+    def __init__(self, checkpoint, backend: str | Backend = "torch", name: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_sessions: int = 256, errors_per_s: float = 20.0):
+        self.checkpoint = checkpoint
+        self.spec = checkpoint.spec
+        self.backend = get_backend(backend, "cpu") if isinstance(backend, str) else backend
+        self.name = name or f"{os.uname().nodename}:{os.getpid()}"
+        self.max_message_bytes = max_message_bytes
+        self.max_sessions = max_sessions
+        self.placed: dict[int, dict[int, Any]] = {}  # layer -> expert -> what backend.place returned
+        self.placed_bytes = 0
+        self.sessions: OrderedDict[bytes, Session] = OrderedDict()  # least recently active first
+        self.counts: Counter[str] = Counter()
+        self.started_s = time.time()
+        self._moe_layers = frozenset(self.spec.moe_layers)
+        # torch dtypes it computes in; x in other wire dtypes goes through float32
+        self._native = frozenset(getattr(torch, d) for d in self.backend.caps.dtypes if isinstance(getattr(torch, d, None), torch.dtype))
+        self._error_budget, self._errors_per_s, self._suppressed, self._budget_at = errors_per_s, errors_per_s, 0, time.monotonic()
+
+    @property
+    def held(self) -> int:
+        return sum(len(experts) for experts in self.placed.values())
+
+    # -- one message -------------------------------------------------------------------
+    def handle(self, identity: bytes, frames: list) -> list:
+        """Frames of one request (identity stripped) -> reply frames; never raises."""
+        request_id = 0
+        try:
+            request_id, request = decode_request(frames, self.max_message_bytes)
+            self.counts[type(request).__name__] += 1
+            return encode(request_id, self._dispatch(identity, request, frames))
+        except ProtocolError as err:
+            return self._error(identity, err.request_id or request_id, err.code, str(err))
+        except Exception as err:  # a backend failure must not end the worker
+            return self._error(identity, request_id, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    def _error(self, identity: bytes, request_id: int, code: ErrorCode, message: str) -> list:
+        self.counts[f"error_{code.name.lower()}"] += 1
+        self._log_error(f"error {code.name} for {identity.hex()} (request {request_id}): {message}")
+        return encode(request_id, ErrorReply(code, message))
+
+    def _log_error(self, line: str) -> None:
+        """One line per error, at most errors_per_s a second (a flood is summarised, not written out)."""
+        now = time.monotonic()
+        self._error_budget = min(self._errors_per_s, self._error_budget + (now - self._budget_at) * self._errors_per_s)
+        self._budget_at = now
+        if self._error_budget < 1:
+            self._suppressed += 1
+            return
+        self._error_budget -= 1
+        if self._suppressed:
+            log.warning("(%d more error lines suppressed)", self._suppressed)
+            self._suppressed = 0
+        log.warning(line)
+
+    def _dispatch(self, identity: bytes, request: Message, frames: list) -> Message:
+        if isinstance(request, Ping):
+            return PingReply(request.payload)  # echoes the received frame, zero-copy
+        if isinstance(request, Hello):
+            return self._hello(identity, request, frames)
+        session = self.sessions.get(identity)
+        if session is None:
+            raise ProtocolError(ErrorCode.NO_SESSION, f"{type(request).__name__.upper()} before HELLO (send HELLO first)")
+        session.requests += 1
+        self.sessions.move_to_end(identity)
+        if isinstance(request, Run):
+            return self._run(request)
+        if isinstance(request, Load):
+            return self._load(request)
+        if isinstance(request, Stats):
+            return StatsReply(self.stats())
+        if isinstance(request, Bye):
+            del self.sessions[identity]
+            log.info("session %r (%s) closed by BYE after %d requests", session.client, identity.hex(), session.requests)
+            return ByeReply()
+        raise ProtocolError(ErrorCode.UNKNOWN_COMMAND, f"{type(request).__name__} is not a request")
+
+    def _hello(self, identity: bytes, hello: Hello, frames: list) -> HelloReply:
+        if hello.fingerprint != self.checkpoint.fingerprint:
+            raise ProtocolError(ErrorCode.BAD_FINGERPRINT, f"model fingerprint {hello.fingerprint!r} does not match "
+                                f"this worker's {self.checkpoint.fingerprint!r} ({self.checkpoint.folder})")
+        if identity not in self.sessions and len(self.sessions) >= self.max_sessions:
+            old_identity, old = self.sessions.popitem(last=False)
+            log.info("session %r (%s) evicted: %d sessions is the limit", old.client, old_identity.hex(), self.max_sessions)
+        peer = _peer_address(frames[0])
+        self.sessions[identity] = Session(hello.client, peer, time.time())
+        self.sessions.move_to_end(identity)
+        log.info("session %r from %s (%s) opened; %d open", hello.client, peer, identity.hex(), len(self.sessions))
+        s = self.spec
+        return HelloReply(self.checkpoint.fingerprint, self.name, self.backend.name, HIDDEN_DTYPES, s.hidden_size,
+                          s.num_experts, tuple(s.moe_layers), self.max_message_bytes)
+
+    def _load(self, load: Load) -> LoadReply:
+        pairs = load.pairs.tolist()
+        bad = [(l, e) for l, e in pairs if l not in self._moe_layers or not 0 <= e < self.spec.num_experts]
+        if bad:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"LOAD of (layer, expert) {tuple(bad[0])}: not a routed expert of this "
+                                f"model (MoE layers {self.spec.moe_layers[0]}..{self.spec.moe_layers[-1]}, experts 0..{self.spec.num_experts - 1})")
+        placed_bytes = 0
+        for layer, expert in pairs:
+            experts = self.placed.setdefault(layer, {})
+            if expert not in experts:
+                weights = self.checkpoint.expert(layer, expert)
+                experts[expert] = self.backend.place(weights)
+                placed_bytes += weights.nbytes
+        self.placed_bytes += placed_bytes
+        return LoadReply(self.held, placed_bytes)
+
+    def _run(self, run: Run) -> RunReply:
+        experts = self.placed.get(run.layer)
+        if experts is None:
+            code = ErrorCode.NOT_LOADED if run.layer in self._moe_layers else ErrorCode.OUT_OF_RANGE
+            raise ProtocolError(code, f"RUN of layer {run.layer}: no expert of it is loaded here")
+        missing = [e for e in run.experts if e not in experts]
+        if missing:
+            raise ProtocolError(ErrorCode.NOT_LOADED, f"RUN of layer {run.layer} expert {missing[0]}: not loaded here (LOAD it first)")
+        if len(set(run.experts)) != len(run.experts):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"RUN of layer {run.layer}: an expert appears twice in {list(run.experts)[:16]}")
+        x = run.x  # [n, D]
+        if x.shape[1] != self.spec.hidden_size:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"RUN x has {x.shape[1]} columns (expected hidden size {self.spec.hidden_size})")
+        low, high = _min_max(run.rows) if run.rows.numel() else (0, -1)
+        if low < 0 or high >= x.shape[0]:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"RUN rows outside [0, {x.shape[0]})")
+        begin = time.perf_counter()
+        rows, weights = run.rows.to(torch.int64), run.weights  # [r]
+        if len(run.counts) > 1:
+            rows, weights = torch.split(rows, run.counts), torch.split(weights, run.counts)  # m x [count]
+        else:
+            rows, weights = (rows,), (weights,)
+        work = [ExpertWork(experts[e], r, w) for e, r, w in zip(run.experts, rows, weights)]
+        wire_dtype = x.dtype
+        if wire_dtype not in self._native:
+            x = x.float()  # [n, D]
+        y = self.backend.run_experts(x, work)  # [n, D]
+        return RunReply(y if y.dtype == wire_dtype else y.to(wire_dtype), (time.perf_counter() - begin) * 1e6)
+
+    def stats(self) -> dict:
+        try:
+            rss_bytes = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            rss_bytes = -1
+        return {"worker": self.name, "fingerprint": self.checkpoint.fingerprint, "backend": self.backend.name,
+                "uptime_s": round(time.time() - self.started_s, 3), "sessions": len(self.sessions), "held_experts": self.held,
+                "placed_bytes": self.placed_bytes, "rss_bytes": rss_bytes, **dict(self.counts)}
+
+
+def _min_max(rows: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty index tensor; plain Python for the few rows of a decode step (cheaper than two kernels)."""
+    if rows.numel() <= 64:
+        values = rows.tolist()
+        return min(values), max(values)
+    return int(rows.min()), int(rows.max())
+
+
+def _peer_address(frame) -> str:
+    try:
+        return frame.get("Peer-Address") or "?"
+    except (AttributeError, zmq.ZMQError):
+        return "local"
+
+
+def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, stop: threading.Event | None = None,
+          on_ready: Callable[[str], None] | None = None, queue_messages: int = 16) -> None:
+    """Bind a ROUTER on `listen` and answer requests until `stop` is set; every socket is closed on return.
+
+    `queue_messages` bounds the messages ZeroMQ queues per peer (its receive
+    high-water mark), so queued input is at most that many times the message limit per connection.
+    """
+    check_listen(listen, keys)
+    stop = stop or threading.Event()
+    context = zmq.Context()
+    auth = start_authenticator(context, keys) if keys is not None else None
+    router = context.socket(zmq.ROUTER)
+    monitor = None
+    try:
+        router.linger = 0
+        router.rcvhwm = router.sndhwm = queue_messages
+        router.maxmsgsize = max(worker.max_message_bytes, MAX_HEADER_BYTES)  # per frame: larger ones drop the peer
+        if keys is not None:
+            make_server(router, keys)
+        router.bind(listen)
+        endpoint = router.last_endpoint.decode()
+        monitor = router.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        log.info("listening on %s (model %s, fingerprint %s, backend %s, %s)", endpoint, worker.checkpoint.folder,
+                 worker.checkpoint.fingerprint, worker.backend.name, "CurveZMQ, listed clients only" if keys else "plaintext, loopback only")
+        if on_ready is not None:
+            on_ready(endpoint)
+        router.rcvtimeo = 100  # a blocking receive (the cheapest wake-up) that still lets `stop` be seen
+        handled = 0
+        while not stop.is_set():
+            try:
+                frames = router.recv_multipart(copy=False)  # tensors stay in ZeroMQ's buffers
+            except zmq.Again:  # idle
+                _log_events(monitor)
+                continue
+            identity = frames[0].bytes
+            send(router, [identity, *worker.handle(identity, frames[1:])])  # dropped by ZeroMQ if the peer is gone
+            handled += 1
+            if handled % 256 == 0:  # never idle: look at connection events now and then
+                _log_events(monitor)
+    finally:
+        if monitor is not None:
+            router.disable_monitor()
+            monitor.close(linger=0)
+        router.close(linger=0)
+        if auth is not None:
+            auth.stop()
+        context.term()
+        log.info("stopped after %d requests (%d errors)", sum(v for k, v in worker.counts.items() if not k.startswith("error_")),
+                 sum(v for k, v in worker.counts.items() if k.startswith("error_")))
+
+
+def _log_events(monitor: zmq.Socket) -> None:
+    while monitor.poll(0):
+        event = recv_monitor_message(monitor)
+        kind = event["event"]
+        if kind & _HANDSHAKE_FAILED:
+            log.warning("connection refused at the handshake (%s): not an admitted CurveZMQ client", zmq.Event(kind).name)
+        else:
+            log.debug("connection %s (fd %s)", zmq.Event(kind).name.lower(), event["value"])
