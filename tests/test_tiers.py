@@ -207,3 +207,65 @@ def test_run_layout_report_json(model, tmp_path):
     saved = np.load(trace, allow_pickle=False)
     assert saved["picks"].shape == (8, len(spec.moe_layers), spec.top_k)
     assert (saved["tiers"] >= 0).all()
+
+
+REMOTE = """[[links]]
+name = "lan"
+rtt_us = 150.0
+gbps = 2.5
+[[tiers]]
+name = "i5"
+kind = "remote"
+address = "{address}"
+link = "lan"
+experts = "0:6"
+"""
+
+
+def test_a_remote_worker_layout_is_lossless(model, tmp_path):
+    from moetier.transport.launch import start_worker, worker_command
+
+    worker = start_worker("w", worker_command(model.folder, "tcp://127.0.0.1:0", threads=1), log=tmp_path / "worker.log")
+    try:
+        runtime = runtime_for(tmp_path, model, ONE_PART + vram("vram", "gpu0", 4, "lru") + CPU
+                              + REMOTE.format(address=worker.address) + scheduler(0, budget_us=200_000.0))
+        try:
+            got = score(runtime.engine, IDS)
+            tokens = generate(runtime.engine, [5, 9, 13], 12).ids
+            remote = runtime.executor.counters["i5"].served
+        finally:
+            runtime.close()
+    finally:
+        assert worker.stop() == 0  # SIGTERM: a clean exit
+    assert remote > 0
+    assert np.abs(got - score(Engine(model), IDS)).max() <= 1e-5
+    assert tokens == generate(Engine(model), [5, 9, 13], 12).ids
+
+
+def test_launch_starts_the_layouts_workers_and_stops_them(model, tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a free loopback port for the layout's address
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = tmp_path / "layout.toml"
+    path.write_text(HEAD + ONE_PART + CPU + REMOTE.format(address=f"tcp://127.0.0.1:{port}"))
+    launcher = subprocess.Popen([sys.executable, "-m", "moetier.cli", "launch", str(path), "--model", str(model.folder)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not any("answered HELLO" in line for line in lines):
+            line = launcher.stdout.readline()
+            assert line, f"launch ended early: {launcher.stderr.read()}"
+            lines.append(line)
+        assert any(f"listening on tcp://127.0.0.1:{port}" in line for line in lines)
+        launcher.send_signal(signal.SIGINT)
+        rest, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0
+    assert "worker i5 stopped (exit 0)" in rest

@@ -74,7 +74,9 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     tiers: list[Tier] = []
     serving: dict[int, list[Tier]] = {layer: [] for layer in spec.moe_layers}
     costs: dict[str, TierCost] = {}
-    for i, config in enumerate(layout.tiers):
+    built: dict[str, Tier] = {}
+    # CPU lanes first: a remote tier recomputes on one when its worker misses a deadline
+    for i, config in sorted(enumerate(layout.tiers), key=lambda item: item[1].kind != "cpu"):
         where = f"[tiers.{i}]"
         link = Link(layout.link(config.link), emulated=emulated.get(config.device, True) or config.kind == "remote")
         if config.kind == "cpu":
@@ -98,12 +100,25 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
             held = {l: _chosen(config.experts, slots, spec.num_experts, None if profile is None else profile[j], layout, where)
                     for j, l in enumerate(layers)}
             tier = HelperTier(config.name, host, held, link, layout.device(config.device).torch_device(cuda))
-        else:
-            raise ConfigError(f"{layout.path}: {where}.kind: remote tiers need the transport (moetier.tiers.remote), not available in this build")
+        else:  # remote: a worker on another host (or on loopback), its own copy of the weights
+            from moetier.tiers.remote import RemoteTier
+
+            layers = list(spec.moe_layers)
+            slots = config.slots or (config.capacity_bytes // (host.expert_bytes * len(layers)) if config.capacity_bytes else spec.num_experts)
+            profile = _profile_rows(load_profile(layout, config, where), spec.moe_layers, layers, layout, where)
+            held = {l: _chosen(config.experts or "all", slots, spec.num_experts, None if profile is None else profile[j], layout, where)
+                    for j, l in enumerate(layers)}
+            lane = next(t for t in built.values() if t.kind == "cpu")
+            link_config = layout.link(config.link)
+            tier = RemoteTier(config.name, config.address, checkpoint, held, lane, layer_budget_us=layout.scheduler.budget_us,
+                              keys=layout.relative(config.keys) if config.keys else None, link_gbps=link_config.gbps,
+                              us_per_expert=calibration.cpu_us_per_expert)
+        built[config.name] = tier
         tiers.append(tier)
         for layer in layers:
             serving[layer].append(tier)
         costs[config.name] = tier_cost(layout, config, calibration, host.expert_bytes, hidden_bytes)
+    tiers = [built[config.name] for config in layout.tiers]  # the layout's order, for reports
     executor = TieredExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
     engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
     _apply_router(layout, engine)

@@ -190,3 +190,45 @@ def register(app: typer.Typer) -> None:
             verdict = "clears" if m["clears_bar"] else "is below"
             console.print(f"modelled speedup of moving CPU-lane work there: best case {m['best_speedup']:.2f}x, round trips "
                           f"serial {m['serial_speedup']:.2f}x; the best case {verdict} the {bar:.2f}x bar", highlight=False)
+
+
+def register_launch(app: typer.Typer) -> None:
+    """`moetier launch FILE`: start the workers a layout names, print where each listens, stop them on Ctrl-C."""
+    from moetier.cli import UsageError, errors_to_exit
+
+    @app.command()
+    @errors_to_exit
+    def launch(
+        file: Path = typer.Argument(..., help="cluster.toml with kind = \"remote\" tiers"),
+        model: Optional[Path] = typer.Option(None, help="model folder on the worker hosts (default: the layout's model)"),
+        logs: Optional[Path] = typer.Option(None, help="folder for each worker's log"),
+        ready_timeout_s: float = typer.Option(120.0, help="seconds to wait for each worker's HELLO"),
+    ):
+        """Start every remote worker of a layout (local ones as child processes, others through their host's ssh)."""
+        from moetier.cli import builtin_model, console
+        from moetier.config import load_layout
+        from moetier.transport.launch import LaunchError, launch as start_all
+
+        layout = load_layout(file)
+        folder = model or (layout.relative(layout.model) if layout.model else builtin_model())
+        if not any(t.kind == "remote" for t in layout.tiers):
+            raise UsageError(f"{file}: no tier of kind \"remote\" (nothing to launch)")
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+        try:
+            handles = start_all(layout, folder, logs, ready_timeout_s)
+        except LaunchError as err:
+            raise UsageError(str(err)) from None
+        stop = []  # Ctrl-C and SIGTERM only raise this flag, so no signal lands mid-cleanup
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.append(True))
+        for handle in handles:
+            console.print(f"worker {handle.name} listening on {handle.address} (pid {handle.process.pid})", highlight=False)
+        console.print("all workers answered HELLO; Ctrl-C stops them", highlight=False)
+        try:
+            while not stop and all(h.process.poll() is None for h in handles):
+                time.sleep(0.2)
+        finally:
+            for handle in handles:
+                code = handle.stop()
+                console.print(f"worker {handle.name} stopped (exit {code})", highlight=False)

@@ -1,0 +1,118 @@
+"""Start expert workers: one local child process, or every remote tier a layout names.
+
+`start_worker` runs `moetier worker` (locally, or through the ssh prefix of the
+host it belongs to), waits for its "listening on ADDRESS" line and then for a
+HELLO answered over the wire, and returns a handle that stops it. `launch`
+does that for each `kind = "remote"` tier of a layout. Workers always read
+their own copy of the weights (`model`: a path on that host); nothing is
+shipped. A worker that dies or stays silent is reported in one line and the
+ones already started are stopped: nothing is left running half-launched.
+"""
+
+from __future__ import annotations
+
+import re
+import select
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from moetier.config import Layout
+
+READY = re.compile(r"listening on (\S+)")
+
+
+class LaunchError(RuntimeError):
+    """A worker that could not be started or did not answer."""
+
+
+@dataclass
+class WorkerHandle:
+    name: str
+    process: subprocess.Popen
+    address: str  # where it listens (the real port when asked for port 0)
+    command: list[str]
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after timeout_s; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=timeout_s)
+        return self.process.returncode
+
+
+def worker_command(model: str | Path, listen: str, backend: str = "torch", keys: str | Path | None = None,
+                   threads: int | None = None, python: str = sys.executable, ssh: str = "") -> list[str]:
+    command = [python, "-m", "moetier.cli", "worker", "--listen", listen, "--model", str(model), "--backend", backend]
+    if keys:
+        command += ["--keys", str(keys)]
+    if threads:
+        command += ["--threads", str(threads)]
+    return shlex.split(ssh) + command if ssh else command
+
+
+def start_worker(name: str, command: Sequence[str], ready_timeout_s: float = 120.0, log: Path | None = None,
+                 keys: str | Path | None = None) -> WorkerHandle:
+    """Start one worker and wait until it listens and answers HELLO."""
+    stderr = open(log, "w") if log is not None else subprocess.DEVNULL
+    try:
+        process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True)
+    except OSError as err:
+        raise LaunchError(f"worker {name!r}: cannot run {command[0]!r} ({err.strerror})") from None
+    finally:
+        if log is not None:
+            stderr.close()
+    handle = WorkerHandle(name, process, "", list(command))
+    deadline = time.monotonic() + ready_timeout_s
+    while not handle.address:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, left))
+        line = process.stdout.readline() if ready else ""
+        match = READY.search(line)
+        if match:
+            handle.address = match.group(1)
+        elif process.poll() is not None or left <= 0 or (ready and not line):
+            handle.stop()
+            where = f" (see {log})" if log is not None else ""
+            raise LaunchError(f"worker {name!r} did not start listening within {ready_timeout_s:.0f} s{where}")
+    _wait_for_hello(handle, keys, deadline)
+    return handle
+
+
+def _wait_for_hello(handle: WorkerHandle, keys: str | Path | None, deadline: float) -> None:
+    from moetier.transport.client import TransportError, WorkerClient
+
+    try:
+        # the constructor connects: HELLO (protocol version, capabilities) answered or TransportError
+        WorkerClient(handle.address, None, keys=keys, connect_timeout_s=max(1.0, deadline - time.monotonic()), maintain=False).close()
+    except TransportError as err:
+        handle.stop()
+        raise LaunchError(f"worker {handle.name!r} at {handle.address} did not answer HELLO: {err}") from None
+
+
+def launch(layout: Layout, model: str | Path, log_dir: Path | None = None, ready_timeout_s: float = 120.0) -> list[WorkerHandle]:
+    """Start a worker for every remote tier of the layout; all or nothing."""
+    handles: list[WorkerHandle] = []
+    try:
+        for tier in layout.tiers:
+            if tier.kind != "remote":
+                continue
+            host = layout.host(tier.host) if tier.host else None
+            keys = layout.relative(tier.keys) if tier.keys else None
+            command = worker_command(model, tier.address, tier.backend, keys, tier.threads,
+                                     python=host.python if host and host.ssh else sys.executable, ssh=host.ssh if host else "")
+            log = log_dir / f"worker-{tier.name}.log" if log_dir is not None else None
+            handles.append(start_worker(tier.name, command, ready_timeout_s, log, keys))
+    except LaunchError:
+        for handle in handles:
+            handle.stop()
+        raise
+    return handles
