@@ -305,9 +305,10 @@ from moetier.cli_profile import apply_router_options, register as _register_prof
 _register_profile(app)
 
 
-from moetier.transport.commands import register as register_transport  # noqa: E402  (after app; it imports errors_to_exit)
+from moetier.transport.commands import register as register_transport, register_launch  # noqa: E402  (after app; it imports errors_to_exit)
 
 register_transport(app)
+register_launch(app)
 from moetier.cli_sim import register as _register_sim  # noqa: E402
 _register_sim(app)
 
