@@ -19,7 +19,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_env.sh"
-RUNTIME_DEPS = {"numpy", "torch", "pyzmq", "msgpack", "typer", "rich", "safetensors"}
+RUNTIME_DEPS = {"numpy", "torch", "pyzmq", "msgpack", "typer", "rich", "safetensors", "matplotlib"}  # matplotlib: sweep and simulate plots
 
 
 def _names(requirements: list[str]) -> set[str]:
