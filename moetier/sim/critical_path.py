@@ -8,8 +8,11 @@ CPU lane starts its misses; the GPU computes its hits; helper GPUs and
 remote workers answer after their round trips; the layer ends when every
 non-deferred partial is in. DEFER_CPU lets a layer's CPU partial land after
 the next layer's attention (never across a part boundary). A pass verifies
-`tokens_per_pass` tokens (multi-token prediction); per-token figures divide
-the pass by it. Costs come from the same `TierCost` model the runtime plans
+`tokens_per_pass` tokens (multi-token prediction) over `rows_per_pass` token
+rows (1 + drafts; default: one row per token); per-token figures divide the
+pass by the tokens. Besides the categories, a prediction keeps each part's
+wall time and each tier's busy time (the CPU lane's load, even when hidden).
+Costs come from the same `TierCost` model the runtime plans
 with, so predictions and `moetier run --layout` share categories and numbers.
 """
 
@@ -42,6 +45,8 @@ class PassPrediction:
     ms_per_token: dict[str, float] = field(default_factory=dict)
     pass_ms: float = 0.0
     tokens_per_pass: float = 1.0
+    part_ms_per_token: dict[str, float] = field(default_factory=dict)  # wall time inside each part
+    busy_ms_per_token: dict[str, float] = field(default_factory=dict)  # tier name -> time it computes or waits on its link
 
     @property
     def tok_per_s(self) -> float:
@@ -70,16 +75,21 @@ def predict_pass(
     defer_cpu: int = 0,
     tokens_per_pass: float = 1.0,
     part_attention_us: Mapping[str, float] | None = None,
+    rows_per_pass: float | None = None,
 ) -> PassPrediction:
     """loads: MoE layer -> tier name -> its expected load in one pass. Returns ms per token by category."""
     moe = set(moe_layers)
+    rows = tokens_per_pass if rows_per_pass is None else rows_per_pass
     spent: dict[str, float] = defaultdict(float)
+    busy_us: dict[str, float] = defaultdict(float)
+    part_us: dict[str, float] = {}
     clock = 0.0  # the pass's wall clock: parts run one after another
     lane_free = 0.0  # when the CPU lane is free
     for index, part in enumerate(parts):
         defer = defer_cpu == 2 or (defer_cpu == 1 and index == 0)
         attention_us = (part_attention_us or {}).get(part.name, calibration.attention_us_per_layer)
         pending = None  # when the deferred CPU partial of the previous layer lands
+        part_start = clock
         for position, layer in enumerate(part.layers):
             clock += attention_us
             spent["attention"] += attention_us
@@ -96,9 +106,10 @@ def predict_pass(
             replies, gpu_busy = [], 0.0
             for name, load in loads.get(layer, {}).items():
                 cost = costs[name]
-                busy = tier_time_us(cost, load, tokens_per_pass)
+                busy = tier_time_us(cost, load, rows)
                 if busy <= 0:
                     continue
+                busy_us[name] += busy
                 if cost.kind == "cpu":
                     lane_done = max(start, lane_free) + busy
                     lane_free = lane_done
@@ -122,8 +133,11 @@ def predict_pass(
                 wait = max(0.0, lane_done - clock)
                 spent[f"cpu lane wait (part {index})"] += wait
                 clock += wait
+        part_us[part.name] = clock - part_start
     clock += calibration.head_us
     spent["head"] += calibration.head_us
     prediction = PassPrediction(tokens_per_pass=tokens_per_pass, pass_ms=clock / 1e3)
     prediction.ms_per_token = {name: value / 1e3 / tokens_per_pass for name, value in sorted(spent.items())}
+    prediction.part_ms_per_token = {name: value / 1e3 / tokens_per_pass for name, value in part_us.items()}
+    prediction.busy_ms_per_token = {name: value / 1e3 / tokens_per_pass for name, value in sorted(busy_us.items())}
     return prediction
