@@ -31,8 +31,8 @@ def available() -> dict[str, str]:
     return found
 
 
-def get_backend(name: str, device: str = "cpu") -> Backend:
-    """Import and construct the backend `name` on `device` ("cpu", "cuda", "cuda:1")."""
+def get_backend(name: str, device: str = "cpu", **options) -> Backend:
+    """Import and construct the backend `name` on `device` ("cpu", "cuda", "cuda:1"); options go to its constructor."""
     target = available().get(name)
     if target is None:
         raise BackendError(f"backend {name!r} is unknown (expected one of {', '.join(sorted(available()))})")
@@ -41,7 +41,7 @@ def get_backend(name: str, device: str = "cpu") -> Backend:
         cls = getattr(importlib.import_module(module_name), class_name)
     except ImportError as err:
         raise BackendError(f"backend {name!r} cannot be imported here: {err}") from None
-    return cls(device)
+    return cls(device, **options)
 
 
 __all__ = ["Backend", "BackendCaps", "BackendError", "ExpertWork", "available", "get_backend"]

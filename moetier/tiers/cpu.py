@@ -2,8 +2,9 @@
 
 Holds every expert of the layers it serves, computing straight from the
 machine's `HostExperts` (placed by the backend without another copy).
-`submit` runs on the lane's own threads, so the engine's main thread can do
-attention or GPU work meanwhile (torch releases the GIL inside kernels).
+`submit` runs on the lane's own thread, so the engine's main thread can do
+attention or GPU work meanwhile (torch releases the GIL inside kernels); with
+the torch backend a call's experts are spread over `threads` lanes.
 Results are exactly the backend's `run_experts` over the same jobs.
 """
 
@@ -31,12 +32,15 @@ class CpuTier(Tier):
         us_per_expert: float = 0.0,
     ):
         super().__init__(name)
-        self.backend = get_backend(backend, "cpu") if isinstance(backend, str) else backend
+        if isinstance(backend, str):  # torch spreads a call's experts over `threads` lanes
+            backend = get_backend(backend, "cpu", lanes=threads) if backend == "torch" else get_backend(backend, "cpu")
+        self.backend = backend
         experts = range(host.spec.num_experts)
         self._all = frozenset(experts)
         self.placed = {l: [self.backend.place(host.get(l, e)) for e in experts] for l in host.layers}
         self.us_per_expert = us_per_expert
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"cpu-lane-{name}")
+        # two calls may be in flight: a deferred layer's and the next layer's (DEFER_CPU)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"cpu-lane-{name}")
 
     def holds(self, layer: int) -> frozenset[int]:
         return self._all if layer in self.placed else frozenset()
