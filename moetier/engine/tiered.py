@@ -62,6 +62,7 @@ class TieredExecutor:
         self.tiers = list(tiers)
         self.serving = {layer: list(ts) for layer, ts in serving.items()}
         self.costs = dict(costs)
+        self._layer_costs = {layer: {t.name: self.costs[t.name] for t in ts} for layer, ts in self.serving.items()}
         self.budget_us, self.tail_skip = budget_us, tail_skip
         self.num_experts = num_experts
         self.index = {tier.name: i for i, tier in enumerate(self.tiers)}
@@ -105,10 +106,12 @@ class TieredExecutor:
                 hits, _ = tier.access(layer, row)
                 counters.hits += len(hits)
             after = tier.holds(layer)  # a later row of a prefill may evict an earlier row's hit
-            holders[tier.name] = before & after
-            fetchable[tier.name] = after - before
-        costs = {t.name: self.costs[t.name] for t in serving}
-        plan = plan_layer(expert_tokens, holders, costs, self.budget_us, self.tail_skip, fetchable)
+            if after is before:  # nothing moved (the common case with a warm static cache)
+                holders[tier.name], fetchable[tier.name] = before, frozenset()
+            else:
+                holders[tier.name] = before & after
+                fetchable[tier.name] = after - before
+        plan = plan_layer(expert_tokens, holders, self._layer_costs[layer], self.budget_us, self.tail_skip, fetchable)
         self.skipped += len(plan.skipped)
         tier_of = plan.tier_of()
         jobs: dict[str, list[ExpertJob]] = defaultdict(list)

@@ -34,6 +34,7 @@ class _LayerSlots:
         self.slot_of: dict[int, int] = {}
         self.free = list(range(slots - 1, -1, -1))
         self.ready: dict[int, threading.Event] = {}  # expert -> set when its upload has landed
+        self.held: frozenset[int] | None = None  # slot_of's keys, cached between changes
 
     def weights(self, expert: int) -> ExpertWeights:
         slot = self.slot_of[expert]
@@ -66,7 +67,11 @@ class VramTier(Tier):
     # -- residency ----------------------------------------------------------------------
     def holds(self, layer: int) -> frozenset[int]:
         arena = self.arenas.get(layer)
-        return frozenset(arena.slot_of) if arena else frozenset()
+        if arena is None:
+            return frozenset()
+        if arena.held is None:  # rebuilt only after residency moved
+            arena.held = frozenset(arena.slot_of)
+        return arena.held
 
     def access(self, layer: int, picks: Sequence[int]) -> tuple[frozenset[int], frozenset[int]]:
         """One token-step's picks through the policy -> (hits, experts admitted now and being uploaded)."""
@@ -80,6 +85,7 @@ class VramTier(Tier):
         for expert in evicted.tolist():
             arena.free.append(arena.slot_of.pop(expert))
             arena.ready.pop(expert, None)
+            arena.held = None
         admitted_list = admitted.tolist()
         if admitted_list:
             self._upload(layer, admitted_list, timed=True)
@@ -94,6 +100,7 @@ class VramTier(Tier):
             slots.append(arena.free.pop())
             arena.slot_of[expert] = slots[-1]
             arena.ready[expert] = event
+        arena.held = None
 
         def copy() -> None:
             for expert, slot in zip(experts, slots):
