@@ -295,22 +295,14 @@ def synth(
     console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)
 
 
-from moetier.cli_layout import register as _register_layout  # noqa: E402
+# The other command modules register into `app` (each imports errors_to_exit from here, so they come last).
+from moetier.cli_layout import register as register_layout  # noqa: E402
+from moetier.cli_profile import apply_router_options, register as register_profile  # noqa: E402
+from moetier.cli_sim import register as register_sim  # noqa: E402
+from moetier.transport.commands import register as register_transport, register_launch  # noqa: E402
 
-_register_layout(app)
-
-
-from moetier.cli_profile import apply_router_options, register as _register_profile  # noqa: E402
-
-_register_profile(app)
-
-
-from moetier.transport.commands import register as register_transport, register_launch  # noqa: E402  (after app; it imports errors_to_exit)
-
-register_transport(app)
-register_launch(app)
-from moetier.cli_sim import register as _register_sim  # noqa: E402
-_register_sim(app)
+for _register in (register_layout, register_profile, register_transport, register_launch, register_sim):
+    _register(app)
 
 
 def main() -> None:
