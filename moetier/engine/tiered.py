@@ -90,7 +90,10 @@ class TieredExecutor:
     def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         begin = time.perf_counter()
         groups = group_by_expert(decision.picks, decision.weights)
-        expert_tokens = {e: int(rows.numel()) for e, rows, _ in groups}
+        if decision.picks.shape[0] == 1:  # decode: one token, each expert once
+            expert_tokens = dict.fromkeys([e for e, _, _ in groups], 1)
+        else:
+            expert_tokens = {e: int(rows.numel()) for e, rows, _ in groups}
         serving = self.serving[layer]
         holders: dict[str, frozenset[int]] = {}
         fetchable: dict[str, frozenset[int]] = {}
@@ -103,8 +106,7 @@ class TieredExecutor:
                 continue
             before = tier.holds(layer)
             for row in picks_rows:  # the policy sees token steps in order
-                hits, _ = tier.access(layer, row)
-                counters.hits += len(hits)
+                counters.hits += tier.access(layer, row)[0]
             after = tier.holds(layer)  # a later row of a prefill may evict an earlier row's hit
             if after is before:  # nothing moved (the common case with a warm static cache)
                 holders[tier.name], fetchable[tier.name] = before, frozenset()

@@ -73,8 +73,8 @@ class VramTier(Tier):
             arena.held = frozenset(arena.slot_of)
         return arena.held
 
-    def access(self, layer: int, picks: Sequence[int]) -> tuple[frozenset[int], frozenset[int]]:
-        """One token-step's picks through the policy -> (hits, experts admitted now and being uploaded)."""
+    def access(self, layer: int, picks: Sequence[int]) -> tuple[int, list[int]]:
+        """One token-step's picks through the policy -> (how many were hits, experts admitted now and being uploaded)."""
         import numpy as np
 
         index = self.index[layer]
@@ -89,7 +89,7 @@ class VramTier(Tier):
         admitted_list = admitted.tolist()
         if admitted_list:
             self._upload(layer, admitted_list, timed=True)
-        return frozenset(picks_array[hit_mask].tolist()), frozenset(admitted_list)
+        return int(hit_mask.sum()), admitted_list
 
     def _upload(self, layer: int, experts: list[int], timed: bool) -> None:
         """Give each expert a slot now; copy them in, in one job on the link thread (or here when untimed)."""
