@@ -39,7 +39,6 @@ class Partials(NamedTuple):
 class ExpertExecutor(Protocol):
     def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         """x [T, D] and the layer's routing -> the gate-weighted sum of each token's experts."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ suspect (`ready` is False) until a reconnection succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -318,10 +319,8 @@ class WorkerClient:
             self._thread.join()
         with self._lock:
             if self.state == READY and self.fingerprint is not None:
-                try:
+                with contextlib.suppress(Exception):  # the worker may be gone already
                     self.submit(Bye(), 0.2, user=False).exception()
-                except Exception:  # the worker may be gone already
-                    pass
             self.state = CLOSED
             self._close_socket("client closed")
 

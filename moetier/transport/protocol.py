@@ -230,7 +230,7 @@ class Ping(Message):
 
 @dataclass(frozen=True)
 class PingReply(Ping):
-    pass
+    """The worker's echo of a Ping: the same payload back."""
 
 
 @dataclass(frozen=True)
