@@ -91,6 +91,22 @@ class TierConfig:
     keys: str = ""  # remote: folder with CurveZMQ keys
     experts: str = ""  # helper / remote: which experts it holds, "hot" | "cold" | "all" | "a:b"
 
+    def held_experts(self, slots: int, num_experts: int, brightness=None) -> list[int]:
+        """The experts a helper / remote tier holds in one layer: by `experts` ("hot" or "cold" by the
+        brightness [E], ids ascending without one; "all"; an id range "a:b"); ValueError on a bad rule."""
+        import numpy as np
+
+        rule = self.experts or "hot"
+        if rule == "all":
+            return list(range(num_experts))
+        if ":" in rule:
+            start, _, stop = rule.partition(":")
+            return list(range(int(start or 0), int(stop) if stop else num_experts))
+        if rule in ("hot", "cold"):
+            order = np.argsort(-(brightness if brightness is not None else -np.arange(num_experts)), kind="stable")
+            return sorted(int(e) for e in (order[:slots] if rule == "hot" else order[::-1][:slots]))
+        raise ValueError(f"experts = {rule!r} (expected hot, cold, all or a range a:b)")
+
 
 @dataclass(frozen=True)
 class RouterConfig:

@@ -15,7 +15,7 @@ import pytest
 
 from moetier.config import load_layout
 from moetier.sched.cost import Calibration
-from moetier.sim.layout_sim import (ModelShape, held_experts, hit_rate_curves, inclusion_probabilities, load_trace,
+from moetier.sim.layout_sim import (ModelShape, hit_rate_curves, inclusion_probabilities, load_trace,
                                     sample_trace, simulate, sweep, with_value)
 from moetier.sim.replay import replay
 from moetier.sim.traces import RoutingTrace, synthetic_trace
@@ -118,13 +118,17 @@ def test_lru_hits_equal_a_straightforward_cache(tmp_path):
     assert sim.hit_rate == pytest.approx(replay(trace, "lru", 2).hit_rate)
 
 
-def test_helper_and_remote_hold_what_build_runtime_gives_them():
-    from moetier.engine.layout_runtime import _chosen
+def test_experts_rules_of_helper_and_remote_tiers():
+    """One rule, read by both build_runtime and the simulator (TierConfig.held_experts)."""
+    from moetier.config import TierConfig
 
     bright = np.array([0.1, 5.0, 3.0, 0.0, 2.0])
-    for rule in ("hot", "cold", "all", "1:3", ""):
-        for brightness in (bright, None):
-            assert held_experts(rule, 2, 5, brightness) == _chosen(rule, 2, 5, brightness, None, "[tiers.0]")
+    held = lambda rule, brightness=bright: TierConfig("t", "helper", experts=rule).held_experts(2, 5, brightness)  # noqa: E731
+    assert held("hot") == [1, 2] and held("cold") == [0, 3] and held("") == [1, 2]
+    assert held("all") == [0, 1, 2, 3, 4] and held("1:3") == [1, 2] and held("3:") == [3, 4]
+    assert held("hot", None) == [0, 1]  # without a profile: the lowest ids
+    with pytest.raises(ValueError, match="expected hot, cold, all"):
+        held("warm")
 
 
 def test_remote_round_trips_slow_decode_as_rtt_grows(tmp_path):

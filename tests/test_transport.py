@@ -11,7 +11,6 @@ killed in a fixture's teardown.
 from __future__ import annotations
 
 import json
-import os
 import re
 import select
 import signal

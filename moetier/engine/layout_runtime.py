@@ -9,7 +9,7 @@ as the plain engine; only where experts are computed changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
             layers = list(spec.moe_layers)
             slots = _slots(config, host.expert_bytes, len(layers), spec.num_experts, layout, where)
             profile = _profile_rows(load_profile(layout, config, where), spec.moe_layers, layers, layout, where)
-            held = {l: _chosen(config.experts, slots, spec.num_experts, None if profile is None else profile[j], layout, where)
+            held = {l: _chosen(config, slots, spec.num_experts, None if profile is None else profile[j], layout, where)
                     for j, l in enumerate(layers)}
             tier = HelperTier(config.name, host, held, link, layout.device(config.device).torch_device(cuda))
         else:  # remote: a worker on another host (or on loopback), its own copy of the weights
@@ -106,7 +106,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
             layers = list(spec.moe_layers)
             slots = config.slots or (config.capacity_bytes // (host.expert_bytes * len(layers)) if config.capacity_bytes else spec.num_experts)
             profile = _profile_rows(load_profile(layout, config, where), spec.moe_layers, layers, layout, where)
-            held = {l: _chosen(config.experts or "all", slots, spec.num_experts, None if profile is None else profile[j], layout, where)
+            held = {l: _chosen(replace(config, experts=config.experts or "all"), slots, spec.num_experts, None if profile is None else profile[j], layout, where)
                     for j, l in enumerate(layers)}
             lane = next(t for t in built.values() if t.kind == "cpu")
             link_config = layout.link(config.link)
@@ -155,19 +155,11 @@ def _profile_rows(profile: np.ndarray | None, moe_layers, layers, layout: Layout
     return profile[[index[l] for l in layers]]
 
 
-def _chosen(experts: str, slots: int, num_experts: int, brightness: np.ndarray | None, layout: Layout, where: str) -> list[int]:
-    """Experts a helper / remote tier holds: "hot" or "cold" by the profile, "all", or an id range "a:b"."""
-    rule = experts or "hot"
-    if rule == "all":
-        return list(range(num_experts))
-    if ":" in rule:
-        start, _, stop = rule.partition(":")
-        return list(range(int(start or 0), int(stop) if stop else num_experts))
-    if rule in ("hot", "cold"):
-        order = np.argsort(-(brightness if brightness is not None else -np.arange(num_experts)), kind="stable")
-        chosen = order[:slots] if rule == "hot" else order[::-1][:slots]
-        return sorted(int(e) for e in chosen)
-    raise ConfigError(f"{layout.path}: {where}.experts: {rule!r} (expected hot, cold, all or a range a:b)")
+def _chosen(config: TierConfig, slots: int, num_experts: int, brightness: np.ndarray | None, layout: Layout, where: str) -> list[int]:
+    try:
+        return config.held_experts(slots, num_experts, brightness)
+    except ValueError as err:
+        raise ConfigError(f"{layout.path}: {where}.{err}") from None
 
 
 __all__ = ["TieredRuntime", "build_runtime", "load_calibration"]

@@ -106,20 +106,6 @@ def tier_slots(layout: Layout, shape: ModelShape) -> dict[str, int]:
     return slots
 
 
-def held_experts(rule: str, slots: int, num_experts: int, brightness: np.ndarray | None) -> list[int]:
-    """A helper / remote tier's experts: "hot" or "cold" by brightness (ids ascending without), "all", or "a:b"."""
-    rule = rule or "hot"
-    if rule == "all":
-        return list(range(num_experts))
-    if ":" in rule:
-        start, _, stop = rule.partition(":")
-        return list(range(int(start or 0), int(stop) if stop else num_experts))
-    if rule in ("hot", "cold"):
-        order = np.argsort(-(brightness if brightness is not None else -np.arange(num_experts)), kind="stable")
-        return sorted(int(e) for e in (order[:slots] if rule == "hot" else order[::-1][:slots]))
-    raise ValueError(f"experts = {rule!r} (expected hot, cold, all or a range a:b)")
-
-
 # -- profiles sampled into traces ---------------------------------------------------------
 def inclusion_probabilities(shares: np.ndarray, top_k: int) -> np.ndarray:
     """[L, E] chance that a token picks each expert (each row sums to k, none above 1) from router shares."""
@@ -214,7 +200,7 @@ def _classify(layout: Layout, shape: ModelShape, trace: RoutingTrace, lam: float
             table = np.zeros((len(moe), E), bool)  # [L, E] held
             profile = profile_of(tier)
             for j in range(len(moe)):
-                table[j, held_experts(rule, slots[tier.name], E, None if profile is None else profile[j])] = True
+                table[j, replace(tier, experts=rule).held_experts(slots[tier.name], E, None if profile is None else profile[j])] = True
             digits[tier.name] = table[np.arange(len(moe))[None, :, None], picks].astype(np.int8)
     return picks, digits, hit_rates, hits_total
 
