@@ -155,8 +155,10 @@ class Checkpoint:
 
     def _ffn(self, prefix: str, names: tuple[str, str, str]) -> ExpertWeights:
         gate, up, down = (f"{prefix}.{n}.weight" for n in names)
-        gate_up = torch.cat([self.tensor(gate), self.tensor(up)])  # [2I, D], a copy
-        return ExpertWeights(gate_up, self.tensor(down), mapped=self._mapped(down))
+        # gate and up must be stacked, which copies them anyway: copy down too, so the result owns its
+        # memory and a later resident() copies nothing a second time
+        gate_up = torch.cat([self.tensor(gate), self.tensor(up)])  # [2I, D]
+        return ExpertWeights(gate_up, self.load(down))
 
     def _check_complete(self) -> None:
         """Every tensor the engine will ask for exists with the shape the spec implies."""
