@@ -24,6 +24,7 @@ from moetier.model.synth import write_synthetic
 from moetier.profile.bias import BiasError, apply_router_options, build_table, check_hard_mask, load_table, penalties
 from moetier.profile.brightness import profile_requests
 from moetier.profile.sessions import load_sessions, write_example_sessions
+from layouts import cache_layout
 
 IDS = np.array([7, 19, 3, 250, 41, 8, 8, 90, 310, 12, 5, 77, 200, 31, 64, 2, 99, 150, 11, 4])
 
@@ -165,30 +166,7 @@ def test_off_is_bit_identical(qwen, tmp_path):
     assert not np.array_equal(score(engine, IDS), plain)  # and on is on
 
 
-LAYOUT = """
-[[devices]]
-name = "gpu0"
-host = "local"
-kind = "cuda"
-[[links]]
-name = "pcie"
-rtt_us = 20.0
-gbps = 64.0
-[[parts]]
-name = "all"
-device = "gpu0"
-layers = "0:"
-[[tiers]]
-name = "vram"
-kind = "vram"
-device = "gpu0"
-slots = 6
-policy = "lru"
-link = "pcie"
-[[tiers]]
-name = "cpu"
-kind = "cpu"
-"""
+LAYOUT = cache_layout(slots=6, policy="lru", rtt_us=20.0)
 
 
 def test_cluster_toml_router_section_is_honoured(qwen, tmp_path):

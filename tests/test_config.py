@@ -9,32 +9,11 @@ from pathlib import Path
 import pytest
 
 from moetier.config import ConfigError, load_layout
+from layouts import cache_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MINIMAL = """
-[[devices]]
-name = "gpu0"
-host = "local"
-kind = "cuda"
-[[links]]
-name = "pcie"
-rtt_us = 10.0
-gbps = 64.0
-[[parts]]
-name = "all"
-device = "gpu0"
-layers = "0:"
-[[tiers]]
-name = "vram"
-kind = "vram"
-device = "gpu0"
-slots = 4
-link = "pcie"
-[[tiers]]
-name = "cpu"
-kind = "cpu"
-"""
+MINIMAL = cache_layout(slots=4)
 
 
 @pytest.mark.parametrize("name", ["cluster.toml", "examples/local.toml"])

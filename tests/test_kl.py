@@ -17,6 +17,7 @@ from moetier.profile.brightness import profile_requests
 from moetier.profile.kl import Candidate, kl_per_position, measure_kl, reference_logits
 from moetier.profile.sessions import load_sessions, write_example_sessions
 from moetier.profile.sweep import Arm, SweepResult, equal_kl_rows, hit_rate_at
+from layouts import cache_layout
 
 
 @pytest.fixture(scope="module")
@@ -83,34 +84,7 @@ def test_equal_kl_reads_each_curve_by_interpolation():
     assert equal_kl_rows(result) == [{"kl": 0.02, "table_hit_rate": 0.6, "affinity_hit_rate": pytest.approx(0.7)}]
 
 
-SWEEP_LAYOUT = """
-[[devices]]
-name = "gpu0"
-host = "local"
-kind = "cuda"
-[[links]]
-name = "pcie"
-rtt_us = 20.0
-gbps = 64.0
-[[parts]]
-name = "all"
-device = "gpu0"
-layers = "0:"
-[[tiers]]
-name = "vram"
-kind = "vram"
-device = "gpu0"
-slots = 8
-policy = "lru"
-link = "pcie"
-[[tiers]]
-name = "cpu"
-kind = "cpu"
-threads = 2
-[scheduler]
-budget_us = 5000.0
-defer_cpu = 0
-"""
+SWEEP_LAYOUT = cache_layout(slots=8, policy="lru", rtt_us=20.0, cpu_threads=2, scheduler="budget_us = 5000.0\ndefer_cpu = 0\n")
 
 
 def test_sweep_hit_rate_rises_as_the_cap_falls_and_affinity_wins_at_equal_kl(tmp_path):
