@@ -79,12 +79,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds; the best of each is kept")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--lanes", type=int, default=None,
-                        help="the engine's expert lanes (default: --threads); with lanes > 1 the engine's own kernels run single-threaded")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="the engine's expert lanes (default 1); with lanes > 1 the engine's own kernels run single-threaded")
+    parser.add_argument("--torch-ops", action="store_true", help="decode experts with torch ops, not the native kernel")
     args = parser.parse_args()
-    args.lanes = args.threads if args.lanes is None else args.lanes
-    # Same thread budget for both: transformers gets `threads` intra-op threads; the engine spends
-    # them as expert lanes (each single-threaded) and runs its other kernels on one thread.
+    # Same thread budget for both: transformers gets `threads` intra-op threads; so does the engine,
+    # unless it spends them as expert lanes (each single-threaded), its other kernels then on one thread.
     engine_intra_op = 1 if args.lanes > 1 else args.threads
     torch.set_num_threads(args.threads)
 
@@ -97,7 +97,7 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=args.lanes))
+    engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=args.lanes, native_kernel=not args.torch_ops))
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert generate(engine, prompt, 8).ids == reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist(), "engine and transformers disagree on greedy tokens"
 
@@ -116,6 +116,7 @@ def main() -> None:
         "fingerprint": checkpoint.fingerprint,
         "threads": args.threads,
         "lanes": args.lanes,
+        "engine_backend": engine.backend.describe(),
         "new_tokens": args.new_tokens,
         "copy_bandwidth_gb_per_s": bandwidth / 1e9,
         "bytes_per_token_mb": touched / 1e6,
@@ -135,7 +136,7 @@ def main() -> None:
     print(f"{'roofline (copy bandwidth)':28}{roofline_tps:14.1f}{'':>16}")
     print(f"speedup {engine_tps / reference_tps:.2f}x; {touched / 1e6:.0f} MB touched per token; "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s copied ({2 * bandwidth / 1e9:.1f} GB/s read + written); "
-          f"{args.threads} threads each (engine: {args.lanes} expert lanes); {result['cpu']}")
+          f"{args.threads} threads each; engine backend {result['engine_backend']}; {result['cpu']}")
     print(json.dumps(result))
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
+from moetier.paths import moetier_home
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Run Mixture-of-Experts models whose experts do not fit in GPU memory.")
@@ -50,13 +51,6 @@ def errors_to_exit(command: Callable) -> Callable:
             raise typer.Exit(2) from None
 
     return wrapper
-
-
-def moetier_home() -> Path:
-    """$MOETIER_HOME, else the user's cache folder (XDG_CACHE_HOME or ~/.cache) / moetier."""
-    if os.environ.get("MOETIER_HOME"):
-        return Path(os.environ["MOETIER_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetier"
 
 
 def cached_synthetic(arch: str, preset: str, seed: int = 0) -> Path:
@@ -164,7 +158,7 @@ def run(
     report = {
         "model": str(engine.checkpoint.folder),
         "fingerprint": engine.checkpoint.fingerprint,
-        "backend": engine.backend.name,
+        "backend": engine.backend.describe(),
         "prompt_ids": result.prompt_ids,
         "generated_ids": result.ids,
         "prefill_tokens": len(result.prompt_ids),

@@ -52,6 +52,10 @@ class Backend:
             raise ValueError(f"{self.name} backend: x must be [T, D], got shape {list(x.shape)}")
         return self._run_experts(x, work)
 
+    def describe(self) -> str:
+        """One line for reports: the backend, its device, and how it computes."""
+        return f"{self.name} ({self.device})"
+
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on synchronous backends)."""
 

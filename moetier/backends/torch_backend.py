@@ -9,13 +9,16 @@ picked expert's weights exactly once, in place: gathering the k experts into
 one stacked tensor for a single bmm would copy every weight byte once more
 per token, and decode is bound by exactly those bytes.
 
+On the CPU, decode runs through the native kernel (native.py, one C call per
+layer's group) when this machine could build it, and through torch ops
+otherwise: an expert's matrices are small (0.25-0.5 MB on the medium model),
+so five framework ops per expert cost as much as reading its bytes (a
+microbenchmark here, 160 experts per token: torch ops 10.5 GB/s, the kernel
+22.5 GB/s, which is what one core reads).
+
 With `lanes > 1` (default 1) a CPU decode group is split over that many
-threads, each streaming its share of the experts with single-threaded kernels
-into its own partial sum, added in lane order: an expert's matrices are too
-small for intra-op threads to help (a microbenchmark here: one lane ~11 GB/s
-with 1 or 2 intra-op threads, two lanes ~20 GB/s). In the engine the gain on
-this 2-core machine is bimodal (50-69 tok/s on the medium model against a
-steady 56 with one lane), so it is opt-in.
+threads, each streaming its share of the experts single-threaded into its own
+partial sum, added in lane order.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from moetier.backends import native
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.model.checkpoint import ExpertWeights
 
@@ -36,11 +40,10 @@ def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, w.down)
 
 
-def _decode_experts(x: torch.Tensor, work: Sequence[ExpertWork], scales: Sequence[float]) -> torch.Tensor:
-    """One token through some experts: x [1, D] -> sum of scale * ffn(x) [1, D]."""
+def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
+    """One token through some experts with torch ops: x [1, D] -> sum of scale * ffn(x) [1, D]."""
     out = torch.zeros_like(x)
-    for item, scale in zip(work, scales):
-        w = item.expert
+    for w, scale in zip(experts, scales):
         gate_up = F.linear(x, w.gate_up)  # [1, 2I]
         inter = w.down.shape[1]
         hidden = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [1, I]
@@ -52,7 +55,8 @@ class TorchBackend(Backend):
     name = "torch"
     caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
 
-    def __init__(self, device: str = "cpu", lanes: int | None = None):
+    def __init__(self, device: str = "cpu", lanes: int | None = None, native_kernel: bool = True):
+        """lanes: CPU decode threads (default 1); native_kernel: False keeps CPU decode on torch ops."""
         super().__init__(device)
         self.torch_device = torch.device(device)
         if self.torch_device.type == "cuda":
@@ -61,6 +65,8 @@ class TorchBackend(Backend):
             self.caps = BackendCaps(device_kind="cuda", dtypes=("float32",))
         cpu = self.torch_device.type == "cpu"
         self.lanes = max(1, lanes if lanes is not None else 1)
+        self._kernel = native.decode_kernel() if cpu and native_kernel else None
+        self._decode = _decode_experts if self._kernel is None else self._kernel.run
         self._pool = None
         if cpu and self.lanes > 1:  # the lane threads' kernels are single-threaded (set once per thread)
             self._pool = ThreadPoolExecutor(self.lanes, thread_name_prefix="expert-lane",
@@ -68,16 +74,20 @@ class TorchBackend(Backend):
 
     def _place(self, weights: ExpertWeights) -> ExpertWeights:
         if self.torch_device.type == "cpu":
-            return weights.resident()
+            weights = weights.resident()
+            if self._kernel is not None and not self._kernel.fits(weights):  # read in place by the kernel
+                weights = ExpertWeights(weights.gate_up.contiguous(), weights.down.contiguous())
+            return weights
         return weights.to(self.torch_device)
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         if x.shape[0] == 1 and work:  # decode: every expert serves the one row
             scales = torch.cat([item.weights for item in work]).tolist()  # one host read, not one per expert
+            experts = [item.expert for item in work]
             if self._pool is None or len(work) < 2:
-                return _decode_experts(x, work, scales)
+                return self._decode(x, experts, scales)
             lanes = min(self.lanes, len(work))
-            futures = [self._pool.submit(_decode_experts, x, work[i::lanes], scales[i::lanes]) for i in range(lanes)]
+            futures = [self._pool.submit(self._decode, x, experts[i::lanes], scales[i::lanes]) for i in range(lanes)]
             out = futures[0].result()
             for future in futures[1:]:
                 out += future.result()
@@ -88,6 +98,12 @@ class TorchBackend(Backend):
             y = swiglu(x.index_select(0, rows), item.expert)  # [n, D]
             out.index_add_(0, rows, y * item.weights.to(x.device)[:, None])
         return out
+
+    def describe(self) -> str:
+        if self.torch_device.type != "cpu":
+            return super().describe()
+        decode = "native kernel" if self._kernel is not None else f"torch ops; native kernel {native.status()}"
+        return f"{super().describe()}, decode: {decode}" + (f", {self.lanes} lanes" if self.lanes > 1 else "")
 
     def close(self) -> None:
         if self._pool is not None:
