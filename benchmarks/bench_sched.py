@@ -150,11 +150,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="HF model folder (default: synthetic medium, written once)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip-lane", action="store_true", help="time the overhead only (no CPU-lane bandwidth)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = open_checkpoint(args.model or cached_synthetic("qwen3_moe", "medium"))
     bandwidth = copy_bandwidth_bytes_per_s()
-    lanes = {threads: lane_bandwidth(checkpoint, threads) for threads in sorted({1, args.threads})}
+    lanes = {} if args.skip_lane else {threads: lane_bandwidth(checkpoint, threads) for threads in sorted({1, args.threads})}
     overheads = {policy: overhead_us_per_layer(checkpoint, args.tokens, policy) for policy in ("static", "lru", "xlayer")}
     for policy, overhead in overheads.items():
         total = overhead["router_us"] + overhead["dispatch_us"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
-from moetier.engine.router import Route, route
+from moetier.engine.router import ExpertJob, Route, route
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
@@ -59,18 +59,18 @@ class Part:
     device: torch.device
 
 
-def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """picks/weights [T, k] -> [(expert, rows [n], weights [n])] for each expert picked at least once."""
+def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[ExpertJob]:
+    """picks/weights [T, k] -> one ExpertJob(expert, rows [n], weights [n]) per expert picked at least once."""
     tokens, k = picks.shape
     if tokens == 1:  # decode: k distinct experts, one row each; one unbind, not k slices
-        return list(zip(picks[0].tolist(), (_ROW0,) * k, weights.t().unbind(0)))
+        return list(map(ExpertJob, picks.view(-1).tolist(), (_ROW0,) * k, weights.reshape(k, 1).unbind(0)))
     flat = picks.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     rows, gate = order // k, weights.reshape(-1)[order]
     groups, start = [], 0
     for expert, count in zip(experts.tolist(), counts.tolist()):
-        groups.append((expert, rows[start : start + count], gate[start : start + count]))
+        groups.append(ExpertJob(expert, rows[start : start + count], gate[start : start + count]))
         start += count
     return groups
 

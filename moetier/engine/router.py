@@ -11,19 +11,26 @@ extra bias reproduces it bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from moetier.model.spec import ModelSpec
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):  # a tuple: one per MoE layer per forward, on the hot path
     logits: torch.Tensor  # [T, E] raw gate logits
     probs: torch.Tensor  # [T, E] softmax probabilities, or sigmoid scores for sigmoid routers
     picks: torch.Tensor  # [T, k] int64 expert ids
     weights: torch.Tensor  # [T, k] float32 gate weights applied to each pick
+
+
+class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot path
+    """One picked expert's share of a layer: the rows of x routed to it and their gate weights."""
+
+    expert: int
+    rows: torch.Tensor  # [n] int64 indices into x
+    weights: torch.Tensor  # [n] float32
 
 
 def route(

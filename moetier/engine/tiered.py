@@ -12,7 +12,6 @@ to float32 summation order. Counters and trace rows record who served what.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -24,7 +23,7 @@ from moetier.engine.router import Route
 from moetier.engine.timing import StepTimes
 from moetier.sched.cost import TierCost
 from moetier.sched.plan import plan_layer
-from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.base import Tier
 
 WAIT_CATEGORY = {"vram": "gpu experts", "helper": "gpu experts", "remote": "remote"}
 
@@ -89,15 +88,15 @@ class TieredExecutor:
 
     def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         begin = time.perf_counter()
-        groups = group_by_expert(decision.picks, decision.weights)
-        if decision.picks.shape[0] == 1:  # decode: one token, each expert once
-            expert_tokens = dict.fromkeys([e for e, _, _ in groups], 1)
+        picks_rows = decision.picks.tolist()
+        groups = {job.expert: job for job in group_by_expert(decision.picks, decision.weights)}
+        if len(picks_rows) == 1:  # decode: one token, each expert once
+            expert_tokens = dict.fromkeys(groups, 1)
         else:
-            expert_tokens = {e: int(rows.numel()) for e, rows, _ in groups}
+            expert_tokens = {e: int(job.rows.numel()) for e, job in groups.items()}
         serving = self.serving[layer]
         holders: dict[str, frozenset[int]] = {}
         fetchable: dict[str, frozenset[int]] = {}
-        picks_rows = decision.picks.tolist()
         for tier in serving:
             counters = self.counters[tier.name]
             counters.picks += len(picks_rows) * len(picks_rows[0])
@@ -115,33 +114,30 @@ class TieredExecutor:
                 fetchable[tier.name] = after - before
         plan = plan_layer(expert_tokens, holders, self._layer_costs[layer], self.budget_us, self.tail_skip, fetchable)
         self.skipped += len(plan.skipped)
-        tier_of = plan.tier_of()
-        jobs: dict[str, list[ExpertJob]] = defaultdict(list)
-        for expert, rows, weights in groups:
-            if expert in tier_of:
-                jobs[tier_of[expert]].append(ExpertJob(expert, rows, weights))
         futures, lane, inline = [], None, []
         for tier in serving:
-            if tier.name not in jobs:
+            assigned = plan.assign.get(tier.name)
+            if not assigned:
                 continue
-            self.counters[tier.name].served += len(jobs[tier.name])
+            jobs = [groups[e] for e in assigned]
+            self.counters[tier.name].served += len(jobs)
             if tier.inline:  # computed on this thread after every other tier has started
-                inline.append(tier)
+                inline.append((tier, jobs))
                 continue
-            future = tier.submit(layer, x, jobs[tier.name])
+            future = tier.submit(layer, x, jobs)
             if tier.kind == "cpu":
                 lane = future
             else:
                 futures.append((tier, future))
         if self.trace is not None:
-            self.trace.add(layer, decision, self._tier_index(decision.picks, tier_of))
+            self.trace.add(layer, decision, self._tier_index(decision.picks, plan.tier_of()))
         times = self.times
         if times is not None:
             times.add("dispatch", time.perf_counter() - begin)
         now = torch.zeros_like(x)
-        for tier in inline:
+        for tier, jobs in inline:
             waited = time.perf_counter() if times is not None else 0.0
-            now += tier.submit(layer, x, jobs[tier.name]).result()
+            now += tier.submit(layer, x, jobs).result()
             if times is not None:
                 times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
         for tier, future in futures:

@@ -47,46 +47,50 @@ def plan_layer(
     if fetchable is None:
         everything = frozenset(expert_tokens)
         fetchable = {name: everything for name, cost in costs.items() if cost.fetch_us != float("inf")}
-    # One row per way to serve an expert: (tier, holds, fetch cost or None, kind rank, fast kind?)
-    ways = [(name, held, None, KIND_ORDER[costs[name].kind], costs[name].kind != "cpu") for name, held in holders.items()]
-    ways += [(name, fetchable[name], costs[name].fetch_us, KIND_ORDER[costs[name].kind], False) for name in fetchable]
-    finish = {name: None for name in costs}  # None: the tier is not used yet
-    tokens_on = dict.fromkeys(costs, 0)
+    # One row per way to serve an expert: (tier, experts, experts it must not fetch (held) or None,
+    # fetch cost, kind rank, fast kind?, cost); a way with no experts now is left out.
+    ways = [(name, held, None, 0.0, KIND_ORDER[costs[name].kind], costs[name].kind != "cpu", costs[name])
+            for name, held in holders.items() if held]
+    ways += [(name, fetchable[name], holders.get(name, frozenset()), costs[name].fetch_us, KIND_ORDER[costs[name].kind], False, costs[name])
+             for name in fetchable if fetchable[name]]
+    finish: dict[str, float] = {}  # tiers in use -> predicted finish time
+    tokens_on: dict[str, int] = {}  # tiers in use -> the most tokens of one expert there (hidden states shipped)
     assign: dict[str, list[int]] = {}
     fetch: dict[str, list[int]] = {}
     skipped: list[int] = []
-    order = sorted(expert_tokens, key=lambda e: (-expert_tokens[e], e)) if len(set(expert_tokens.values())) > 1 else sorted(expert_tokens)
+    uniform = len(set(expert_tokens.values())) == 1  # decode: every expert serves the one token
+    order = sorted(expert_tokens) if uniform else sorted(expert_tokens, key=lambda e: (-expert_tokens[e], e))
     for expert in order:
         tokens = expert_tokens[expert]
-        best = None
+        done = best_key = name = fetched = None  # the earliest finish; ties: the faster kind, then the name
         held_somewhere = False
-        for name, members, fetch_us, rank, fast in ways:
-            if expert not in members:
-                continue
-            if fetch_us is not None and expert in holders.get(name, ()):
-                continue  # already resident: served as a hit, not fetched
+        for way_name, members, resident, fetch_us, rank, fast, cost in ways:
+            if expert not in members or (resident is not None and expert in resident):
+                continue  # not here, or already resident: served as a hit, not fetched
             held_somewhere |= fast
-            cost = costs[name]
-            start = finish[name]
-            done = (cost.fixed_us if start is None else start) + (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes
-            if tokens > tokens_on[name]:
-                done += cost.hidden_us_per_token * (tokens - tokens_on[name])
-            if fetch_us is not None:
-                done += fetch_us
-            if best is None or (done, rank, name) < best[:3]:
-                best = (done, rank, name, fetch_us is not None)
-        if best is None:
+            start = finish.get(way_name)
+            way_done = (cost.fixed_us if start is None else start) + fetch_us + _step(cost, tokens)
+            shipped = tokens_on.get(way_name, 0)
+            if tokens > shipped:
+                way_done += cost.hidden_us_per_token * (tokens - shipped)
+            if done is None or way_done < done or (way_done == done and (rank, way_name) < best_key):
+                done, best_key, name, fetched = way_done, (rank, way_name), way_name, resident is not None
+        if done is None:
             raise ValueError(f"expert {expert}: no tier holds it and none can fetch it (a layout needs a cpu tier)")
-        done, _, name, fetched = best
         if tail_skip and done > budget_us and not held_somewhere:
             skipped.append(expert)
             continue
         finish[name] = done
-        tokens_on[name] = max(tokens_on[name], tokens)
+        tokens_on[name] = max(tokens_on.get(name, 0), tokens)
         assign.setdefault(name, []).append(expert)
         if fetched:
             fetch.setdefault(name, []).append(expert)
-    return LayerPlan(assign, fetch, skipped, {name: value for name, value in finish.items() if value is not None})
+    return LayerPlan(assign, fetch, skipped, finish)
+
+
+def _step(cost: TierCost, tokens: int) -> float:
+    """Compute time one more expert of `tokens` tokens adds to a tier's call."""
+    return (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes
 
 
 def cpu_only_us(expert_tokens: Mapping[int, int], cpu: TierCost) -> float:

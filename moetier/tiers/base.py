@@ -12,17 +12,11 @@ engine decides the order of a step.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import ClassVar, NamedTuple, Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
-
-class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot path
-    """One expert's share of a layer for one tier: rows of x it serves and their gate weights."""
-
-    expert: int
-    rows: torch.Tensor  # [n] int64 indices into x
-    weights: torch.Tensor  # [n] float32
+from moetier.engine.router import ExpertJob  # noqa: F401  (tiers take their work in this form)
 
 
 class Tier:

@@ -10,13 +10,13 @@ Results are exactly the backend's `run_experts` over the same jobs.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
 from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.handoff import Handoff, LaneThreads
 from moetier.tiers.host import HostExperts
 
 
@@ -40,7 +40,7 @@ class CpuTier(Tier):
         self.placed = {l: [self.backend.place(host.get(l, e)) for e in experts] for l in host.layers}
         self.us_per_expert = us_per_expert
         # two calls may be in flight: a deferred layer's and the next layer's (DEFER_CPU)
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"cpu-lane-{name}")
+        self._lane = LaneThreads(2, f"cpu-lane-{name}")
 
     def holds(self, layer: int) -> frozenset[int]:
         return self._all if layer in self.placed else frozenset()
@@ -53,8 +53,8 @@ class CpuTier(Tier):
         placed = self.placed[layer]
         return self.backend.run_experts(x, [ExpertWork(placed[j.expert], j.rows, j.weights) for j in jobs])
 
-    def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
-        return self._pool.submit(self.compute, layer, x, jobs)
+    def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> Handoff:
+        return self._lane.submit(self.compute, layer, x, jobs)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._lane.shutdown()
