@@ -1,22 +1,30 @@
 """`moetier calibrate`: measure the cost model's rates on this machine, for one model.
 
 Expert rates are measured by streaming distinct experts (cycling through every
-MoE layer, so the caches hold none of them), the way decode touches them;
-trunk and head times come from timed decode steps of the engine; the
-dispatch overhead from a run over the layout when one is given. A GPU's rate
-is measured on the GPU when CUDA is here, else it equals the CPU rate: an
-emulated GPU computes on the CPU.
+MoE layer, so the caches hold none of them), the way decode touches them. With
+a layout, everything else comes from a timed decode over that layout, in the
+runtime the run will use, with its threads: the trunk (attention and router,
+per layer), the head (with the step's time outside every category: sampling,
+the Python loop), the GPU's time per expert it served, and the dispatch
+overhead. These are rates under the layout's own contention (on a 2-core
+machine the CPU lane slows the emulated GPU's trunk); what stays for the
+simulator to predict is how they compose: hits, the lane, overlap, links.
+Without a layout, trunk and head come from a plain engine's decode. A GPU's
+per-expert rate without a layout is measured on the GPU when CUDA is here,
+else it equals the CPU rate: an emulated GPU computes on the CPU.
 """
 
 from __future__ import annotations
 
 import platform
 import time
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from moetier.backends import ExpertWork
 from moetier.backends.torch_backend import TorchBackend
@@ -63,6 +71,64 @@ def expert_rate_us(checkpoint, backend: TorchBackend, tokens: int, rounds: int =
     return median(samples)
 
 
+def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[str, float] | None = None,
+                 steps: int = 96) -> Calibration:
+    """`base` with the trunk, head, dispatch and GPU rate of a timed decode of `engine` (over `executor`,
+    a TieredExecutor, when it has one): microseconds per step in each timing category, the head
+    taking the step's time outside every category too (sampling, the Python loop); the CPU lane's
+    call cost fitted to its calls; a remote call's time beyond its link's round trip (link_rtt_us,
+    by tier name)."""
+    generate(engine, [1, 2, 3, 4], 16)  # untimed: first-call costs, caches and pools settle
+    times = StepTimes()
+    lanes = [t for t in executor.tiers if t.kind == "cpu"] if executor is not None else []
+    remotes = [t for t in executor.tiers if t.kind == "remote"] if executor is not None else []
+
+    def start() -> None:
+        engine.times = times
+        if executor is not None:
+            executor.times = times
+            executor.reset_counters()
+            for tier in lanes:
+                tier.calls.clear()
+            for tier in remotes:
+                tier.round_trips_us.clear()
+
+    result = generate(engine, [1, 2, 3, 4], steps + 1, before_decode=start)
+    engine.times = None
+    if executor is not None:
+        executor.times = None
+    spent = defaultdict(float, {name: seconds / times.steps * 1e6 for name, seconds in times.seconds.items()})
+    untimed = max(0.0, result.decode_s / (len(result.ids) - 1) * 1e6 - sum(spent.values()))
+    spec = engine.spec
+    rates = {"attention_us_per_layer": (spent["attention"] + spent["router"]) / spec.num_layers,
+             "head_us": spent["head"] + untimed}
+    if executor is not None:
+        rates["dispatch_us_per_layer"] = spent["dispatch"] / max(len(spec.moe_layers), 1)
+        served = sum(executor.counters[t.name].served for t in executor.tiers if t.kind in ("vram", "helper"))
+        if served:  # the GPU's rate as this decode spent it, per expert served
+            rates["gpu_us_per_expert"] = spent["gpu experts"] * times.steps / served
+        calls = [call for tier in lanes for call in tier.calls]
+        if calls:
+            rates["cpu_lane_fixed_us"], rates["cpu_us_per_expert"] = lane_fit(calls, base.cpu_us_per_expert)
+        rtt = link_rtt_us or {}
+        extra = [max(float(np.median(t.round_trips_us)) - rtt.get(t.name, 0.0), -rtt.get(t.name, 0.0)) for t in remotes if t.round_trips_us]
+        if extra:  # negative when a call takes less than the link's configured round trip
+            rates["remote_extra_us"] = float(np.mean(extra))
+    return replace(base, **rates)
+
+
+def lane_fit(calls: list[tuple[int, float]], streaming_us: float) -> tuple[float, float]:
+    """(fixed us per call, us per expert) of CPU-lane calls timed from submit to done: a least-squares
+    line over experts per call when calls differ in size; else the streaming rate and the rest fixed.
+    The slope stays within [0.5, 4] x the streaming rate (a handful of noisy calls cannot make it absurd)."""
+    sizes = np.array([n for n, _ in calls], dtype=np.float64)
+    us = np.array([t for _, t in calls], dtype=np.float64)
+    per_expert = streaming_us
+    if len(calls) >= 8 and sizes.std() > 0:
+        per_expert = float(np.clip(np.polyfit(sizes, us, 1)[0], 0.5 * streaming_us, 4 * streaming_us))
+    return max(0.0, float(np.median(us - per_expert * sizes))), per_expert
+
+
 def measure(layout_path: Path | None, model: Path | None, out: Path | None, threads: int | None) -> tuple[Calibration, Path]:
     from moetier.cli import builtin_model
     from moetier.config import load_layout
@@ -82,52 +148,27 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
         gpu = TorchBackend("cuda")
         gpu_one, gpu_many = expert_rate_us(checkpoint, gpu, 1), expert_rate_us(checkpoint, gpu, 16)
 
-    engine = Engine(checkpoint)
-    engine.warm_up()
-    times = StepTimes()
-    steps = 24
-
-    def start() -> None:
-        engine.times = times
-
-    generate(engine, [1, 2, 3, 4], steps + 1, before_decode=start)
-    engine.times = None
-    attention_us = times.seconds["attention"] / times.steps / spec.num_layers * 1e6
-    x = torch.randn(1, spec.hidden_size)
-    head = []
-    for _ in range(20):
-        begin = time.perf_counter()
-        F.linear(F.rms_norm(x, engine.final_norm.shape, engine.final_norm, spec.rms_norm_eps), engine.lm_head)
-        head.append((time.perf_counter() - begin) * 1e6)
-
-    dispatch_us = Calibration.dispatch_us_per_layer
-    if layout is not None:
+    machine = (f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, "
+               f"{'cuda ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}")
+    streaming = Calibration(cpu_us_per_expert=cpu_one, cpu_us_per_token_expert=max(0.0, (cpu_many - cpu_one) / 15),
+                            gpu_us_per_expert=gpu_one, gpu_us_per_token_expert=max(0.0, (gpu_many - gpu_one) / 15),
+                            expert_bytes=checkpoint.expert_nbytes, machine=machine)
+    if layout is None:
+        calibration = timed_decode(Engine(checkpoint), None, streaming)
+    else:
+        # The plan decides what runs beside what (a hit may go to the CPU lane when the lane is
+        # faster), so the decode is timed under the plan the calibrated run will make: planned
+        # with the streaming rates first, then again with the rates that first decode measured.
         from moetier.engine.layout_runtime import build_runtime
 
-        runtime = build_runtime(layout, checkpoint, Calibration())
-        run_times = StepTimes()
-
-        def start_tiered() -> None:
-            runtime.engine.times = runtime.executor.times = run_times
-
-        try:
-            generate(runtime.engine, [1, 2, 3, 4], steps + 1, before_decode=start_tiered)
-        finally:
-            runtime.close()
-        dispatch_us = run_times.seconds["dispatch"] / run_times.steps / max(len(spec.moe_layers), 1) * 1e6
-
-    calibration = Calibration(
-        cpu_us_per_expert=cpu_one,
-        cpu_us_per_token_expert=max(0.0, (cpu_many - cpu_one) / 15),
-        gpu_us_per_expert=gpu_one,
-        gpu_us_per_token_expert=max(0.0, (gpu_many - gpu_one) / 15),
-        attention_us_per_layer=attention_us,
-        head_us=median(head),
-        dispatch_us_per_layer=dispatch_us,
-        expert_bytes=checkpoint.expert_nbytes,
-        machine=f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, "
-                f"{'cuda ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
-    )
+        link_rtt_us = {t.name: layout.link(t.link).rtt_us for t in layout.tiers if t.kind == "remote" and t.link}
+        calibration = streaming
+        for _ in range(2):
+            runtime = build_runtime(layout, checkpoint, calibration)
+            try:
+                calibration = timed_decode(runtime.engine, runtime.executor, streaming, link_rtt_us)
+            finally:
+                runtime.close()
     target = out or (layout.relative(layout.scheduler.calibration) if layout is not None and layout.scheduler.calibration
                      else Path("calibration.json"))
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optio
         executor.reset_counters()
         engine.times = executor.times = times
         if trace_path is not None:
-            executor.trace = TraceRows(layers=list(engine.spec.moe_layers))
+            executor.trace = TraceRows(layers=list(engine.spec.moe_layers), tier_index=dict(executor.index))
 
     try:
         result = generate(engine, prompt, max_new_tokens, sampling, before_decode=start_decode)

@@ -5,11 +5,11 @@ a remote worker on loopback when the runtime can build one): `moetier calibrate 
 writes the rates, `moetier run --layout --json --trace` measures decode (median of
 --repeats runs), and the simulator predicts the same run from that calibration and the run's
 own routing trace replayed through the same policy. Pass: decode tok/s within 15%, hit rate
-within 1 percentage point. A second column ("in situ") predicts with the trunk, head and GPU
-expert times the median all-resident run measured inside the runtime (calibrate's CPU-lane
-rate and per-layout dispatch kept; the all-resident row is then circular): it tells the
-critical-path model's error apart from calibrate's. The model is the synthetic `small` (or --preset medium); prompts
-are one token, so the caches start as cold as the replay's. Prints a table, then JSON.
+within 1 percentage point. `calibrate --layout` times its own decode over the layout (trunk,
+head, GPU rate, dispatch, the CPU lane's call cost, a remote call's cost beyond its link); the
+measured run is a separate process, prompt and length. The model is the synthetic `small` (or
+--preset medium); prompts are one token, so the caches start as cold as the replay's. Prints
+a table, then JSON.
 
     python scripts/predict_vs_measure.py [--preset small] [--tokens 128] [--repeats 3]
 """
@@ -112,20 +112,7 @@ def remote_supported() -> str:
     return ""
 
 
-def in_situ(calibration, report: dict, layers: int):
-    """What `calibrate` would write if it timed the runtime's own categories: the trunk (router folded in),
-    the head (with the step's untimed remainder) and the GPU's rate per expert from one all-resident run;
-    the CPU lane's rate and the dispatch time stay calibrate's (measured over each layout)."""
-    from dataclasses import replace
-
-    ms = report["ms_per_token"]
-    untimed_ms = max(0.0, 1e3 / report["decode_tok_per_s"] - sum(ms.values()))
-    gpu_experts = sum(t["experts_served_per_token"] for t in report["tiers"] if t["kind"] == "vram")
-    return replace(calibration, attention_us_per_layer=1e3 * (ms["attention"] + ms.get("router", 0.0)) / layers,
-                   head_us=1e3 * (ms["head"] + untimed_ms), gpu_us_per_expert=1e3 * ms["gpu experts"] / gpu_experts)
-
-
-def compare(name: str, path: Path, runs: list, model: Path, situ) -> dict:
+def compare(name: str, path: Path, runs: list, model: Path) -> dict:
     from moetier.config import load_layout
     from moetier.model import open_checkpoint
     from moetier.sched.cost import Calibration
@@ -137,14 +124,11 @@ def compare(name: str, path: Path, runs: list, model: Path, situ) -> dict:
     calibration = Calibration.load(layout.relative(layout.scheduler.calibration))
     shape, routing = ModelShape.from_spec(open_checkpoint(model).spec), load_trace(trace)
     sim = simulate(layout, shape, calibration, routing)
-    local = simulate(layout, shape, situ(calibration), routing, planning=calibration)  # the run planned with calibrate's file
     measured = report["decode_tok_per_s"]
     return {"layout": name, "measured_tok_per_s": measured, "runs_tok_per_s": [r["decode_tok_per_s"] for r, _ in runs],
             "predicted_tok_per_s": sim.tok_per_s, "tok_per_s_error": sim.tok_per_s / measured - 1,
-            "in_situ_tok_per_s": local.tok_per_s, "in_situ_error": local.tok_per_s / measured - 1,
             "measured_hit_rate": report["hit_rate"], "predicted_hit_rate": sim.hit_rate, "hit_rate_pp": 100 * (sim.hit_rate - report["hit_rate"]),
-            "measured_ms_per_token": report["ms_per_token"], "predicted_ms_per_token": sim.prediction.ms_per_token,
-            "in_situ_ms_per_token": local.prediction.ms_per_token}
+            "measured_ms_per_token": report["ms_per_token"], "predicted_ms_per_token": sim.prediction.ms_per_token}
 
 
 def main() -> None:
@@ -187,15 +171,12 @@ def main() -> None:
         if worker is not None:
             worker.terminate()
             worker.wait()
-    resident = sorted(runs["all resident"], key=lambda run: run[0]["decode_tok_per_s"])[len(runs["all resident"]) // 2][0]
-    situ = lambda calibration: in_situ(calibration, resident, spec.num_layers)  # noqa: E731  (its own row is then circular)
-    rows = [compare(name, paths[name], runs[name], model, situ) for name in paths]
+    rows = [compare(name, paths[name], runs[name], model) for name in paths]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}"
     print(f"model {args.preset} ({spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}); machine: {machine}")
-    print(f"{'layout':16} {'measured':>9} {'calibrate':>10} {'error':>7} {'in situ':>8} {'error':>7} {'hit meas.':>9} {'hit pred.':>9} {'diff pp':>7}")
+    print(f"{'layout':16} {'measured':>9} {'predicted':>10} {'error':>7} {'hit meas.':>9} {'hit pred.':>9} {'diff pp':>7}")
     for row in rows:
         print(f"{row['layout']:16} {row['measured_tok_per_s']:9.1f} {row['predicted_tok_per_s']:10.1f} {100 * row['tok_per_s_error']:+6.1f}% "
-              f"{row['in_situ_tok_per_s']:8.1f} {100 * row['in_situ_error']:+6.1f}% "
               f"{100 * row['measured_hit_rate']:8.2f}% {100 * row['predicted_hit_rate']:8.2f}% {row['hit_rate_pp']:+7.2f}")
     if missing:
         print(f"remote worker on loopback: not measured ({missing})")

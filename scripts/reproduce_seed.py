@@ -89,6 +89,7 @@ def calibration() -> Calibration:
         gpu_us_per_expert=round(SHAPE.expert_bytes / (GPU_EFFICIENCY * GPU_BYTES_PER_S) * 1e6, 1),
         gpu_us_per_token_expert=GPU_US_PER_TOKEN_EXPERT, attention_us_per_layer=f["attention_us_per_layer"],
         head_us=f["head_us"], dispatch_us_per_layer=f["dispatch_us_per_layer"], expert_bytes=SHAPE.expert_bytes,
+        cpu_lane_fixed_us=f["dispatch_us_per_layer"],  # a lane call costs what a layer's dispatch does (not fitted apart)
         machine="i7-10700K + 2x RTX 4060 Ti (derived by scripts/reproduce_seed.py, not measured)")
 
 

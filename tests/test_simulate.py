@@ -22,7 +22,7 @@ from moetier.sim.traces import RoutingTrace, synthetic_trace
 
 REPO = Path(__file__).resolve().parents[1]
 CAL = Calibration(cpu_us_per_expert=100.0, cpu_us_per_token_expert=5.0, gpu_us_per_expert=20.0, gpu_us_per_token_expert=1.0,
-                  attention_us_per_layer=100.0, head_us=50.0, dispatch_us_per_layer=10.0)
+                  attention_us_per_layer=100.0, head_us=50.0, dispatch_us_per_layer=10.0, cpu_lane_fixed_us=10.0)
 SHAPE = ModelShape(2, (0, 1), 4, 2, 1000, 64, "hand")
 
 LAYOUT = """

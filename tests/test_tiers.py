@@ -269,3 +269,23 @@ def test_launch_starts_the_layouts_workers_and_stops_them(model, tmp_path):
             launcher.kill()
     assert launcher.returncode == 0
     assert "worker i5 stopped (exit 0)" in rest
+
+
+def test_calibrate_times_the_layouts_own_decode(model, tmp_path):
+    """`moetier calibrate --layout` measures the trunk, head, GPU rate and dispatch in the layout's decode."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "layout.toml"
+    path.write_text(HEAD + LAYOUTS["vram-lru"] + scheduler(0) + 'calibration = "rates.json"\n')
+    done = subprocess.run([sys.executable, "-m", "moetier.cli", "calibrate", "--layout", str(path), "--model", str(model.folder),
+                           "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rates")] == ["rates.json"]  # nothing half-written left
+    rates = json.loads((tmp_path / "rates.json").read_text())
+    assert rates["expert_bytes"] == model.expert_nbytes
+    for key in ("cpu_us_per_expert", "gpu_us_per_expert", "attention_us_per_layer", "head_us", "dispatch_us_per_layer"):
+        assert 0.0 < rates[key] < 1e5, (key, rates[key])
+    assert rates["gpu_us_per_expert"] != rates["cpu_us_per_expert"]  # from the layout's GPU, not the streaming rate
+    assert "x1 threads" in rates["machine"]

@@ -37,22 +37,50 @@ class TierCounters:
 
 @dataclass
 class TraceRows:
-    """Per forward, per MoE layer: picks, weights, probabilities and the tier index serving each pick."""
+    """Per forward, per MoE layer: picks, weights, probabilities and the tier index serving each pick.
+
+    `add` only keeps references (the layer's Route and its plan's assignment): a decode step pays
+    nothing for being traced but a list append. Arrays are built when read (`picks`, `weights`,
+    `probs`, `tiers`, each a list with one [T, L, ...] array per forward).
+    """
 
     layers: list[int]
-    picks: list[np.ndarray] = field(default_factory=list)  # each [T, L, k]
-    weights: list[np.ndarray] = field(default_factory=list)
-    probs: list[np.ndarray] = field(default_factory=list)  # each [T, L, E]
-    tiers: list[np.ndarray] = field(default_factory=list)  # each [T, L, k], -1 = skipped
-    _open: dict[int, tuple] = field(default_factory=dict)
+    tier_index: dict[str, int] = field(default_factory=dict)  # tier name -> its index in the trace
+    _records: list[tuple[Route, dict[str, list[int]]]] = field(default_factory=list)
 
-    def add(self, layer: int, decision: Route, tier_index: np.ndarray) -> None:
-        self._open[layer] = (decision.picks.numpy(), decision.weights.float().numpy(), decision.probs.float().numpy(), tier_index)
-        if len(self._open) == len(self.layers):  # the forward's last MoE layer: close the rows
-            rows = [self._open[l] for l in self.layers]
-            for target, index in ((self.picks, 0), (self.weights, 1), (self.probs, 2), (self.tiers, 3)):
-                target.append(np.stack([r[index] for r in rows], axis=1))
-            self._open.clear()
+    def add(self, decision: Route, assign: dict[str, list[int]]) -> None:
+        self._records.append((decision, assign))
+
+    def _forwards(self):
+        """One [(Route, assign) per MoE layer] per forward, in order."""
+        per = len(self.layers)
+        return [self._records[i : i + per] for i in range(0, len(self._records) - per + 1, per)]
+
+    def _stacked(self, read) -> list[np.ndarray]:
+        return [np.stack([read(decision, assign) for decision, assign in forward], axis=1) for forward in self._forwards()]
+
+    @property
+    def picks(self) -> list[np.ndarray]:  # each [T, L, k]
+        return self._stacked(lambda d, a: d.picks.numpy())
+
+    @property
+    def weights(self) -> list[np.ndarray]:
+        return self._stacked(lambda d, a: d.weights.float().numpy())
+
+    @property
+    def probs(self) -> list[np.ndarray]:  # each [T, L, E]
+        return self._stacked(lambda d, a: d.probs.float().numpy())
+
+    @property
+    def tiers(self) -> list[np.ndarray]:  # each [T, L, k], -1 = skipped
+        return self._stacked(self._tier_of_picks)
+
+    def _tier_of_picks(self, decision: Route, assign: dict[str, list[int]]) -> np.ndarray:
+        picks = decision.picks.numpy()
+        lookup = np.full(int(picks.max()) + 1, -1, dtype=np.int8)
+        for name, experts in assign.items():
+            lookup[experts] = self.tier_index[name]
+        return lookup[picks]  # [T, k]
 
 
 class TieredExecutor:
@@ -130,7 +158,7 @@ class TieredExecutor:
             else:
                 futures.append((tier, future))
         if self.trace is not None:
-            self.trace.add(layer, decision, self._tier_index(decision.picks, plan.tier_of()))
+            self.trace.add(decision, plan.assign)
         times = self.times
         if times is not None:
             times.add("dispatch", time.perf_counter() - begin)
@@ -146,12 +174,6 @@ class TieredExecutor:
             if times is not None:
                 times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
         return Partials(now, lane)
-
-    def _tier_index(self, picks: torch.Tensor, tier_of: dict[int, str]) -> np.ndarray:
-        lookup = np.full(int(picks.max()) + 1, -1, dtype=np.int8)
-        for expert, name in tier_of.items():
-            lookup[expert] = self.index[name]
-        return lookup[picks.numpy()]  # [T, k]
 
     def close(self) -> None:
         for tier in self.tiers:

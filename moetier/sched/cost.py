@@ -29,6 +29,8 @@ class Calibration:
     attention_us_per_layer: float = 150.0  # trunk work per layer: norms, attention, router, dense MLPs
     head_us: float = 500.0  # embedding, final norm, lm head
     dispatch_us_per_layer: float = 30.0  # router + scheduler + dispatch bookkeeping
+    cpu_lane_fixed_us: float = 30.0  # per CPU-lane call: handing the lane its work, waking it, its Python around the math
+    remote_extra_us: float = 0.0  # per remote call beyond its link's round trip (framing, Python at both ends; < 0: less)
     expert_bytes: int = 0  # bytes of one expert in the calibrated model
     machine: str = ""
 
@@ -77,7 +79,7 @@ def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert
     inf = float("inf")
     if tier.kind == "cpu":
         # the calibrated rate already uses the lane's torch threads; pool threads only let calls overlap
-        return TierCost(tier.name, "cpu", calibration.dispatch_us_per_layer, calibration.cpu_us_per_expert,
+        return TierCost(tier.name, "cpu", calibration.cpu_lane_fixed_us, calibration.cpu_us_per_expert,
                         calibration.cpu_us_per_token_expert, 0.0, inf, 1)
     if tier.kind == "vram":
         fetch = link.transfer_us(expert_bytes) if link else inf
@@ -85,6 +87,8 @@ def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert
     # helper and remote: hidden states cross the link both ways, one round trip per call
     ship = 2 * hidden_bytes * 8 / (link.gbps * 1e3) if link else 0.0
     rtt = link.rtt_us if link else 0.0
+    if tier.kind == "remote":
+        rtt = max(0.0, rtt + calibration.remote_extra_us)
     per_expert = calibration.gpu_us_per_expert if tier.kind == "helper" else calibration.cpu_us_per_expert
     per_token = calibration.gpu_us_per_token_expert if tier.kind == "helper" else calibration.cpu_us_per_token_expert
     return TierCost(tier.name, tier.kind, rtt, per_expert, per_token, ship, inf, 1)

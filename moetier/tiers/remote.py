@@ -88,6 +88,7 @@ class RemoteTier(Tier):
         self.us_per_expert = us_per_expert
         self.counts: Counter[str] = Counter()  # "remote", "fallback_<reason>"
         self.fallback_delay_us: deque[float] = deque(maxlen=1024)  # submit -> failure known, per fallback after a send
+        self.round_trips_us: deque[float] = deque(maxlen=4096)  # decode RUNs: submit -> reply seen, less the worker's compute
         pairs = torch.tensor([[l, e] for l in sorted(self.experts) for e in sorted(self.experts[l])], dtype=torch.int32).reshape(-1, 2)
         self.client = WorkerClient(address, checkpoint.fingerprint, keys, client, name=name, setup=lambda: [Load(pairs)], **client_options)
         if self.client.hello.hidden_size != spec.hidden_size:
@@ -169,10 +170,11 @@ class RemoteTier(Tier):
             else:
                 out = torch.zeros_like(x)  # [T, D]
                 out.index_copy_(0, index.to(x.device), y)
-            total_us = (time.perf_counter() - begin) * 1e6
-            self.rtt_us += _EWMA * (max(total_us - answer.compute_us, 0.0) - self.rtt_us)
+            round_trip_us = max((time.perf_counter() - begin) * 1e6 - answer.compute_us, 0.0)
+            self.rtt_us += _EWMA * (round_trip_us - self.rtt_us)
             if x.shape[0] == 1:
                 self.us_per_expert += _EWMA * (answer.compute_us / len(jobs) - self.us_per_expert)
+                self.round_trips_us.append(round_trip_us)
             self.counts["remote"] += 1
             future.set_result(out)
         except BaseException as err:  # a future must always end
