@@ -289,3 +289,30 @@ def test_calibrate_times_the_layouts_own_decode(model, tmp_path):
         assert 0.0 < rates[key] < 1e5, (key, rates[key])
     assert rates["gpu_us_per_expert"] != rates["cpu_us_per_expert"]  # from the layout's GPU, not the streaming rate
     assert "x1 threads" in rates["machine"]
+
+
+def test_xlayer_prefetches_are_uploaded_a_layer_early_and_stay_lossless(model, tmp_path):
+    """xlayer admits into layer l+1 during layer l's access: the arena holds those experts before l+1 runs."""
+    runtime = runtime_for(tmp_path, model, ONE_PART + vram("vram", "gpu0", 4, "xlayer") + CPU + scheduler(0))
+    tier = next(t for t in runtime.executor.tiers if t.kind == "vram")
+    ahead = []  # after each MoE layer's dispatch: does the next layer's arena hold what the policy holds there?
+    original = runtime.executor.dispatch
+
+    def dispatch(layer, x, decision):
+        partials = original(layer, x, decision)
+        nxt = tier.index[layer] + 1
+        if nxt < len(tier.index):
+            following = tier._layer_at[nxt]
+            ahead.append(tier.holds(following) == frozenset(tier.policy.resident(nxt).tolist()))
+        return partials
+
+    runtime.executor.dispatch = dispatch
+    try:
+        logits = score(runtime.engine, IDS)
+        generated = generate(runtime.engine, IDS[:6].tolist(), 12).ids
+    finally:
+        runtime.close()
+    assert ahead and all(ahead)
+    assert tier.prefetch_uploads > 0
+    assert np.abs(logits - score(Engine(model), IDS)).max() <= 1e-5
+    assert generated == generate(Engine(model), IDS[:6].tolist(), 12).ids

@@ -7,7 +7,10 @@ are uploaded from host memory over the link on the tier's own link thread
 (emulated time without CUDA), so a miss can be served elsewhere now and be a
 hit later. Computing an expert whose upload is still on the wire waits for
 it: the policy's residency is authoritative, so hit counts are deterministic
-and equal to a replay of the same picks through the same policy.
+and equal to a replay of the same picks through the same policy. A policy that
+prefetches (`xlayer`) admits into layer l+1 during layer l's access; those
+uploads start right then, beside layer l's compute and l+1's attention, not at
+layer l+1's access (`prefetch_uploads` counts them).
 """
 
 from __future__ import annotations
@@ -55,10 +58,12 @@ class VramTier(Tier):
         self.us_per_expert = us_per_expert
         spec = host.spec
         self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> the policy's layer index
+        self._layer_at = {i: layer for layer, i in self.index.items()}
         self.arenas = {layer: _LayerSlots(slots, spec.moe_intermediate_size, spec.hidden_size, self.device) for layer in layers}
         self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link-{name}")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.upload_wait_us = 0.0
+        self.prefetch_uploads = 0
         for layer in layers:  # initial residency (a static profile, a warm start) lands before timing
             resident = policy.resident(self.index[layer]).tolist()
             if resident:
@@ -84,15 +89,28 @@ class VramTier(Tier):
         picks_array = np.asarray(picks, dtype=np.int64)
         hit_mask = self.policy.access(index, picks_array)
         admitted, evicted = self.policy.last_changes(index)
+        admitted = self._apply(layer, admitted.tolist(), evicted.tolist())
+        following = self._layer_at.get(index + 1) if self.policy.prefetches else None
+        if following is not None:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
+            now, arena = self.policy.resident(index + 1).tolist(), self.arenas[following]
+            if len(now) != len(arena.slot_of) or not all(e in arena.slot_of for e in now):
+                keep = set(now)
+                self.prefetch_uploads += len(self._apply(following, now, [e for e in arena.slot_of if e not in keep]))
+        return int(hit_mask.sum()), admitted
+
+    def _apply(self, layer: int, admitted: list[int], evicted: list[int]) -> list[int]:
+        """Make the arena hold what the policy holds: free the evicted, upload the admitted it lacks (a
+        prefetch applied early is reported again by the next access) -> the experts uploaded now."""
         arena = self.arenas[layer]
-        for expert in evicted.tolist():
-            arena.free.append(arena.slot_of.pop(expert))
-            arena.ready.pop(expert, None)
-            arena.held = None
-        admitted_list = admitted.tolist()
-        if admitted_list:
-            self._upload(layer, admitted_list, timed=True)
-        return int(hit_mask.sum()), admitted_list
+        for expert in evicted:
+            if expert in arena.slot_of:
+                arena.free.append(arena.slot_of.pop(expert))
+                arena.ready.pop(expert, None)
+                arena.held = None
+        new = [expert for expert in admitted if expert not in arena.slot_of]
+        if new:
+            self._upload(layer, new, timed=True)
+        return new
 
     def _upload(self, layer: int, experts: list[int], timed: bool) -> None:
         """Give each expert a slot now; copy them in, in one job on the link thread (or here when untimed)."""
