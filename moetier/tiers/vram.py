@@ -83,8 +83,7 @@ class VramTier(Tier):
         import numpy as np
 
         if not self.policy.mutable and not self.policy.prefetches:  # a fixed set (static): membership is the answer
-            held = self.holds(layer)
-            return sum(1 for e in picks if e in held), []
+            return len(self.holds(layer).intersection(picks)), []
         index = self.index[layer]
         picks_array = np.asarray(picks, dtype=np.int64)
         hit_mask = self.policy.access(index, picks_array)
