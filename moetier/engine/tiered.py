@@ -39,44 +39,44 @@ class TierCounters:
 class TraceRows:
     """Per forward, per MoE layer: picks, weights, probabilities and the tier index serving each pick.
 
-    `add` only keeps references (the layer's Route and its plan's assignment): a decode step pays
-    nothing for being traced but a list append. Arrays are built when read (`picks`, `weights`,
+    `add` only keeps references (the layer's picks, weights and probabilities, and its plan's
+    assignment): a decode step pays nothing for being traced but a list append. Arrays are built when read (`picks`, `weights`,
     `probs`, `tiers`, each a list with one [T, L, ...] array per forward).
     """
 
     layers: list[int]
     tier_index: dict[str, int] = field(default_factory=dict)  # tier name -> its index in the trace
-    _records: list[tuple[Route, dict[str, list[int]]]] = field(default_factory=list)
+    _records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, list[int]]]] = field(default_factory=list)
 
     def add(self, decision: Route, assign: dict[str, list[int]]) -> None:
-        self._records.append((decision, assign))
+        self._records.append((decision.picks, decision.weights, decision.probs, assign))
 
     def _forwards(self):
-        """One [(Route, assign) per MoE layer] per forward, in order."""
+        """One [(picks, weights, probs, assign) per MoE layer] per forward, in order."""
         per = len(self.layers)
         return [self._records[i : i + per] for i in range(0, len(self._records) - per + 1, per)]
 
     def _stacked(self, read) -> list[np.ndarray]:
-        return [np.stack([read(decision, assign) for decision, assign in forward], axis=1) for forward in self._forwards()]
+        return [np.stack([read(*record) for record in forward], axis=1) for forward in self._forwards()]
 
     @property
     def picks(self) -> list[np.ndarray]:  # each [T, L, k]
-        return self._stacked(lambda d, a: d.picks.numpy())
+        return self._stacked(lambda picks, weights, probs, assign: picks.numpy())
 
     @property
     def weights(self) -> list[np.ndarray]:
-        return self._stacked(lambda d, a: d.weights.float().numpy())
+        return self._stacked(lambda picks, weights, probs, assign: weights.float().numpy())
 
     @property
     def probs(self) -> list[np.ndarray]:  # each [T, L, E]
-        return self._stacked(lambda d, a: d.probs.float().numpy())
+        return self._stacked(lambda picks, weights, probs, assign: probs.float().numpy())
 
     @property
     def tiers(self) -> list[np.ndarray]:  # each [T, L, k], -1 = skipped
         return self._stacked(self._tier_of_picks)
 
-    def _tier_of_picks(self, decision: Route, assign: dict[str, list[int]]) -> np.ndarray:
-        picks = decision.picks.numpy()
+    def _tier_of_picks(self, picks: torch.Tensor, weights, probs, assign: dict[str, list[int]]) -> np.ndarray:
+        picks = picks.numpy()
         lookup = np.full(int(picks.max()) + 1, -1, dtype=np.int8)
         for name, experts in assign.items():
             lookup[experts] = self.tier_index[name]
