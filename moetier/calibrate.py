@@ -5,8 +5,10 @@ MoE layer, so the caches hold none of them), the way decode touches them. With
 a layout, everything else comes from a timed decode over that layout, in the
 runtime the run will use, with its threads: the trunk (attention and router,
 per layer), the head (with the step's time outside every category: sampling,
-the Python loop), the GPU's time per expert it served, and the dispatch
-overhead. These are rates under the layout's own contention (on a 2-core
+the Python loop), the GPU's time per expert it served, the dispatch overhead,
+the CPU lane's cost per call and per expert (a line fitted to its calls, each
+timed from submit to done; it replaces the streaming rate) and a remote call's
+time beyond its link's round trip. These are rates under the layout's own contention (on a 2-core
 machine the CPU lane slows the emulated GPU's trunk); what stays for the
 simulator to predict is how they compose: hits, the lane, overlap, links.
 Without a layout, trunk and head come from a plain engine's decode. A GPU's
