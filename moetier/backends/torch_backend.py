@@ -65,6 +65,7 @@ class TorchBackend(Backend):
             self.caps = BackendCaps(device_kind="cuda", dtypes=("float32",))
         cpu = self.torch_device.type == "cpu"
         self.lanes = max(1, lanes if lanes is not None else 1)
+        self._native_asked = native_kernel
         self._kernel = native.decode_kernel() if cpu and native_kernel else None
         self._decode = _decode_experts if self._kernel is None else self._kernel.run
         self._pool = None
@@ -102,7 +103,10 @@ class TorchBackend(Backend):
     def describe(self) -> str:
         if self.torch_device.type != "cpu":
             return super().describe()
-        decode = "native kernel" if self._kernel is not None else f"torch ops; native kernel {native.status()}"
+        if self._kernel is not None:
+            decode = "native kernel"
+        else:
+            decode = f"torch ops; native kernel {native.status() if self._native_asked else 'not asked for'}"
         return f"{super().describe()}, decode: {decode}" + (f", {self.lanes} lanes" if self.lanes > 1 else "")
 
     def close(self) -> None:
