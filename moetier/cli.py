@@ -95,14 +95,16 @@ def _open_engine(model: Optional[Path], backend: str, device: str, threads: Opti
     return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device), None
 
 
-def _parse_ids(text: str, option: str) -> list[int]:
+def parse_list(text: str, option: str, kind: type = int) -> list:
+    """A comma-separated option value -> [kind]; one clear UsageError when it is not one."""
+    what, example = ("integers", "1,2,3") if kind is int else ("numbers", "-0.25,-0.5,-1")
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
+        values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UsageError(f"{option} {text!r} is not a comma-separated list of integers") from None
-    if not ids:
-        raise UsageError(f"{option} is empty (expected ids like 1,2,3)")
-    return ids
+        raise UsageError(f"{option} {text!r} is not a comma-separated list of {what}") from None
+    if not values:
+        raise UsageError(f"{option} is empty (expected {what} like {example})")
+    return values
 
 
 def _default_prompt(engine, length: int = 16) -> list[int]:
@@ -144,7 +146,7 @@ def run(
         raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
     engine, runtime = _open_engine(model, backend, device, threads, layout)
     apply_router_options(engine, bias, affinity, bias_mode)
-    prompt = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids else _default_prompt(engine)
+    prompt = parse_list(prompt_ids, "--prompt-ids") if prompt_ids else _default_prompt(engine)
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -28,18 +28,6 @@ def apply_router_options(engine, bias_path: Optional[Path], affinity: Optional[f
     return apply(engine, bias_path, affinity, bias_mode)
 
 
-def _floats(text: str, option: str) -> list[float]:
-    from moetier.cli import UsageError
-
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UsageError(f"{option} {text!r} is not a comma-separated list of numbers") from None
-    if not values:
-        raise UsageError(f"{option} is empty (expected numbers like -0.25,-0.5,-1)")
-    return values
-
-
 def _model(model: Optional[Path]):
     from moetier.cli import builtin_model
     from moetier.model import open_checkpoint
@@ -254,13 +242,14 @@ def register(app: typer.Typer) -> None:
               as_json: bool = typer.Option(False, "--json")):
         """KL, VRAM hit rate and decode tok/s per arm (static tables by cap, affinity by lambda); table and plots."""
         from moetier.profile.brightness import Profile
+        from moetier.cli import parse_list
         from moetier.profile.sweep import markdown, run_sweep, write_outputs
 
         checkpoint = _model(model)
         # sigmoid routers take the bias in probability space, where useful values are ~10x smaller
         scale = 0.1 if checkpoint.spec.router == "sigmoid" else 1.0
-        cap_values = _floats(caps, "--caps") if caps else [c * scale for c in (-0.25, -0.5, -1.0)]
-        lambda_values = _floats(lambdas, "--lambdas") if lambdas else [x * scale for x in (0.1, 0.25, 0.5)]
+        cap_values = parse_list(caps, "--caps", float) if caps else [c * scale for c in (-0.25, -0.5, -1.0)]
+        lambda_values = parse_list(lambdas, "--lambdas", float) if lambdas else [x * scale for x in (0.1, 0.25, 0.5)]
         requests = _requests(checkpoint, sessions)
         profile = Profile.load(profile_path) if profile_path is not None else None
         arms = 2 + len(cap_values) + len(lambda_values)
