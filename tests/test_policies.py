@@ -88,15 +88,22 @@ def streams(draw):
     return picks, experts, capacity, profile
 
 
+def policy_for(name: str, options: dict, stream):
+    """A fresh policy for a generated stream; static needs a profile, so it gets a flat one when the stream has none."""
+    picks, experts, capacity, profile = stream
+    layers = picks.shape[1]
+    if name == "static" and profile is None:
+        profile = np.ones((layers, experts))
+    return make_policy(name, layers, experts, capacity, profile, **options)
+
+
 @pytest.mark.parametrize("name, options", VARIANTS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=streams())
 def test_invariants_online(name, options, stream):
-    picks, experts, capacity, profile = stream
+    picks, _, capacity, _ = stream
     tokens, layers, k = picks.shape
-    if name == "static" and profile is None:
-        profile = np.ones((layers, experts))
-    pol = make_policy(name, layers, experts, capacity, profile, **options)
+    pol = policy_for(name, options, stream)
     after = [set(pol.resident(l).tolist()) for l in range(layers)]  # each layer's set at the end of its last access
     reported = 0
     for t in range(tokens):
@@ -125,12 +132,9 @@ def test_invariants_online(name, options, stream):
 @settings(max_examples=40, deadline=None)
 @given(stream=streams())
 def test_access_all_equals_access(name, options, stream):
-    picks, experts, capacity, profile = stream
+    picks, *_ = stream
     tokens, layers, _ = picks.shape
-    if name == "static" and profile is None:
-        profile = np.ones((layers, experts))
-    online = make_policy(name, layers, experts, capacity, profile, **options)
-    replayed = make_policy(name, layers, experts, capacity, profile, **options)
+    online, replayed = policy_for(name, options, stream), policy_for(name, options, stream)
     for t in range(tokens):
         want = np.stack([online.access(l, picks[t, l]) for l in range(layers)])
         assert (replayed.access_all(picks[t]) == want).all()
