@@ -90,12 +90,8 @@ class ResidencyPolicy:
         hits = self._access_layer(layer, picks)
         if not self.mutable and not self.prefetches:
             return hits  # nothing ever changes: last_changes stays empty
-        after, before = self.resident(layer), self._snapshot[layer]
-        if after.shape != before.shape or (after != before).any():
-            now, then = set(after.tolist()), set(before.tolist())
-            self._changes[layer] = (np.array(sorted(now - then), np.int64), np.array(sorted(then - now), np.int64))
-        else:
-            self._changes[layer] = self._no_changes
+        after = self.resident(layer)
+        self._changes[layer] = self._since_snapshot(layer, after)
         self._snapshot[layer] = after
         return hits
 
@@ -117,8 +113,15 @@ class ResidencyPolicy:
 
         They are reported again by last_changes(layer) after the next access of that layer.
         """
-        now, before = self.resident(layer), self._snapshot[layer]
-        return np.setdiff1d(now, before), np.setdiff1d(before, now)
+        return self._since_snapshot(layer, self.resident(layer))
+
+    def _since_snapshot(self, layer: int, now: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(admitted, evicted), each ascending, between the layer's snapshot and `now` (its resident ids, ascending)."""
+        before = self._snapshot[layer]
+        if now.shape == before.shape and (now == before).all():
+            return self._no_changes
+        now_set, then = set(now.tolist()), set(before.tolist())  # a cache's few ids: sets beat numpy's set routines here
+        return np.array(sorted(now_set - then), np.int64), np.array(sorted(then - now_set), np.int64)
 
     # -- replay protocol (moetier.sim.replay) ---------------------------------------
     def access_all(self, picks: np.ndarray) -> np.ndarray:

@@ -91,10 +91,8 @@ class VramTier(Tier):
         admitted = self._apply(layer, admitted.tolist(), evicted.tolist())
         following = self._layer_at.get(index + 1) if self.policy.prefetches else None
         if following is not None:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
-            now, arena = self.policy.resident(index + 1).tolist(), self.arenas[following]
-            if len(now) != len(arena.slot_of) or not all(e in arena.slot_of for e in now):
-                keep = set(now)
-                self.prefetch_uploads += len(self._apply(following, now, [e for e in arena.slot_of if e not in keep]))
+            admitted_next, evicted_next = self.policy.prefetched(index + 1)
+            self.prefetch_uploads += len(self._apply(following, admitted_next.tolist(), evicted_next.tolist()))
         return int(hit_mask.sum()), admitted
 
     def _apply(self, layer: int, admitted: list[int], evicted: list[int]) -> list[int]:
