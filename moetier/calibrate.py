@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import replace
 from pathlib import Path
 from statistics import median
@@ -91,7 +91,7 @@ def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[
             executor.times = times
             executor.reset_counters()
             for tier in lanes:
-                tier.calls.clear()
+                tier.calls = deque(maxlen=1 << 16)
             for tier in remotes:
                 tier.round_trips_us.clear()
 
@@ -110,11 +110,13 @@ def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[
         if served:  # the GPU's rate as this decode spent it, per expert served
             rates["gpu_us_per_expert"] = spent["gpu experts"] * times.steps / served
         calls = [call for tier in lanes for call in tier.calls]
+        for tier in lanes:
+            tier.calls = None
         if calls:
             rates["cpu_lane_fixed_us"], rates["cpu_us_per_expert"] = lane_fit(calls, base.cpu_us_per_expert)
         rtt = link_rtt_us or {}
-        extra = [max(float(np.median(t.round_trips_us)) - rtt.get(t.name, 0.0), -rtt.get(t.name, 0.0)) for t in remotes if t.round_trips_us]
-        if extra:  # negative when a call takes less than the link's configured round trip
+        extra = [float(np.median(t.round_trips_us)) - rtt.get(t.name, 0.0) for t in remotes if t.round_trips_us]
+        if extra:  # negative when a call takes less than the link's configured round trip (tier_cost keeps the sum >= 0)
             rates["remote_extra_us"] = float(np.mean(extra))
     return replace(base, **rates)
 

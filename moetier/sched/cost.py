@@ -64,13 +64,15 @@ class TierCost:
     fetch_us: float  # vram: uploading one missed expert over the link (inf: cannot fetch)
     lanes: int  # experts computed concurrently (1: a call's experts run one after another, each on all its threads)
 
+    def expert_us(self, tokens: int) -> float:
+        """Compute time one more expert of `tokens` tokens adds to a call."""
+        return (self.us_per_expert + self.us_per_token_expert * (tokens - 1)) / self.lanes
+
     def serve_us(self, expert_tokens: list[int]) -> float:
         """Time to serve experts with these token counts in one call."""
         if not expert_tokens:
             return 0.0
-        compute = sum(self.us_per_expert + self.us_per_token_expert * (n - 1) for n in expert_tokens)
-        tokens = max(expert_tokens)
-        return self.fixed_us + self.hidden_us_per_token * tokens + compute / self.lanes
+        return self.fixed_us + self.hidden_us_per_token * max(expert_tokens) + sum(self.expert_us(n) for n in expert_tokens)
 
 
 def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert_bytes: int, hidden_bytes: int) -> TierCost:

@@ -69,7 +69,7 @@ def plan_layer(
                 continue  # not here, or already resident: served as a hit, not fetched
             held_somewhere |= fast
             start = finish.get(way_name)
-            way_done = (cost.fixed_us if start is None else start) + fetch_us + _step(cost, tokens)
+            way_done = (cost.fixed_us if start is None else start) + fetch_us + cost.expert_us(tokens)
             shipped = tokens_on.get(way_name, 0)
             if tokens > shipped:
                 way_done += cost.hidden_us_per_token * (tokens - shipped)
@@ -86,11 +86,6 @@ def plan_layer(
         if fetched:
             fetch.setdefault(name, []).append(expert)
     return LayerPlan(assign, fetch, skipped, finish)
-
-
-def _step(cost: TierCost, tokens: int) -> float:
-    """Compute time one more expert of `tokens` tokens adds to a tier's call."""
-    return (cost.us_per_expert + cost.us_per_token_expert * (tokens - 1)) / cost.lanes
 
 
 def cpu_only_us(expert_tokens: Mapping[int, int], cpu: TierCost) -> float:
