@@ -142,7 +142,6 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
     layout = load_layout(layout_path) if layout_path is not None else None
     folder = model or (layout.relative(layout.model) if layout is not None and layout.model else builtin_model())
     checkpoint = open_checkpoint(folder)
-    spec = checkpoint.spec
 
     cpu = TorchBackend("cpu")
     cpu_one = expert_rate_us(checkpoint, cpu, 1)

@@ -1,7 +1,7 @@
 """Prediction against measurement on this machine: calibrate, simulate, run, compare, for several layouts.
 
 For each layout (all experts resident; CPU-lane heavy; two parts with DEFER_CPU off and on;
-a remote worker on loopback when the runtime can build one): `moetier calibrate --layout`
+a remote worker on loopback): `moetier calibrate --layout`
 writes the rates, `moetier run --layout --json --trace` measures decode (median of
 --repeats runs), and the simulator predicts the same run from that calibration and the run's
 own routing trace replayed through the same policy. Pass: decode tok/s within 15%, hit rate
@@ -60,7 +60,7 @@ CPU = '[[tiers]]\nname = "cpu"\nkind = "cpu"\nhost = "local"\nthreads = 1\n'
 REMOTE = '[[tiers]]\nname = "worker"\nkind = "remote"\naddress = "tcp://127.0.0.1:{port}"\nlink = "loopback"\nexperts = "all"\n'
 
 
-def layouts(experts: int, layers: int, port: int | None = None, rtt_us: float = 60.0) -> dict[str, str]:
+def layouts(experts: int, layers: int, port: int, rtt_us: float) -> dict[str, str]:
     """name -> cluster.toml text; the all-resident one holds every expert from the start (a flat static profile)."""
     half = layers // 2
     one = PART.format(name="all", device="gpu0", layers="0:")
@@ -74,9 +74,9 @@ def layouts(experts: int, layers: int, port: int | None = None, rtt_us: float = 
                                                                                  policy="lru", profile="") + CPU,
         "DEFER_CPU=0": HEAD.format(name="defer0", defer=0) + two + split("lru") + CPU,
         "DEFER_CPU=2": HEAD.format(name="defer2", defer=2) + two + split("lru") + CPU,
-        **({} if port is None else {"remote loopback": (HEAD.format(name="remote", defer=0).replace("rtt_us = 60.0", f"rtt_us = {rtt_us:.1f}")
-                                                        + one + VRAM.format(name="vram", device="gpu0", slots=max(1, experts // 12),
-                                                                            policy="lru", profile="") + CPU + REMOTE.format(port=port))}),
+        "remote loopback": (HEAD.format(name="remote", defer=0).replace("rtt_us = 60.0", f"rtt_us = {rtt_us:.1f}")
+                            + one + VRAM.format(name="vram", device="gpu0", slots=max(1, experts // 12), policy="lru", profile="")
+                            + CPU + REMOTE.format(port=port)),
     }
 
 
@@ -98,18 +98,6 @@ def start_worker(model: Path, threads: int) -> tuple[subprocess.Popen, int, floa
     port = int(line.strip().rsplit(":", 1)[1])
     ping = json.loads(moetier("ping", f"tcp://127.0.0.1:{port}", "--model", model, "--json"))
     return worker, port, float(ping["model"]["rtt_us"])  # median round trip of one float32 hidden state
-
-
-def remote_supported() -> str:
-    """'' when build_runtime can build a remote tier, else why not."""
-    try:
-        import moetier.tiers.remote  # noqa: F401
-    except ImportError as err:
-        return f"moetier.tiers.remote does not import ({err})"
-    source = (REPO / "moetier" / "engine" / "layout_runtime.py").read_text()
-    if "not available in this build" in source:
-        return "build_runtime does not build kind \"remote\" yet"
-    return ""
 
 
 def compare(name: str, path: Path, runs: list, model: Path) -> dict:
@@ -149,9 +137,7 @@ def main() -> None:
     spec = open_checkpoint(model).spec
     args.out.mkdir(parents=True, exist_ok=True)
     np.save(args.out / "flat.npy", np.ones((len(spec.moe_layers), spec.num_experts)))
-    missing, worker, port, rtt_us = remote_supported(), None, None, 60.0
-    if not missing:
-        worker, port, rtt_us = start_worker(model, 1)
+    worker, port, rtt_us = start_worker(model, 1)
     try:
         paths = {}
         for name, text in layouts(spec.num_experts, spec.num_layers, port, rtt_us).items():
@@ -168,9 +154,8 @@ def main() -> None:
                 trace = args.out / f"{path.stem}.{index}.npz"
                 runs[name].append((run(path, trace), trace))
     finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait()
+        worker.terminate()
+        worker.wait()
     rows = [compare(name, paths[name], runs[name], model) for name in paths]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}"
     print(f"model {args.preset} ({spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}); machine: {machine}")
@@ -178,10 +163,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['layout']:16} {row['measured_tok_per_s']:9.1f} {row['predicted_tok_per_s']:10.1f} {100 * row['tok_per_s_error']:+6.1f}% "
               f"{100 * row['measured_hit_rate']:8.2f}% {100 * row['predicted_hit_rate']:8.2f}% {row['hit_rate_pp']:+7.2f}")
-    if missing:
-        print(f"remote worker on loopback: not measured ({missing})")
     ok = all(abs(r["tok_per_s_error"]) <= 0.15 and abs(r["hit_rate_pp"]) <= 1.0 for r in rows)
-    print(json.dumps({"machine": machine, "preset": args.preset, "rows": rows, "remote": missing or f"loopback, {rtt_us:.0f} us round trip",
+    print(json.dumps({"machine": machine, "preset": args.preset, "rows": rows, "remote": f"loopback, {rtt_us:.0f} us round trip",
                       "pass": ok}))
 
 
