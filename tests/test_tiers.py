@@ -13,7 +13,9 @@ from moetier.engine.layout_runtime import build_runtime
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
 
-HEAD = """
+# With CUDA these layouts run on the real devices; a machine with one GPU emulates the second.
+SECOND_GPU_EMULATED = "emulate = true\n" if torch.cuda.device_count() < 2 else ""
+HEAD = f"""
 [[devices]]
 name = "gpu0"
 host = "local"
@@ -23,7 +25,7 @@ name = "gpu1"
 host = "local"
 kind = "cuda"
 index = 1
-[[links]]
+{SECOND_GPU_EMULATED}[[links]]
 name = "pcie"
 rtt_us = 20.0
 gbps = 64.0
@@ -316,3 +318,36 @@ def test_xlayer_prefetches_are_uploaded_a_layer_early_and_stay_lossless(model, t
     assert tier.prefetch_uploads > 0
     assert np.abs(logits - score(Engine(model), IDS)).max() <= 1e-5
     assert generated == generate(Engine(model), IDS[:6].tolist(), 12).ids
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_cache_lives_in_device_memory_and_the_lane_takes_device_rows(model, tmp_path):
+    """Real CUDA: the VRAM arenas are device memory, host experts are pinned, the CPU lane takes a
+    part's rows from the GPU and hands its partial back there; logits match the all-resident engine."""
+    runtime = runtime_for(tmp_path, model, ONE_PART + vram("vram", "gpu0", 4, "lru") + CPU + scheduler(0))
+    try:
+        tier = next(t for t in runtime.executor.tiers if t.kind == "vram")
+        lane = next(t for t in runtime.executor.tiers if t.kind == "cpu")
+        assert all(arena.gate_up.is_cuda and arena.down.is_cuda for arena in tier.arenas.values())
+        assert tier.host.get(model.spec.moe_layers[0], 0).gate_up.is_pinned()
+        got = score(runtime.engine, IDS)
+        tokens = generate(runtime.engine, [5, 9, 13], 12).ids
+        served = {n: c.served for n, c in runtime.executor.counters.items()}
+    finally:
+        runtime.close()
+    assert served[lane.name] > 0 and served[tier.name] > 0, served
+    on_device = Engine(model, device="cuda:0")
+    assert np.abs(got - score(on_device, IDS)).max() <= 1e-5
+    assert np.abs(got - score(Engine(model), IDS)).max() <= 1e-4  # GPU against CPU float32 arithmetic
+    assert tokens == generate(on_device, [5, 9, 13], 12).ids
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_clear_error(model, tmp_path, monkeypatch):
+    from moetier.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    path = tmp_path / "layout.toml"
+    path.write_text(HEAD.replace(SECOND_GPU_EMULATED, "") + TWO_PARTS + CPU)
+    with pytest.raises(ConfigError, match=r"\[devices.1\] 'gpu1': cuda:1 does not exist here .*1 CUDA device"):
+        build_runtime(load_layout(path), model)

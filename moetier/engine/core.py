@@ -78,6 +78,15 @@ def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[ExpertJo
 _ROW0 = torch.zeros(1, dtype=torch.int64)
 
 
+def _device(name: str) -> torch.device:
+    """A torch device with its index spelled out ("cuda" -> cuda:N, the current one): tensors report
+    their device that way, and the engine keys per-device state (rotary tables, caches) by it."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ResidentExperts:
     """Every routed expert of every MoE layer placed on one backend: the all-resident executor."""
 
@@ -129,7 +138,7 @@ class Engine:
             raise ValueError(f"defer_cpu is {defer_cpu} (expected 0, 1 or 2)")
         self.checkpoint = checkpoint
         self.spec = spec = checkpoint.spec
-        self.parts = [Part(r, torch.device(d)) for r, d in (parts or [(range(spec.num_layers), device)])]
+        self.parts = [Part(r, _device(d)) for r, d in (parts or [(range(spec.num_layers), device)])]
         covered = [layer for part in self.parts for layer in part.layers]
         if covered != list(range(spec.num_layers)):
             raise ValueError(f"parts cover layers {covered[:3]}...{covered[-3:]} (expected 0..{spec.num_layers - 1} once, in order)")

@@ -84,7 +84,7 @@ def generate(
     rows: list[np.ndarray] = []
 
     begin = time.perf_counter()
-    logits = engine.forward(torch.tensor(prompt_ids, dtype=torch.int64), cache, all_logits=False)[-1]  # [V]
+    logits = engine.forward(torch.tensor(prompt_ids, dtype=torch.int64), cache, all_logits=False)[-1].cpu()  # [V] (sampled on the host)
     new_ids = [pick_token(logits, sampling, generator)]
     prefill_s = time.perf_counter() - begin
     if keep_logits:
@@ -96,7 +96,7 @@ def generate(
     step = torch.empty(1, dtype=torch.int64)
     while len(new_ids) < max_new_tokens and new_ids[-1] not in stop_ids:
         step[0] = new_ids[-1]
-        logits = engine.forward(step, cache)[0]  # [V]
+        logits = engine.forward(step, cache)[0].cpu()  # [V]
         new_ids.append(pick_token(logits, sampling, generator))
         if keep_logits:
             rows.append(logits.numpy().copy())
@@ -111,7 +111,7 @@ def score(engine: Engine, ids: np.ndarray | list[int]) -> np.ndarray:
         raise ValueError("score: no token ids (expected a non-empty 1-D sequence)")
     _check_ids(engine, ids)
     logits = engine.forward(torch.tensor(ids, dtype=torch.int64), engine.new_cache())
-    return logits.numpy().astype(np.float32, copy=False)
+    return logits.cpu().numpy().astype(np.float32, copy=False)
 
 
 def _check_ids(engine: Engine, ids: list[int]) -> None:

@@ -67,6 +67,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     layout.check_model(spec.num_layers, spec.num_experts)
     calibration = calibration or load_calibration(layout)
     cuda = torch.cuda.is_available()
+    _check_devices(layout, torch.cuda.device_count() if cuda else 0)
     emulated = {d.name: d.torch_device(cuda) == "cpu" and d.kind == "cuda" for d in layout.devices}
     parts = [(p.layers(spec.num_layers), layout.device(p.device).torch_device(cuda)) for p in layout.parts]
     host = HostExperts(checkpoint, spec.moe_layers, pin=cuda)
@@ -123,6 +124,14 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
     _apply_router(layout, engine)
     return TieredRuntime(engine, executor, layout, calibration, emulated)
+
+
+def _check_devices(layout: Layout, present: int) -> None:
+    """A cuda device the layout names must exist here (or be emulated): one clear line if not."""
+    for i, device in enumerate(layout.devices):
+        if present and device.kind == "cuda" and not device.emulate and device.index >= present:
+            raise ConfigError(f"{layout.path}: [devices.{i}] {device.name!r}: cuda:{device.index} does not exist here "
+                              f"(this machine has {present} CUDA device(s)); set emulate = true to run it on the CPU")
 
 
 def _apply_router(layout: Layout, engine: Engine) -> None:

@@ -61,22 +61,22 @@ class TraceRows:
 
     @property
     def picks(self) -> list[np.ndarray]:  # each [T, L, k]
-        return self._stacked(lambda picks, weights, probs, assign: picks.numpy())
+        return self._stacked(lambda picks, weights, probs, assign: picks.cpu().numpy())
 
     @property
     def weights(self) -> list[np.ndarray]:
-        return self._stacked(lambda picks, weights, probs, assign: weights.float().numpy())
+        return self._stacked(lambda picks, weights, probs, assign: weights.float().cpu().numpy())
 
     @property
     def probs(self) -> list[np.ndarray]:  # each [T, L, E]
-        return self._stacked(lambda picks, weights, probs, assign: probs.float().numpy())
+        return self._stacked(lambda picks, weights, probs, assign: probs.float().cpu().numpy())
 
     @property
     def tiers(self) -> list[np.ndarray]:  # each [T, L, k], -1 = skipped
         return self._stacked(self._tier_of_picks)
 
     def _tier_of_picks(self, picks: torch.Tensor, weights, probs, assign: dict[str, list[int]]) -> np.ndarray:
-        picks = picks.numpy()
+        picks = picks.cpu().numpy()
         lookup = np.full(int(picks.max()) + 1, -1, dtype=np.int8)
         for name, experts in assign.items():
             lookup[experts] = self.tier_index[name]

@@ -52,9 +52,15 @@ class CpuTier(Tier):
         return self.us_per_expert * experts
 
     def compute(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
-        """The lane's math, synchronously on the caller's thread (also the lossless fallback of other tiers)."""
+        """The lane's math, synchronously on the caller's thread (also the lossless fallback of other tiers).
+
+        x [T, D] may live on a GPU (a part's device): its rows come to host memory and the partial goes back.
+        """
         placed = self.placed[layer]
-        return self.backend.run_experts(x, [ExpertWork(placed[j.expert], j.rows, j.weights) for j in jobs])
+        work = [ExpertWork(placed[j.expert], j.rows, j.weights) for j in jobs]
+        if x.device.type == "cpu":
+            return self.backend.run_experts(x, work)
+        return self.backend.run_experts(x.cpu(), work).to(x.device)
 
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> Handoff:
         if self.calls is None:

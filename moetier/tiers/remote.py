@@ -184,7 +184,7 @@ class RemoteTier(Tier):
         if begin is not None:
             self.fallback_delay_us.append((time.perf_counter() - begin) * 1e6)
         self.counts[f"fallback_{reason}"] += 1
-        return self.fallback.compute(layer, x.cpu(), jobs).to(x.device)  # [T, D], the same math on this host
+        return self.fallback.compute(layer, x, jobs)  # [T, D], the same math on this host
 
     @staticmethod
     def _done(value: torch.Tensor) -> "Future[torch.Tensor]":
