@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 from statistics import median
 
@@ -84,12 +85,18 @@ class NullBackend(Backend):
         return torch.zeros_like(x)
 
 
+def null_submit(submit):
+    """A native lane's submit that queues the call with its experts dropped: everything but the math."""
+    nothing = array("q"), array("f")
+    return lambda x, addresses, scales, inter: submit(x, *nothing, inter)
+
+
 def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, float]:
     """Median router and dispatch time per MoE layer, with every tier's expert math (and the emulated
     link's time) removed. Decode decisions are recorded from a real run, then replayed through
     `route` and `TieredExecutor.dispatch` one call at a time (its `dispatch` category: everything
     before the inline tier's expert math)."""
-    from moetier.engine.router import route
+    from moetier.engine.router import route_gate
 
     spec = checkpoint.spec
     with tempfile.TemporaryDirectory() as folder:
@@ -99,6 +106,9 @@ def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, flo
         runtime = build_runtime(load_layout(path), checkpoint)
     for tier in runtime.executor.tiers:
         tier.backend = NullBackend()
+        native = getattr(tier, "_native", None)
+        if native is not None:  # the native lane: the same hand-off and collect, a call of no experts
+            native.submit = null_submit(native.submit)
         if hasattr(tier, "link"):
             tier.link.emulated = False
     engine, executor = runtime.engine, runtime.executor
@@ -113,7 +123,7 @@ def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, flo
         for layer, decision in decode:
             w = engine.layers[layer]
             begin = time.perf_counter()
-            route(spec, torch.nn.functional.linear(x, w.router), w.correction_bias)
+            route_gate(spec, x, w.router, w.correction_bias)  # as the engine routes
             router.append(time.perf_counter() - begin)
             executor.times = StepTimes()  # its "dispatch" ends where the inline tier's expert math begins
             partials = executor.dispatch(layer, x, decision)

@@ -109,3 +109,132 @@ def test_without_a_kernel_decode_falls_back_to_torch_ops(tmp_path, env, why):
     got = probe(tmp_path, **env)
     assert not got["on"] and why in got["status"] and "\n" not in got["status"] and got["diff"] < 1e-6
     assert not (tmp_path / "native").exists() or not any((tmp_path / "native").iterdir())
+
+
+def lane_call(experts, scales):
+    """The native lane's arguments for these experts: (gate_up, down) addresses and float32 scales."""
+    from array import array
+
+    return array("q", [a for w in experts for a in (w.gate_up.data_ptr(), w.down.data_ptr())]), array("f", scales)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_lane_computes_what_the_kernel_computes(threads):
+    """One part: bit for bit the kernel's result; split over threads: the same sums reassociated,
+    identical from call to call whatever the threads' timing."""
+    experts = experts_of(37, 13, 7, seed=threads)
+    x, scales = torch.randn(1, 37), torch.rand(7).tolist()
+    expected = native.decode_kernel().run(x, experts, scales)
+    lane = native.NativeLane(native.decode_kernel(), threads)
+    try:
+        addresses, floats = lane_call(experts, scales)
+        results = [lane.submit(x, addresses, floats, 13) for _ in range(lane.SLOTS)]
+        outs = [ticket.result() for ticket in results]
+    finally:
+        lane.close()
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    if threads == 1:
+        assert torch.equal(outs[0], expected)
+    assert (outs[0] - expected).abs().max().item() <= 1e-5
+
+
+@needs_kernel
+def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say_so():
+    experts = experts_of(16, 8, 3, seed=1)
+    x, (addresses, floats) = torch.randn(1, 16), lane_call(experts, [1.0, 0.5, 0.25])
+    lane = native.NativeLane(native.decode_kernel(), 1)
+    try:
+        for _ in range(3 * lane.SLOTS):  # dropped at once: each slot is freed when its call is done
+            lane.submit(x, addresses, floats, 8)
+        held = [lane.submit(x, addresses, floats, 8) for _ in range(lane.SLOTS - 1)]
+        last = lane.submit(x, addresses, floats, 8)
+        expected = last.result()  # collected: its slot is free again
+        held.append(lane.submit(x, addresses, floats, 8))
+        with pytest.raises(RuntimeError, match="all 16 call slots hold results not collected"):
+            lane.submit(x, addresses, floats, 8)  # waits for the queued calls, then says why it cannot
+        assert all(torch.equal(ticket.result(), expected) for ticket in held)
+        assert torch.equal(lane.submit(x, addresses, floats, 8).result(), expected)
+        with pytest.raises(ValueError, match="6 addresses for 2 scales"):
+            lane.submit(x, addresses, floats[:2], 8)
+    finally:
+        lane.close()
+        lane.close()  # idempotent
+    other = native.NativeLane(native.decode_kernel(), 1)
+    pending = other.submit(x, addresses, floats, 8)
+    other.close()  # finishes the queued call, but its result went with the lane
+    with pytest.raises(RuntimeError, match="closed before this call was collected"):
+        pending.result()
+
+
+@needs_kernel
+def test_cpu_lane_decodes_on_the_native_lane_as_its_python_threads_would():
+    """A decode call (DecodeJobs or ExpertJobs) takes the native lane; its result is the backend's."""
+    from moetier.engine.router import DecodeJobs, ExpertJob
+    from moetier.model.synth import write_synthetic
+    from moetier.model import open_checkpoint
+    from moetier.tiers.cpu import CpuTier
+    from moetier.tiers.host import HostExperts
+
+    import tempfile
+    from collections import deque
+
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = open_checkpoint(write_synthetic(folder + "/m", arch="qwen3_moe", preset="tiny", seed=2))
+        spec = checkpoint.spec
+        tier = CpuTier("cpu", HostExperts(checkpoint, spec.moe_layers), threads=2)
+        try:
+            assert tier._native is not None and tier._native.threads == 2
+            layer, x = spec.moe_layers[0], torch.randn(1, spec.hidden_size)
+            jobs = DecodeJobs([3, 0, 5], [0.5, 0.25, 0.125])
+            as_tuples = [ExpertJob(e, torch.zeros(1, dtype=torch.int64), torch.tensor([s])) for e, s in zip(jobs.experts, jobs.scales)]
+            assert [(j.expert, j.rows.tolist(), j.weights.tolist()) for j in jobs] == [(j.expert, j.rows.tolist(), j.weights.tolist()) for j in as_tuples]
+            expected = tier.compute(layer, x, jobs)  # the backend on this thread
+            tier.calls = deque()
+            for work in (jobs, as_tuples):
+                got = tier.submit(layer, x, work).result()
+                assert (got - expected).abs().max().item() <= 1e-6
+            assert [experts for experts, _ in tier.calls] == [3, 3] and all(us > 0 for _, us in tier.calls)
+        finally:
+            tier.close()
+
+
+def router_spec(router: str, experts: int, k: int, n_group: int = 1, topk_group: int = 1, norm: bool = True):
+    from dataclasses import replace
+
+    from moetier.model.spec import ModelSpec
+    from moetier.model.synth import PRESETS, _config, arch_preset
+
+    arch = "glm4_moe" if router == "sigmoid" else "qwen3_moe"  # a real spec, then the router's fields
+    base = ModelSpec.from_hf_config(_config(arch, arch_preset(arch, PRESETS["tiny"])))
+    return replace(base, num_experts=experts, top_k=k,
+                   router=router, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+                   routed_scaling_factor=2.5 if router == "sigmoid" else 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("router, experts, k, n_group, topk_group, norm, nudged", [
+    ("softmax", 80, 10, 1, 1, True, False), ("softmax", 64, 8, 1, 1, False, True), ("softmax", 7, 7, 1, 1, True, False),
+    ("sigmoid", 64, 8, 8, 4, True, False), ("sigmoid", 64, 8, 8, 4, True, True), ("sigmoid", 40, 6, 1, 1, False, True),
+    ("sigmoid", 48, 4, 4, 1, True, False)])
+def test_native_router_decides_as_the_torch_router(router, experts, k, n_group, topk_group, norm, nudged):
+    """route_gate's one-call decision for one token against route(): the same picks (as a set), weights,
+    probabilities and logits up to the gate's float32 summation order; over 50 random tokens."""
+    from moetier.engine.router import route, route_gate
+
+    spec = router_spec(router, experts, k, n_group, topk_group, norm)
+    g = torch.Generator().manual_seed(experts + k + n_group)
+    gate = torch.randn(experts, 96, generator=g) * 0.3
+    correction = torch.randn(experts, generator=g) * 0.1 if router == "sigmoid" else None
+    for _ in range(50):
+        x = torch.randn(1, 96, generator=g)
+        bias = torch.randn(experts, generator=g) * 0.5 if nudged else None
+        affinity = (torch.rand(experts, generator=g) < 0.3).float() * 0.7 if nudged else None
+        fast = route_gate(spec, x, gate, correction, bias, affinity)
+        slow = route(spec, torch.nn.functional.linear(x, gate), correction, bias, affinity)
+        assert sorted(fast.picks[0].tolist()) == sorted(slow.picks[0].tolist())
+        order = [slow.picks[0].tolist().index(e) for e in fast.picks[0].tolist()]
+        assert torch.allclose(fast.weights[0], slow.weights[0, order], atol=1e-6, rtol=1e-5)
+        assert torch.allclose(fast.probs, slow.probs, atol=1e-6, rtol=1e-5)
+        assert torch.allclose(fast.logits, slow.logits, atol=1e-5, rtol=1e-5)
+        assert fast.picks.dtype == torch.int64 and fast.picks.shape == (1, k) and fast.weights.shape == (1, k)

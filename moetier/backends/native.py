@@ -12,12 +12,17 @@ processes that race to build never load half a file.
 Guarantee: `DecodeKernel.run` computes what the torch decode path computes
 (the gate-weighted sum of k SwiGLU experts over one token) in float32, with
 sums in another order (differences of float32 rounding, ~1e-6 relative).
+`NativeLane` queues the same calls to the library's own threads, which never
+take the GIL: the CPU lane's work then costs the engine's thread one ctypes
+call to hand over and one to collect. With one part per call its result is
+bit for bit `run`'s; with several, the same for any thread timing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from array import array
 import hashlib
 import os
 import platform
@@ -33,7 +38,7 @@ from moetier.paths import moetier_home
 
 SOURCE = Path(__file__).with_name("csrc") / "moe_decode.c"
 # Reassociation (not full -ffast-math: NaN and inf keep their meaning) lets the dot products vectorize.
-FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=fast"]
 ARCH_FLAGS = ["-march=native"]  # dropped if this compiler does not take it
 
@@ -47,6 +52,35 @@ class DecodeKernel:
         self._fn.restype = None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, i64, i64, i64, p, p, p, p]
+        self.library = library
+        library.lane_open.restype, library.lane_open.argtypes = p, [i64]
+        library.lane_threads.restype, library.lane_threads.argtypes = i64, [p]
+        library.lane_submit.restype, library.lane_submit.argtypes = i64, [p, p, i64, i64, i64, p, p, i64]
+        library.lane_collect.restype, library.lane_collect.argtypes = i64, [p, i64, p, p]
+        library.lane_release.restype, library.lane_release.argtypes = None, [p, i64]
+        library.lane_close.restype, library.lane_close.argtypes = None, [p]
+        library.route_softmax_f32.restype = library.route_sigmoid_f32.restype = None
+        library.route_softmax_f32.argtypes = [p, p, i64, i64, i64, p, i64, p, p, p, p, p]
+        library.route_sigmoid_f32.argtypes = [p, p, i64, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p, p, p, p]
+
+    def route(self, spec, gate: torch.Tensor, x: torch.Tensor, correction: torch.Tensor | None,
+              nudge: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token's router (moetier.engine.router.route's arithmetic, not damped): gate [E, D] and
+        x [1, D], correction and nudge [E] or None, all float32 contiguous in host memory
+        -> logits [1, E], probs (scores) [1, E], picks [1, k] int64, weights [1, k]."""
+        experts, dim, k = gate.shape[0], gate.shape[1], spec.top_k
+        buffer = torch.empty(1, 3 * experts + k + spec.n_group)
+        logits, probs, weights, scratch = buffer.split_with_sizes([experts, experts, k, experts + spec.n_group], dim=1)
+        picks = torch.empty(1, k, dtype=torch.int64)
+        address = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        if spec.router == "softmax":
+            self.library.route_softmax_f32(gate.data_ptr(), x.data_ptr(), experts, dim, k, address(nudge), int(spec.norm_topk_prob),
+                                           logits.data_ptr(), probs.data_ptr(), picks.data_ptr(), weights.data_ptr(), scratch.data_ptr())
+        else:
+            self.library.route_sigmoid_f32(gate.data_ptr(), x.data_ptr(), experts, dim, k, address(correction), address(nudge),
+                                           spec.n_group, spec.topk_group, int(spec.norm_topk_prob), spec.routed_scaling_factor,
+                                           logits.data_ptr(), probs.data_ptr(), picks.data_ptr(), weights.data_ptr(), scratch.data_ptr())
+        return logits, probs, picks, weights
 
     @staticmethod
     def fits(weights: ExpertWeights) -> bool:
@@ -67,6 +101,73 @@ class DecodeKernel:
         buffer = torch.empty(2 * dim + 3 * inter, dtype=torch.float32)  # out [D], then scratch [3I + D]
         self._fn(x.data_ptr(), dim, inter, k, addresses, scale, buffer.data_ptr(), buffer.data_ptr() + 4 * dim)
         return buffer[:dim].view(1, dim)
+
+
+class NativeLane:
+    """`threads` native threads that compute decode calls queued by `submit` (module docstring).
+
+    Each call is split into min(threads, k) parts. The expert weights whose addresses are passed
+    must outlive `close()`; everything else a call needs is copied at `submit`.
+    """
+
+    SLOTS = 16  # calls queued or done-but-uncollected at once (LANE_SLOTS in the C source)
+
+    def __init__(self, kernel: DecodeKernel, threads: int = 1):
+        self._lib = kernel.library
+        self._handle = self._lib.lane_open(threads)
+        if not self._handle:
+            raise RuntimeError(f"native lane: could not start {threads} thread(s)")
+        self.threads = self._lib.lane_threads(self._handle)
+        if self.threads < threads:
+            self.close()
+            raise RuntimeError(f"native lane: started {self.threads} of {threads} threads")
+
+    def submit(self, x: torch.Tensor, addresses: array, scales: array, inter: int) -> "LaneTicket":
+        """x [1, D] float32 contiguous in host memory; addresses: array("q") of 2k (gate_up, down)
+        addresses; scales: array("f") of k gate weights; inter: I, each expert's width."""
+        k, dim = len(scales), x.shape[1]
+        if len(addresses) != 2 * k or addresses.itemsize != 8 or scales.itemsize != 4:
+            raise ValueError(f"native lane: {len(addresses)} addresses for {k} scales (expected int64 pairs, float32 scales)")
+        ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses.buffer_info()[0],
+                                       scales.buffer_info()[0], self.threads)
+        if ticket < 0:
+            why = f"all {self.SLOTS} call slots hold results not collected" if ticket == -1 else "out of memory"
+            raise RuntimeError(f"native lane: cannot queue a call ({why})")
+        return LaneTicket(self, ticket, dim)
+
+    def close(self) -> None:
+        """Finish queued calls and stop the threads (idempotent)."""
+        if self._handle:
+            handle, self._handle = self._handle, None
+            self._lib.lane_close(handle)
+
+
+class LaneTicket:
+    """One queued call: `result()` waits for it (the GIL released) and returns out [1, D];
+    then `done_s` is when it finished, on time.perf_counter's clock. A ticket dropped
+    uncollected frees its slot once its call is done."""
+
+    __slots__ = ("_lane", "_ticket", "_dim", "_out", "done_s")
+
+    def __init__(self, lane: NativeLane, ticket: int, dim: int):
+        self._lane, self._ticket, self._dim = lane, ticket, dim
+        self._out: torch.Tensor | None = None
+        self.done_s = 0.0
+
+    def result(self) -> torch.Tensor:
+        if self._out is None:
+            lane = self._lane
+            if not lane._handle:
+                raise RuntimeError("native lane: closed before this call was collected")
+            out, done = torch.empty(1, self._dim), ctypes.c_double()
+            if lane._lib.lane_collect(lane._handle, self._ticket, out.data_ptr(), ctypes.byref(done)) != 0:
+                raise RuntimeError(f"native lane: call {self._ticket} is not pending")
+            self._out, self.done_s = out, done.value
+        return self._out
+
+    def __del__(self):
+        if self._out is None and self._lane._handle:
+            self._lane._lib.lane_release(self._lane._handle, self._ticket)
 
 
 def _compiler() -> str:

@@ -100,6 +100,10 @@ class TorchBackend(Backend):
             out.index_add_(0, rows, y * item.weights.to(x.device)[:, None])
         return out
 
+    def native_lane(self, threads: int) -> "native.NativeLane | None":
+        """A native lane of `threads` threads over this backend's kernel (None without the kernel)."""
+        return native.NativeLane(self._kernel, threads) if self._kernel is not None else None
+
     def describe(self) -> str:
         if self.torch_device.type != "cpu":
             return super().describe()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
-from moetier.engine.router import ExpertJob, Route, route
+from moetier.engine.router import ROW0, ExpertJob, Route, route, route_gate
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
@@ -63,7 +63,7 @@ def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[ExpertJo
     """picks/weights [T, k] -> one ExpertJob(expert, rows [n], weights [n]) per expert picked at least once."""
     tokens, k = picks.shape
     if tokens == 1:  # decode: k distinct experts, one row each; one unbind, not k slices
-        return list(map(ExpertJob, picks.view(-1).tolist(), (_ROW0,) * k, weights.reshape(k, 1).unbind(0)))
+        return list(map(ExpertJob, picks.view(-1).tolist(), (ROW0,) * k, weights.reshape(k, 1).unbind(0)))
     flat = picks.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -73,9 +73,6 @@ def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[ExpertJo
         groups.append(ExpertJob(expert, rows[start : start + count], gate[start : start + count]))
         start += count
     return groups
-
-
-_ROW0 = torch.zeros(1, dtype=torch.int64)
 
 
 def _device(name: str) -> torch.device:
@@ -278,8 +275,8 @@ class Engine:
             if self.router_bias.affinity and (x.shape[0] == 1 or self.router_bias.affinity_prefill):
                 affinity = self.executor_affinity(layer)
                 affinity = None if affinity is None else affinity.to(x.device)
-        decision = route(self.spec, F.linear(x, w.router), w.correction_bias, bias, affinity,
-                         self.router_bias is not None and self.router_bias.damped)
+        decision = route_gate(self.spec, x, w.router, w.correction_bias, bias, affinity,
+                              self.router_bias is not None and self.router_bias.damped)
         if self.observer is not None:
             self.observer(layer, decision)
         if self.times is not None:

@@ -5,16 +5,21 @@ optional renormalisation over the k. sigmoid routers (GLM-4 MoE, DeepSeek-V3):
 scores = sigmoid(logits); selection uses score + e_score_correction_bias,
 limited to the top `topk_group` groups (a group's score = its two best);
 weights are the unbiased scores of the picks, renormalised and scaled by
-routed_scaling_factor. Exactly the reference's arithmetic, so routing with no
-extra bias reproduces it bit for bit.
+routed_scaling_factor. `route` is exactly the reference's arithmetic, so
+routing with no extra bias reproduces it bit for bit. `route_gate` also
+applies the gate; for one token in host memory it makes the whole decision in
+one call of the native kernel (the same arithmetic, float32, the gate's dot
+products summed in another order) instead of about six torch ops.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from moetier.backends import native
 from moetier.model.spec import ModelSpec
 
 
@@ -31,6 +36,58 @@ class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot p
     expert: int
     rows: torch.Tensor  # [n] int64 indices into x
     weights: torch.Tensor  # [n] float32
+
+
+ROW0 = torch.zeros(1, dtype=torch.int64)  # [1]: a decode job's one row
+
+
+class DecodeJobs(Sequence[ExpertJob]):
+    """One token's jobs for one tier, as plain lists: `experts` and their gate weights `scales`.
+
+    A sequence of ExpertJob(expert, ROW0, weights [1]) like any other job list, but those tensors
+    are made only if a tier iterates it; a tier that reads `experts` and `scales` (the native CPU
+    lane, the remote client) never pays for k one-element tensors.
+    """
+
+    __slots__ = ("experts", "scales", "_jobs")
+
+    def __init__(self, experts: list[int], scales: list[float]):
+        self.experts, self.scales = experts, scales
+        self._jobs: list[ExpertJob] | None = None
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __getitem__(self, index):
+        return self.jobs()[index]
+
+    def __iter__(self):
+        return iter(self.jobs())
+
+    def jobs(self) -> list[ExpertJob]:
+        if self._jobs is None:
+            weights = torch.tensor(self.scales, dtype=torch.float32).view(-1, 1).unbind(0)  # k x [1]
+            self._jobs = list(map(ExpertJob, self.experts, (ROW0,) * len(self.experts), weights))
+        return self._jobs
+
+
+def route_gate(
+    spec: ModelSpec,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    correction_bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    affinity: torch.Tensor | None = None,
+    damped: bool = False,
+) -> Route:
+    """x [T, D], gate [E, D] -> route(spec, x @ gate.T, ...), natively for one undamped token on the CPU."""
+    kernel = native.decode_kernel() if x.shape[0] == 1 and not damped and x.device.type == "cpu" else None
+    if kernel is not None and spec.n_group <= 64:
+        nudge = bias if affinity is None else (affinity if bias is None else bias + affinity)  # [E] or None
+        tensors = (x, gate, correction_bias, nudge)
+        if all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu") for t in tensors):
+            return Route(*kernel.route(spec, gate, x, correction_bias, nudge))
+    return route(spec, F.linear(x, gate), correction_bias, bias, affinity, damped)
 
 
 def route(

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moetier.engine.core import Partials, group_by_expert
-from moetier.engine.router import Route
+from moetier.engine.router import DecodeJobs, Route
 from moetier.engine.timing import StepTimes
 from moetier.sched.cost import TierCost
 from moetier.sched.plan import plan_layer
@@ -117,10 +117,12 @@ class TieredExecutor:
     def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         begin = time.perf_counter()
         picks_rows = decision.picks.tolist()
-        groups = {job.expert: job for job in group_by_expert(decision.picks, decision.weights)}
-        if len(picks_rows) == 1:  # decode: one token, each expert once
-            expert_tokens = dict.fromkeys(groups, 1)
+        decode = len(picks_rows) == 1  # one token, each expert once: jobs as plain lists (DecodeJobs)
+        if decode:
+            scale_of = dict(zip(picks_rows[0], decision.weights.tolist()[0]))
+            expert_tokens = dict.fromkeys(scale_of, 1)
         else:
+            groups = {job.expert: job for job in group_by_expert(decision.picks, decision.weights)}
             expert_tokens = {e: int(job.rows.numel()) for e, job in groups.items()}
         serving = self.serving[layer]
         holders: dict[str, frozenset[int]] = {}
@@ -147,7 +149,7 @@ class TieredExecutor:
             assigned = plan.assign.get(tier.name)
             if not assigned:
                 continue
-            jobs = [groups[e] for e in assigned]
+            jobs = DecodeJobs(assigned, [scale_of[e] for e in assigned]) if decode else [groups[e] for e in assigned]
             self.counters[tier.name].served += len(jobs)
             if tier.inline:  # computed on this thread after every other tier has started
                 inline.append((tier, jobs))

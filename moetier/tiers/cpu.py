@@ -2,21 +2,29 @@
 
 Holds every expert of the layers it serves, computing straight from the
 machine's `HostExperts` (placed by the backend without another copy).
-`submit` runs on the lane's own thread, so the engine's main thread can do
-attention or GPU work meanwhile (torch releases the GIL inside kernels); with
-the torch backend a call's experts are spread over `threads` lanes.
-Results are exactly the backend's `run_experts` over the same jobs.
+`submit` runs off the engine's thread, so the engine can do attention or GPU
+work meanwhile. A decode call (one token in host memory) goes to the
+backend's native lane when it has one (the torch backend with the native
+kernel): C threads that never take the GIL, so handing work over and
+collecting it cost the engine one ctypes call each and nothing in between.
+Other calls run on Python lane threads (torch releases the GIL inside its
+kernels; with the torch backend a call's experts are spread over `threads`).
+Results are exactly the backend's `run_experts` over the same jobs, up to
+float32 summation order when the native lane splits a call over threads.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from typing import Sequence
 
 import torch
 
 from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.backends.native import DecodeKernel
+from moetier.engine.router import DecodeJobs
 from moetier.tiers.base import ExpertJob, Tier
 from moetier.tiers.handoff import Handoff, LaneThreads
 from moetier.tiers.host import HostExperts
@@ -41,8 +49,10 @@ class CpuTier(Tier):
         self._all = frozenset(experts)
         self.placed = {l: [self.backend.place(host.get(l, e)) for e in experts] for l in host.layers}
         self.us_per_expert = us_per_expert
+        self.inter = host.spec.moe_intermediate_size
         # two calls may be in flight: a deferred layer's and the next layer's (DEFER_CPU)
         self._lane = LaneThreads(2, f"cpu-lane-{name}")
+        self._native, self._addresses = self._open_native(threads)
         self.calls: deque[tuple[int, float]] | None = None  # a deque to record lane calls (experts, us from submit to done)
 
     def holds(self, layer: int) -> frozenset[int]:
@@ -62,10 +72,35 @@ class CpuTier(Tier):
             return self.backend.run_experts(x, work)
         return self.backend.run_experts(x.cpu(), work).to(x.device)
 
-    def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> Handoff:
+    def _open_native(self, threads: int):
+        """The backend's native lane and, per layer, each expert's (gate_up, down) addresses; or (None, None)."""
+        opener = getattr(self.backend, "native_lane", None)
+        if opener is None or not all(DecodeKernel.fits(w) for ws in self.placed.values() for w in ws):
+            return None, None
+        lane = opener(threads)
+        if lane is None:
+            return None, None
+        addresses = {layer: [(w.gate_up.data_ptr(), w.down.data_ptr()) for w in placed] for layer, placed in self.placed.items()}
+        return lane, addresses
+
+    def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]):
+        if self._native is not None and x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32:
+            if self.calls is None:
+                return self._native_submit(layer, x, jobs)
+            submitted = time.perf_counter()
+            return _Timed(self._native_submit(layer, x, jobs), len(jobs), submitted, self.calls)
         if self.calls is None:
             return self._lane.submit(self.compute, layer, x, jobs)
         return self._lane.submit(self._timed_compute, layer, x, jobs, time.perf_counter())
+
+    def _native_submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]):
+        if isinstance(jobs, DecodeJobs):
+            experts, scales = jobs.experts, jobs.scales
+        else:
+            experts, scales = [j.expert for j in jobs], torch.cat([j.weights for j in jobs]).tolist()
+        table = self._addresses[layer]
+        addresses = array("q", [a for e in experts for a in table[e]])
+        return self._native.submit(x.contiguous(), addresses, array("f", scales), self.inter)
 
     def _timed_compute(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob], submitted: float) -> torch.Tensor:
         out = self.compute(layer, x, jobs)
@@ -74,3 +109,21 @@ class CpuTier(Tier):
 
     def close(self) -> None:
         self._lane.shutdown()
+        if self._native is not None:
+            self._native.close()
+
+
+class _Timed:
+    """A native-lane ticket whose result() also records (experts, us from submit to done) for calibrate."""
+
+    __slots__ = ("_ticket", "_experts", "_submitted", "_calls")
+
+    def __init__(self, ticket, experts: int, submitted: float, calls: deque):
+        self._ticket, self._experts, self._submitted, self._calls = ticket, experts, submitted, calls
+
+    def result(self) -> torch.Tensor:
+        out = self._ticket.result()
+        if self._calls is not None:
+            self._calls.append((self._experts, (self._ticket.done_s - self._submitted) * 1e6))
+            self._calls = None
+        return out

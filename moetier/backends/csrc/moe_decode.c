@@ -55,3 +55,298 @@ void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64
         for (int64_t d = 0; d < D; d++) out[d] += s * y[d];
     }
 }
+
+/* ---------------------------------------------------------------------------
+ * The native CPU lane: decode calls queued to threads that never touch Python.
+ *
+ * A lane owns `threads` pthreads and LANE_SLOTS job slots. lane_submit copies a
+ * call (x, the experts' addresses, their scales) into a free slot and returns
+ * its ticket at once (with all slots queued, once one is done); the threads split the call's experts into `parts`
+ * (expert j goes to part j % parts, each part summed in order into its own
+ * row) and the thread that finishes the last part adds the rows in part order,
+ * so the result does not depend on which thread ran what. lane_collect waits
+ * for a ticket (the GIL is released by ctypes meanwhile), copies the result
+ * out and frees the slot; lane_release frees a slot whose caller went away
+ * (now if done, else when done). The slot owns copies of everything but the
+ * expert weights, which the caller keeps alive until lane_close returns.
+ * ------------------------------------------------------------------------- */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define LANE_SLOTS 16
+#define LANE_THREADS_MAX 64
+
+enum { SLOT_FREE, SLOT_QUEUED, SLOT_DONE };
+
+typedef struct {
+    int state, released;
+    int64_t ticket, D, I, k, parts, claimed, finished;
+    double done_s;                     /* CLOCK_MONOTONIC seconds when the last part finished */
+    float *x;                          /* [D] */
+    int64_t *experts;                  /* [2k] */
+    float *scale;                      /* [k] */
+    float *rows;                       /* [parts, D] partial sums; row 0 ends as the total */
+    float *scratch;                    /* [parts, 3I + D] */
+    int64_t cap_x, cap_experts, cap_scale, cap_rows, cap_scratch;
+} lane_slot;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    lane_slot slots[LANE_SLOTS];
+    int64_t next_ticket;
+    int stop, threads;
+    pthread_t tid[LANE_THREADS_MAX];
+} moe_lane;
+
+static double monotonic_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* part `part` of a call: experts part, part + parts, ... summed into out[D] */
+static void decode_part(const lane_slot *s, int64_t part, float *out, float *scratch) {
+    float *gate_up = scratch, *hidden = scratch + 2 * s->I, *y = scratch + 3 * s->I;
+    const int64_t D = s->D, I = s->I;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+    for (int64_t j = part; j < s->k; j += s->parts) {
+        gemv((const float *)(intptr_t)s->experts[2 * j], s->x, gate_up, 2 * I, D);
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gate_up[i];
+            hidden[i] = g / (1.f + expf(-g)) * gate_up[I + i];
+        }
+        gemv((const float *)(intptr_t)s->experts[2 * j + 1], hidden, y, D, I);
+        const float c = s->scale[j];
+        for (int64_t d = 0; d < D; d++) out[d] += c * y[d];
+    }
+}
+
+static void *lane_main(void *arg) {
+    moe_lane *lane = arg;
+    pthread_mutex_lock(&lane->mu);
+    for (;;) {
+        lane_slot *s = NULL;  /* the oldest queued call with a part left to claim */
+        for (int i = 0; i < LANE_SLOTS; i++) {
+            lane_slot *c = &lane->slots[i];
+            if (c->state == SLOT_QUEUED && c->claimed < c->parts && (!s || c->ticket < s->ticket)) s = c;
+        }
+        if (!s) {
+            if (lane->stop) break;
+            pthread_cond_wait(&lane->work, &lane->mu);
+            continue;
+        }
+        const int64_t part = s->claimed++;
+        pthread_mutex_unlock(&lane->mu);
+        decode_part(s, part, s->rows + part * s->D, s->scratch + part * (3 * s->I + s->D));
+        pthread_mutex_lock(&lane->mu);
+        if (++s->finished < s->parts) continue;
+        pthread_mutex_unlock(&lane->mu);  /* the last part: every other row is written */
+        for (int64_t p = 1; p < s->parts; p++)
+            for (int64_t d = 0; d < s->D; d++) s->rows[d] += s->rows[p * s->D + d];
+        const double done_s = monotonic_s();
+        pthread_mutex_lock(&lane->mu);
+        s->done_s = done_s;
+        s->state = s->released ? SLOT_FREE : SLOT_DONE;
+        pthread_cond_broadcast(&lane->done);
+    }
+    pthread_mutex_unlock(&lane->mu);
+    return NULL;
+}
+
+static int grow(void **buffer, int64_t *cap, int64_t need, size_t item) {
+    if (need <= *cap) return 0;
+    void *bigger = realloc(*buffer, (size_t)need * item);
+    if (!bigger) return -1;
+    *buffer = bigger;
+    *cap = need;
+    return 0;
+}
+
+moe_lane *lane_open(int64_t threads) {
+    if (threads < 1 || threads > LANE_THREADS_MAX) return NULL;
+    moe_lane *lane = calloc(1, sizeof(moe_lane));
+    if (!lane) return NULL;
+    pthread_mutex_init(&lane->mu, NULL);
+    pthread_cond_init(&lane->work, NULL);
+    pthread_cond_init(&lane->done, NULL);
+    for (int64_t t = 0; t < threads; t++) {
+        if (pthread_create(&lane->tid[t], NULL, lane_main, lane) != 0) break;
+        lane->threads++;
+    }
+    return lane;
+}
+
+int64_t lane_threads(const moe_lane *lane) { return lane->threads; }
+
+/* Queue one call; returns its ticket. With every slot taken it waits for a queued call to finish;
+ * -1 when all are done but uncollected, -2 when out of memory. */
+int64_t lane_submit(moe_lane *lane, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                    const float *scale, int64_t parts) {
+    if (parts > k) parts = k;
+    if (parts < 1) parts = 1;
+    pthread_mutex_lock(&lane->mu);
+    lane_slot *s = NULL;
+    for (;;) {  /* a free slot; while none, wait for a queued call to finish (none queued: give up) */
+        int queued = 0;
+        for (int i = 0; i < LANE_SLOTS && !s; i++) {
+            if (lane->slots[i].state == SLOT_FREE) s = &lane->slots[i];
+            queued |= lane->slots[i].state == SLOT_QUEUED;
+        }
+        if (s || !queued) break;
+        pthread_cond_wait(&lane->done, &lane->mu);
+    }
+    int64_t ticket = -1;
+    if (s) {
+        ticket = -2;
+        if (!grow((void **)&s->x, &s->cap_x, D, sizeof(float)) &&
+            !grow((void **)&s->experts, &s->cap_experts, 2 * k, sizeof(int64_t)) &&
+            !grow((void **)&s->scale, &s->cap_scale, k, sizeof(float)) &&
+            !grow((void **)&s->rows, &s->cap_rows, parts * D, sizeof(float)) &&
+            !grow((void **)&s->scratch, &s->cap_scratch, parts * (3 * I + D), sizeof(float))) {
+            memcpy(s->x, x, (size_t)D * sizeof(float));
+            memcpy(s->experts, experts, (size_t)(2 * k) * sizeof(int64_t));
+            memcpy(s->scale, scale, (size_t)k * sizeof(float));
+            s->D = D, s->I = I, s->k = k, s->parts = parts, s->claimed = 0, s->finished = 0, s->released = 0;
+            s->ticket = ticket = lane->next_ticket++;
+            s->state = SLOT_QUEUED;
+            if (parts > 1) pthread_cond_broadcast(&lane->work);
+            else pthread_cond_signal(&lane->work);
+        }
+    }
+    pthread_mutex_unlock(&lane->mu);
+    return ticket;
+}
+
+static lane_slot *slot_of(moe_lane *lane, int64_t ticket) {
+    lane_slot *s = &lane->slots[0];
+    for (int i = 0; i < LANE_SLOTS; i++, s++)
+        if (s->state != SLOT_FREE && s->ticket == ticket) return s;
+    return NULL;
+}
+
+/* Wait for a ticket, copy its [D] result to out and the time it finished to *done_s; free its slot.
+ * Returns 0, or -1 for a ticket that is not pending (already collected or released, or never given). */
+int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s) {
+    pthread_mutex_lock(&lane->mu);
+    lane_slot *s = slot_of(lane, ticket);
+    if (!s || s->released) {
+        pthread_mutex_unlock(&lane->mu);
+        return -1;
+    }
+    while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);
+    memcpy(out, s->rows, (size_t)s->D * sizeof(float));
+    *done_s = s->done_s;
+    s->state = SLOT_FREE;
+    pthread_mutex_unlock(&lane->mu);
+    return 0;
+}
+
+/* The caller will not collect this ticket: free its slot now if done, else when it is. */
+void lane_release(moe_lane *lane, int64_t ticket) {
+    pthread_mutex_lock(&lane->mu);
+    lane_slot *s = slot_of(lane, ticket);
+    if (s) {
+        if (s->state == SLOT_DONE) s->state = SLOT_FREE;
+        else s->released = 1;
+    }
+    pthread_mutex_unlock(&lane->mu);
+}
+
+/* Finish queued calls, stop the threads, free everything. */
+void lane_close(moe_lane *lane) {
+    pthread_mutex_lock(&lane->mu);
+    lane->stop = 1;
+    pthread_cond_broadcast(&lane->work);
+    pthread_mutex_unlock(&lane->mu);
+    for (int t = 0; t < lane->threads; t++) pthread_join(lane->tid[t], NULL);
+    for (int i = 0; i < LANE_SLOTS; i++) {
+        lane_slot *s = &lane->slots[i];
+        free(s->x), free(s->experts), free(s->scale), free(s->rows), free(s->scratch);
+    }
+    pthread_cond_destroy(&lane->work);
+    pthread_cond_destroy(&lane->done);
+    pthread_mutex_destroy(&lane->mu);
+    free(lane);
+}
+
+/* ---------------------------------------------------------------------------
+ * The decode router: one token's gate logits, scores, top-k picks and weights
+ * in one call, the arithmetic of moetier/engine/router.py (float32; the gate's
+ * dot products in this file's order). Picks come in descending order of their
+ * selection score, ties to the lower expert id.
+ * ------------------------------------------------------------------------- */
+
+/* indices of the k largest of v[0..n) (entries equal to -INFINITY never picked before others), descending */
+static void top_k(const float *v, int64_t n, int64_t k, int64_t *out) {
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (have == k && !(v[i] > v[out[k - 1]])) continue;
+        int64_t at = have < k ? have++ : k - 1;
+        while (at > 0 && v[i] > v[out[at - 1]]) {
+            out[at] = out[at - 1];
+            at--;
+        }
+        out[at] = i;
+    }
+}
+
+/* softmax routers: probs = softmax(logits); picks = top k of probs, or of logits + nudge when nudge
+ * is given; weights = probs[picks], renormalised over the k when norm. scratch: E floats. */
+void route_softmax_f32(const float *W, const float *x, int64_t E, int64_t D, int64_t k, const float *nudge, int64_t norm,
+                       float *logits, float *probs, int64_t *picks, float *weights, float *scratch) {
+    gemv(W, x, logits, E, D);
+    float top = logits[0];
+    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    float total = 0.f;
+    for (int64_t e = 0; e < E; e++) total += (probs[e] = expf(logits[e] - top));
+    for (int64_t e = 0; e < E; e++) probs[e] /= total;
+    if (nudge) {
+        for (int64_t e = 0; e < E; e++) scratch[e] = logits[e] + nudge[e];
+        top_k(scratch, E, k, picks);
+    } else {
+        top_k(probs, E, k, picks);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; j++) sum += (weights[j] = probs[picks[j]]);
+    if (norm)
+        for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+}
+
+/* sigmoid routers: scores = sigmoid(logits); choice = scores (+ correction) (+ nudge), limited to the
+ * topk_group groups whose two best choices sum highest when n_group > 1; picks = top k of choice;
+ * weights = scores[picks], renormalised (+1e-20) when norm, times scaling. scratch: E + n_group floats. */
+void route_sigmoid_f32(const float *W, const float *x, int64_t E, int64_t D, int64_t k, const float *correction,
+                       const float *nudge, int64_t n_group, int64_t topk_group, int64_t norm, float scaling,
+                       float *logits, float *scores, int64_t *picks, float *weights, float *scratch) {
+    gemv(W, x, logits, E, D);
+    float *choice = scratch, *group_score = scratch + E;
+    for (int64_t e = 0; e < E; e++) {
+        scores[e] = 1.f / (1.f + expf(-logits[e]));
+        float c = correction ? scores[e] + correction[e] : scores[e];
+        choice[e] = nudge ? c + nudge[e] : c;
+    }
+    if (n_group > 1 && topk_group < n_group) {
+        const int64_t per = E / n_group;
+        int64_t best[2], keep[64];
+        for (int64_t g = 0; g < n_group; g++) {
+            const int64_t two = per < 2 ? per : 2;
+            top_k(choice + g * per, per, two, best);
+            group_score[g] = 0.f;
+            for (int64_t j = 0; j < two; j++) group_score[g] += choice[g * per + best[j]];
+        }
+        top_k(group_score, n_group, topk_group, keep);
+        for (int64_t g = 0; g < n_group; g++) {
+            int kept = 0;
+            for (int64_t j = 0; j < topk_group; j++) kept |= keep[j] == g;
+            if (!kept)
+                for (int64_t e = g * per; e < (g + 1) * per; e++) choice[e] = -INFINITY;
+        }
+    }
+    top_k(choice, E, k, picks);
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; j++) sum += (weights[j] = scores[picks[j]]);
+    for (int64_t j = 0; j < k; j++) weights[j] = (norm ? weights[j] / (sum + 1e-20f) : weights[j]) * scaling;
+}
