@@ -53,7 +53,7 @@ class DecodeKernel:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, i64, i64, i64, p, p, p, p]
         self.library = library
-        library.lane_open.restype, library.lane_open.argtypes = p, [i64]
+        library.lane_open.restype, library.lane_open.argtypes = p, [i64, ctypes.c_double]
         library.lane_threads.restype, library.lane_threads.argtypes = i64, [p]
         library.lane_submit.restype, library.lane_submit.argtypes = i64, [p, p, i64, i64, i64, p, p, i64]
         library.lane_collect.restype, library.lane_collect.argtypes = i64, [p, i64, p, p]
@@ -112,9 +112,13 @@ class NativeLane:
 
     SLOTS = 16  # calls queued or done-but-uncollected at once (LANE_SLOTS in the C source)
 
-    def __init__(self, kernel: DecodeKernel, threads: int = 1):
+    def __init__(self, kernel: DecodeKernel, threads: int = 1, spin_us: float | None = None):
+        """spin_us: how long an idle lane thread, or a caller waiting for a result, polls before it
+        sleeps (default $MOETIER_LANE_SPIN_US, else 200; 0 sleeps at once)."""
         self._lib = kernel.library
-        self._handle = self._lib.lane_open(threads)
+        if spin_us is None:
+            spin_us = float(os.environ.get("MOETIER_LANE_SPIN_US", "200"))
+        self._handle = self._lib.lane_open(threads, spin_us * 1e-6)
         if not self._handle:
             raise RuntimeError(f"native lane: could not start {threads} thread(s)")
         self.threads = self._lib.lane_threads(self._handle)

@@ -69,6 +69,10 @@ void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64
  * out and frees the slot; lane_release frees a slot whose caller went away
  * (now if done, else when done). The slot owns copies of everything but the
  * expert weights, which the caller keeps alive until lane_close returns.
+ * Threads waiting for work, and lane_collect waiting for a result, poll for
+ * spin_s before they sleep on a condition variable: decode hands work over
+ * every layer, and a sleeping thread's wake-up costs tens of microseconds on
+ * a virtual CPU.
  * ------------------------------------------------------------------------- */
 #include <pthread.h>
 #include <stdlib.h>
@@ -81,7 +85,8 @@ void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64
 enum { SLOT_FREE, SLOT_QUEUED, SLOT_DONE };
 
 typedef struct {
-    int state, released;
+    int64_t state;
+    int released;
     int64_t ticket, D, I, k, parts, claimed, finished;
     double done_s;                     /* CLOCK_MONOTONIC seconds when the last part finished */
     float *x;                          /* [D] */
@@ -96,10 +101,30 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
     lane_slot slots[LANE_SLOTS];
-    int64_t next_ticket;
+    int64_t next_ticket;               /* also read without the lock by spinning threads */
     int stop, threads;
+    double spin_s;                     /* how long a thread polls before it sleeps on a condition */
     pthread_t tid[LANE_THREADS_MAX];
 } moe_lane;
+
+static double monotonic_s(void);
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Poll *word (read without the lock) until it differs from `seen` or spin_s passes: a hand-off that
+ * lands within the spin costs no futex sleep and wake, which on a virtual CPU take tens of us. */
+static void spin_while_equal(const int64_t *word, int64_t seen, double spin_s) {
+    if (spin_s <= 0) return;
+    const double until = monotonic_s() + spin_s;
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == seen && monotonic_s() < until)
+        cpu_relax();
+}
 
 static double monotonic_s(void) {
     struct timespec t;
@@ -135,7 +160,11 @@ static void *lane_main(void *arg) {
         }
         if (!s) {
             if (lane->stop) break;
-            pthread_cond_wait(&lane->work, &lane->mu);
+            const int64_t seen = lane->next_ticket;
+            pthread_mutex_unlock(&lane->mu);
+            spin_while_equal(&lane->next_ticket, seen, lane->spin_s);
+            pthread_mutex_lock(&lane->mu);
+            if (lane->next_ticket == seen && !lane->stop) pthread_cond_wait(&lane->work, &lane->mu);
             continue;
         }
         const int64_t part = s->claimed++;
@@ -149,7 +178,7 @@ static void *lane_main(void *arg) {
         const double done_s = monotonic_s();
         pthread_mutex_lock(&lane->mu);
         s->done_s = done_s;
-        s->state = s->released ? SLOT_FREE : SLOT_DONE;
+        __atomic_store_n(&s->state, s->released ? SLOT_FREE : SLOT_DONE, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&lane->done);
     }
     pthread_mutex_unlock(&lane->mu);
@@ -165,10 +194,11 @@ static int grow(void **buffer, int64_t *cap, int64_t need, size_t item) {
     return 0;
 }
 
-moe_lane *lane_open(int64_t threads) {
+moe_lane *lane_open(int64_t threads, double spin_s) {
     if (threads < 1 || threads > LANE_THREADS_MAX) return NULL;
     moe_lane *lane = calloc(1, sizeof(moe_lane));
     if (!lane) return NULL;
+    lane->spin_s = spin_s;
     pthread_mutex_init(&lane->mu, NULL);
     pthread_cond_init(&lane->work, NULL);
     pthread_cond_init(&lane->done, NULL);
@@ -210,8 +240,9 @@ int64_t lane_submit(moe_lane *lane, const float *x, int64_t D, int64_t I, int64_
             memcpy(s->experts, experts, (size_t)(2 * k) * sizeof(int64_t));
             memcpy(s->scale, scale, (size_t)k * sizeof(float));
             s->D = D, s->I = I, s->k = k, s->parts = parts, s->claimed = 0, s->finished = 0, s->released = 0;
-            s->ticket = ticket = lane->next_ticket++;
+            s->ticket = ticket = lane->next_ticket;
             s->state = SLOT_QUEUED;
+            __atomic_store_n(&lane->next_ticket, ticket + 1, __ATOMIC_RELEASE);
             if (parts > 1) pthread_cond_broadcast(&lane->work);
             else pthread_cond_signal(&lane->work);
         }
@@ -235,6 +266,13 @@ int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s)
     if (!s || s->released) {
         pthread_mutex_unlock(&lane->mu);
         return -1;
+    }
+    if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
+        pthread_mutex_unlock(&lane->mu);
+        const double until = monotonic_s() + lane->spin_s;
+        while (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == SLOT_QUEUED && monotonic_s() < until)
+            cpu_relax();
+        pthread_mutex_lock(&lane->mu);
     }
     while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);
     memcpy(out, s->rows, (size_t)s->D * sizeof(float));
