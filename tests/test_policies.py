@@ -143,6 +143,28 @@ def test_access_all_equals_access(name, options, stream):
     assert (online.uploads == replayed.uploads).all()
 
 
+@pytest.mark.parametrize("name, options", VARIANTS)
+@settings(max_examples=40, deadline=None)
+@given(stream=streams())
+def test_touch_equals_access(name, options, stream):
+    """The runtime's `touch` (plain Python for LRU and LFU) makes access's hits, changes and state."""
+    picks, *_ = stream
+    tokens, layers, _ = picks.shape
+    online, touched = policy_for(name, options, stream), policy_for(name, options, stream)
+    for t in range(tokens):
+        for l in range(layers):
+            hits = int(online.access(l, picks[t, l]).sum())
+            admitted, evicted = (a.tolist() for a in online.last_changes(l))
+            assert touched.touch(l, picks[t, l].tolist()) == (hits, admitted, evicted)
+            assert [a.tolist() for a in touched.last_changes(l)] == [admitted, evicted]
+            assert (online.resident(l) == touched.resident(l)).all()
+    assert (online.uploads == touched.uploads).all()
+    for name_ in online.history:
+        assert (getattr(online, name_) == getattr(touched, name_)).all()
+    with pytest.raises(ValueError, match="must be distinct expert ids"):
+        touched.touch(0, [0, 0])
+
+
 @pytest.mark.parametrize("name", ["lru", "lfu", "xlayer"])
 @settings(max_examples=30, deadline=None)
 @given(stream=streams(), cut=st.integers(0, 24), seed=st.integers(0, 1000))

@@ -95,6 +95,13 @@ class ResidencyPolicy:
         self._snapshot[layer] = after
         return hits
 
+    def touch(self, layer: int, picks: list[int]) -> tuple[int, list[int], list[int]]:
+        """The runtime's access: one token's picks as a list -> (hits, admitted, evicted), the counts and
+        `last_changes(layer)` as lists; the same state and checks as `access`."""
+        hits = int(self.access(layer, np.asarray(picks, dtype=np.int64)).sum())
+        admitted, evicted = self._changes[layer]
+        return hits, admitted.tolist(), evicted.tolist()
+
     def resident(self, layer: int) -> np.ndarray:
         """Expert ids of `layer` cached now, ascending."""
         slots = self._slots[layer]
@@ -274,7 +281,53 @@ class StaticPolicy(ResidencyPolicy):
         return np.zeros(picks.shape, self.key_dtype)
 
 
-class LruPolicy(ResidencyPolicy):
+class _ScalarAccess(ResidencyPolicy):
+    """`touch` for one layer in plain Python over the same arrays (k and the slots are few, where numpy's
+    per-call overhead dominates), for policies that admit every miss and key each pick by `_key_one`.
+
+    Equal to `access`: hits are the picks resident before; the misses, best key first (later pick
+    first on ties), take the slots of the lowest keys among experts not picked (empty slots first).
+    """
+
+    def _key_one(self, layer: int, picks: list[int]) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _key_one")
+
+    def touch(self, layer: int, picks: list[int]) -> tuple[int, list[int], list[int]]:
+        E = self.num_experts
+        if not 0 <= layer < self.num_layers or not picks:
+            raise ValueError(f"{self.name}: touch(layer in [0, {self.num_layers}), picks [k]), got layer {layer}, picks {picks}")
+        if min(picks) < 0 or max(picks) >= E or len(set(picks)) != len(picks):
+            raise ValueError(f"{self.name}: picks must be distinct expert ids in [0, {E}), got {picks}")
+        slot_of, slots, key = self._slot_of[layer], self._slots[layer], self._key[layer]
+        held = slot_of[picks].tolist()  # [k] slot or -1
+        keys = self._key_one(layer, picks)
+        misses = [(keys[j], j) for j, slot in enumerate(held) if slot < 0]
+        if not misses:
+            self._changes[layer] = self._no_changes
+            return len(picks), [], []
+        occupant = slots.tolist()  # [W] expert per slot (E: empty, E + 1: padding)
+        protected = set(held)
+        slot_key = key[slots].tolist()  # [W]
+        lo, hi = self._lo, self._hi
+        victims = sorted((lo if occupant[w] == E else slot_key[w], w) for w in range(len(occupant))
+                         if occupant[w] <= E and w not in protected)
+        misses.sort(reverse=True)  # best key first; equal keys: the later pick first
+        admitted, evicted = [], []
+        for (_, j), (_, w) in zip(misses, victims):
+            new, old = picks[j], occupant[w]
+            if old < E:
+                slot_of[old] = -1
+                evicted.append(old)
+            slot_of[new], slots[w] = w, new
+            admitted.append(new)
+        self.uploads[layer] += len(admitted)
+        admitted.sort(), evicted.sort()
+        self._changes[layer] = (np.array(admitted, np.int64), np.array(evicted, np.int64))
+        self._snapshot[layer] = self.resident(layer)
+        return len(picks) - len(misses), admitted, evicted
+
+
+class LruPolicy(_ScalarAccess):
     """Admit every miss; evict the least recently used expert that the token did not pick.
 
     Ties: within one token a later pick counts as more recent. When capacity < k, misses are
@@ -295,8 +348,15 @@ class LruPolicy(ResidencyPolicy):
         self._clock[rows] += 1
         return stamp
 
+    def _key_one(self, layer, picks):
+        base = int(self._clock[layer]) * _STAMP
+        keys = list(range(base, base + len(picks)))
+        self._key[layer, picks] = keys
+        self._clock[layer] += 1
+        return keys
 
-class LfuPolicy(ResidencyPolicy):
+
+class LfuPolicy(_ScalarAccess):
     """Admit every miss; evict the least frequently used expert that the token did not pick.
 
     Frequency counts every access since the start (resident or not: "perfect" LFU). Ties are
@@ -322,3 +382,10 @@ class LfuPolicy(ResidencyPolicy):
         self._key[ri, picks] = key
         self._clock[rows] += 1
         return key
+
+    def _key_one(self, layer, picks):
+        base = int(self._clock[layer]) * _STAMP
+        keys = [(max(had >> 32, 0) + 1) << 32 | (base + j) for j, had in enumerate(self._key[layer, picks].tolist())]
+        self._key[layer, picks] = keys
+        self._clock[layer] += 1
+        return keys

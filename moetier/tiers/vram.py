@@ -80,20 +80,16 @@ class VramTier(Tier):
 
     def access(self, layer: int, picks: Sequence[int]) -> tuple[int, list[int]]:
         """One token-step's picks through the policy -> (how many were hits, experts admitted now and being uploaded)."""
-        import numpy as np
-
         if not self.policy.mutable and not self.policy.prefetches:  # a fixed set (static): membership is the answer
             return len(self.holds(layer).intersection(picks)), []
         index = self.index[layer]
-        picks_array = np.asarray(picks, dtype=np.int64)
-        hit_mask = self.policy.access(index, picks_array)
-        admitted, evicted = self.policy.last_changes(index)
-        admitted = self._apply(layer, admitted.tolist(), evicted.tolist())
+        hits, admitted, evicted = self.policy.touch(index, list(picks))
+        admitted = self._apply(layer, admitted, evicted)
         following = self._layer_at.get(index + 1) if self.policy.prefetches else None
         if following is not None:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
             admitted_next, evicted_next = self.policy.prefetched(index + 1)
             self.prefetch_uploads += len(self._apply(following, admitted_next.tolist(), evicted_next.tolist()))
-        return int(hit_mask.sum()), admitted
+        return hits, admitted
 
     def _apply(self, layer: int, admitted: list[int], evicted: list[int]) -> list[int]:
         """Make the arena hold what the policy holds: free the evicted, upload the admitted it lacks (a
