@@ -74,12 +74,13 @@ def expert_rate_us(checkpoint, backend: TorchBackend, tokens: int, rounds: int =
 
 
 def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[str, float] | None = None,
-                 steps: int = 96) -> Calibration:
+                 steps: int = 96, streaming_us: float | None = None) -> Calibration:
     """`base` with the trunk, head, dispatch and GPU rate of a timed decode of `engine` (over `executor`,
     a TieredExecutor, when it has one): microseconds per step in each timing category, the head
     taking the step's time outside every category too (sampling, the Python loop); the CPU lane's
     call cost fitted to its calls; a remote call's time beyond its link's round trip (link_rtt_us,
-    by tier name)."""
+    by tier name). A rate this decode gives no sample of (no remote call, say) keeps base's value.
+    streaming_us: the CPU's streaming rate per expert that bounds the lane's fit (default base's)."""
     generate(engine, [1, 2, 3, 4], 16)  # untimed: first-call costs, caches and pools settle
     times = StepTimes()
     lanes = [t for t in executor.tiers if t.kind == "cpu"] if executor is not None else []
@@ -113,12 +114,23 @@ def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[
         for tier in lanes:
             tier.calls = None
         if calls:
-            rates["cpu_lane_fixed_us"], rates["cpu_us_per_expert"] = lane_fit(calls, base.cpu_us_per_expert)
+            rates["cpu_lane_fixed_us"], rates["cpu_us_per_expert"] = lane_fit(calls, streaming_us or base.cpu_us_per_expert)
         rtt = link_rtt_us or {}
         extra = [float(np.median(t.round_trips_us)) - rtt.get(t.name, 0.0) for t in remotes if t.round_trips_us]
         if extra:  # negative when a call takes less than the link's configured round trip (tier_cost keeps the sum >= 0)
             rates["remote_extra_us"] = float(np.mean(extra))
     return replace(base, **rates)
+
+
+CALIBRATION_PASSES = 4  # decodes timed at most, each planned with the rates of the one before
+SHARE_TOLERANCE = 0.02  # two passes agree when each tier serves the same share of experts within this
+
+
+def served_shares(executor) -> dict[str, float]:
+    """Each tier's share of the experts served since the counters were last reset."""
+    served = {name: c.served for name, c in executor.counters.items()}
+    total = sum(served.values()) or 1
+    return {name: n / total for name, n in served.items()}
 
 
 def lane_fit(calls: list[tuple[int, float]], streaming_us: float) -> tuple[float, float]:
@@ -160,18 +172,24 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
         calibration = timed_decode(Engine(checkpoint), None, streaming)
     else:
         # The plan decides what runs beside what (a hit may go to the CPU lane when the lane is
-        # faster), so the decode is timed under the plan the calibrated run will make: planned
-        # with the streaming rates first, then again with the rates that first decode measured.
+        # faster, a remote worker may or may not pay), so the decode is timed under the plan the
+        # calibrated run will make: planned with the streaming rates first, then again with the
+        # rates each decode measured (keeping those a pass had no sample of), until two passes
+        # in a row serve the same shares per tier (a fixed point), at most CALIBRATION_PASSES.
         from moetier.engine.layout_runtime import build_runtime
 
         link_rtt_us = {t.name: layout.link(t.link).rtt_us for t in layout.tiers if t.kind == "remote" and t.link}
-        calibration = streaming
-        for _ in range(2):
+        calibration, shares = streaming, None
+        for _ in range(CALIBRATION_PASSES):
             runtime = build_runtime(layout, checkpoint, calibration)
             try:
-                calibration = timed_decode(runtime.engine, runtime.executor, streaming, link_rtt_us)
+                calibration = timed_decode(runtime.engine, runtime.executor, calibration, link_rtt_us,
+                                           streaming_us=streaming.cpu_us_per_expert)
+                previous, shares = shares, served_shares(runtime.executor)
             finally:
                 runtime.close()
+            if previous is not None and all(abs(shares[t] - previous[t]) <= SHARE_TOLERANCE for t in shares):
+                break
     target = out or (layout.relative(layout.scheduler.calibration) if layout is not None and layout.scheduler.calibration
                      else Path("calibration.json"))
     target.parent.mkdir(parents=True, exist_ok=True)
