@@ -150,7 +150,7 @@ def test_touch_equals_access(name, options, stream):
     """The runtime's `touch` (plain Python for LRU and LFU) makes access's hits, changes and state."""
     picks, *_ = stream
     tokens, layers, _ = picks.shape
-    online, touched = policy_for(name, options, stream), policy_for(name, options, stream)
+    online, touched, mixed = (policy_for(name, options, stream) for _ in range(3))  # mixed: touch, then access, ...
     for t in range(tokens):
         for l in range(layers):
             hits = int(online.access(l, picks[t, l]).sum())
@@ -158,6 +158,12 @@ def test_touch_equals_access(name, options, stream):
             assert touched.touch(l, picks[t, l].tolist()) == (hits, admitted, evicted)
             assert [a.tolist() for a in touched.last_changes(l)] == [admitted, evicted]
             assert (online.resident(l) == touched.resident(l)).all()
+            if t % 2:
+                assert int(mixed.access(l, picks[t, l]).sum()) == hits
+            else:
+                assert mixed.touch(l, picks[t, l].tolist())[0] == hits
+            assert [a.tolist() for a in mixed.last_changes(l)] == [admitted, evicted]
+            assert [a.tolist() for a in mixed.prefetched(l)] == [a.tolist() for a in online.prefetched(l)]
     assert (online.uploads == touched.uploads).all()
     for name_ in online.history:
         assert (getattr(online, name_) == getattr(touched, name_)).all()

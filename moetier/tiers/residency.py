@@ -87,6 +87,8 @@ class ResidencyPolicy:
         listed = picks.tolist()  # k is small: Python checks beat numpy's per-call overhead here
         if min(listed) < 0 or max(listed) >= self.num_experts or len(set(listed)) != len(listed):
             raise ValueError(f"{self.name}: picks must be distinct expert ids in [0, {self.num_experts}), got {listed}")
+        if self._snapshot[layer] is None:  # touch() left it: the resident set as it is now
+            self._snapshot[layer] = self.resident(layer)
         hits = self._access_layer(layer, picks)
         if not self.mutable and not self.prefetches:
             return hits  # nothing ever changes: last_changes stays empty
@@ -99,7 +101,7 @@ class ResidencyPolicy:
         """The runtime's access: one token's picks as a list -> (hits, admitted, evicted), the counts and
         `last_changes(layer)` as lists; the same state and checks as `access`."""
         hits = int(self.access(layer, np.asarray(picks, dtype=np.int64)).sum())
-        admitted, evicted = self._changes[layer]
+        admitted, evicted = self.last_changes(layer)
         return hits, admitted.tolist(), evicted.tolist()
 
     def resident(self, layer: int) -> np.ndarray:
@@ -113,7 +115,10 @@ class ResidencyPolicy:
         Without prefetch these are exactly the changes made by the last access of that layer; a
         prefetching policy adds what the access of layer - 1 admitted into it (see `prefetched`).
         """
-        return self._changes[layer]
+        admitted, evicted = self._changes[layer]
+        if isinstance(admitted, list):  # as touch() left them
+            self._changes[layer] = admitted, evicted = np.array(admitted, np.int64), np.array(evicted, np.int64)
+        return admitted, evicted
 
     def prefetched(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(admitted, evicted) of `layer` since its last access: a prefetch the tier may upload early.
@@ -123,8 +128,11 @@ class ResidencyPolicy:
         return self._since_snapshot(layer, self.resident(layer))
 
     def _since_snapshot(self, layer: int, now: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(admitted, evicted), each ascending, between the layer's snapshot and `now` (its resident ids, ascending)."""
+        """(admitted, evicted), each ascending, between the layer's snapshot and `now` (its resident ids, ascending);
+        no snapshot (None, left by touch) means the set has not moved since."""
         before = self._snapshot[layer]
+        if before is None:
+            return self._no_changes
         if now.shape == before.shape and (now == before).all():
             return self._no_changes
         now_set, then = set(now.tolist()), set(before.tolist())  # a cache's few ids: sets beat numpy's set routines here
@@ -304,6 +312,7 @@ class _ScalarAccess(ResidencyPolicy):
         misses = [(keys[j], j) for j, slot in enumerate(held) if slot < 0]
         if not misses:
             self._changes[layer] = self._no_changes
+            self._snapshot[layer] = None
             return len(picks), [], []
         occupant = slots.tolist()  # [W] expert per slot (E: empty, E + 1: padding)
         protected = set(held)
@@ -322,8 +331,8 @@ class _ScalarAccess(ResidencyPolicy):
             admitted.append(new)
         self.uploads[layer] += len(admitted)
         admitted.sort(), evicted.sort()
-        self._changes[layer] = (np.array(admitted, np.int64), np.array(evicted, np.int64))
-        self._snapshot[layer] = self.resident(layer)
+        self._changes[layer] = (admitted, evicted)  # arrays when last_changes asks
+        self._snapshot[layer] = None  # the resident set now; access() takes a snapshot if it needs one
         return len(picks) - len(misses), admitted, evicted
 
 
