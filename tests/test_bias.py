@@ -177,7 +177,7 @@ def test_cluster_toml_router_section_is_honoured(qwen, tmp_path):
     try:
         bias = runtime.engine.router_bias
         assert bias is not None and bias.damped and bias.affinity == 0.25
-        np.testing.assert_array_equal(bias.table.numpy(), load_table(tmp_path / "hard.safetensors").bias)
+        np.testing.assert_array_equal(bias.table.cpu().numpy(), load_table(tmp_path / "hard.safetensors").bias)  # on the engine's device
     finally:
         runtime.close()
     (tmp_path / "off.toml").write_text(LAYOUT + "[router]\naffinity = 0.0\n")
