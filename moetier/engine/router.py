@@ -71,6 +71,11 @@ class DecodeJobs(Sequence[ExpertJob]):
         return self._jobs
 
 
+def _nudge(bias: torch.Tensor | None, affinity: torch.Tensor | None) -> torch.Tensor | None:
+    """What moves the selection scores: bias + affinity [E], either alone, or None."""
+    return bias if affinity is None else (affinity if bias is None else bias + affinity)
+
+
 def route_gate(
     spec: ModelSpec,
     x: torch.Tensor,
@@ -83,7 +88,7 @@ def route_gate(
     """x [T, D], gate [E, D] -> route(spec, x @ gate.T, ...), natively for one undamped token on the CPU."""
     kernel = native.decode_kernel() if x.shape[0] == 1 and not damped and x.device.type == "cpu" else None
     if kernel is not None and spec.n_group <= 64:
-        nudge = bias if affinity is None else (affinity if bias is None else bias + affinity)  # [E] or None
+        nudge = _nudge(bias, affinity)
         tensors = (x, gate, correction_bias, nudge)
         if all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu") for t in tensors):
             return Route(*kernel.route(spec, gate, x, correction_bias, nudge))
@@ -107,7 +112,7 @@ def route(
     damped: the weights come from the biased scores too (else from the unbiased router).
     With bias and affinity None this is exactly the reference router.
     """
-    nudge = bias if affinity is None else (affinity if bias is None else bias + affinity)  # [E] or None
+    nudge = _nudge(bias, affinity)
     if spec.router == "softmax":
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         if nudge is None:
