@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
-from moetier.engine.router import ROW0, ExpertJob, Route, route, route_gate
+from moetier.engine.router import ROW0, ExpertJob, Route, route_gate
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
@@ -155,7 +155,7 @@ class Engine:
         self.ropes = {part.device: RotaryTable(spec.rotary_dim, spec.rope_theta, part.device) for part in self.parts}
         self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-        self.router_bias: RouterBias | None = None  # None: the reference router, bit for bit
+        self.router_bias: RouterBias | None = None  # None: the reference router (route_gate)
 
     def set_router_bias(self, bias: "RouterBias | None") -> None:
         if bias is not None and tuple(bias.table.shape) != (len(self.spec.moe_layers), self.spec.num_experts):

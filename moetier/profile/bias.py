@@ -182,7 +182,7 @@ def apply_router_options(engine, bias_path: Path | None = None, affinity: float 
     """Set the engine's router nudges; None leaves a setting as it is (e.g. from cluster.toml).
 
     With no table (or an all-zero one) and affinity 0 the engine gets no RouterBias at all:
-    off means the reference router, bit for bit. Returns the RouterBias set (or None).
+    off means the reference router, unnudged. Returns the RouterBias set (or None).
     """
     import torch
 

@@ -26,7 +26,7 @@ from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.native import DecodeKernel
 from moetier.engine.router import DecodeJobs
 from moetier.tiers.base import ExpertJob, Tier
-from moetier.tiers.handoff import Handoff, LaneThreads
+from moetier.tiers.handoff import LaneThreads
 from moetier.tiers.host import HostExperts
 
 

@@ -317,7 +317,7 @@ class _ScalarAccess(ResidencyPolicy):
         occupant = slots.tolist()  # [W] expert per slot (E: empty, E + 1: padding)
         protected = set(held)
         slot_key = key[slots].tolist()  # [W]
-        lo, hi = self._lo, self._hi
+        lo = self._lo
         victims = sorted((lo if occupant[w] == E else slot_key[w], w) for w in range(len(occupant))
                          if occupant[w] <= E and w not in protected)
         misses.sort(reverse=True)  # best key first; equal keys: the later pick first
