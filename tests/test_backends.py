@@ -55,6 +55,21 @@ def test_backend_matches_numpy_reference(name, device, tokens, k):
     assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name, device", backends_here() + [("numpy", "cpu")])
+def test_run_decode_is_run_experts_for_one_token(name, device):
+    """run_decode (floats, no per-expert tensors) against run_experts on the same decode step."""
+    g = torch.Generator().manual_seed(7)
+    experts, x = random_experts(2), torch.randn(1, D, generator=g)
+    picks, weights = torch.randperm(E, generator=g)[:4].view(1, 4), torch.rand(1, 4, generator=g)
+    backend = get_backend(name, device)
+    placed = [backend.place(experts[e]) for e in picks[0].tolist()]
+    got = backend.run_decode(x.to(backend.device), placed, weights[0].tolist())
+    backend.synchronize()
+    assert torch.allclose(got.cpu(), run(NumpyBackend(), experts, x, picks, weights), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="run_decode takes x \\[1, D\\] and one scale per expert"):
+        backend.run_decode(x.to(backend.device), placed, [1.0])
+
+
 def test_numpy_reference_is_the_plain_formula():
     """The reference itself, against a per-token loop written from the definition."""
     experts = random_experts(1)

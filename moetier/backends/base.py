@@ -4,7 +4,9 @@ A backend is a short table of operations. `place` puts one expert's weights
 where the backend computes, in memory it owns (a copy in RAM, an upload to a GPU);
 `run_experts` computes a group of experts over the rows routed to each and
 returns their gate-weighted sum as one [T, D] tensor — one call per layer's
-group, so a backend is free to batch. The public methods check their
+group, so a backend is free to batch; `run_decode` is the same for one token
+with the gate weights as plain floats (a decode step's shape, which a backend
+may serve without building per-expert tensors). The public methods check their
 arguments and call a private hook; a backend that lacks a hook fails loudly.
 Backends never call tiers or the scheduler.
 """
@@ -52,6 +54,13 @@ class Backend:
             raise ValueError(f"{self.name} backend: x must be [T, D], got shape {list(x.shape)}")
         return self._run_experts(x, work)
 
+    def run_decode(self, x: torch.Tensor, experts: Sequence[Any], scales: Sequence[float]) -> torch.Tensor:
+        """x [1, D] -> [1, D]: sum over j of scales[j] * ffn_j(x), experts as place() returned them."""
+        if x.dim() != 2 or x.shape[0] != 1 or len(experts) != len(scales):
+            raise ValueError(f"{self.name} backend: run_decode takes x [1, D] and one scale per expert, got x "
+                             f"{list(x.shape)}, {len(experts)} experts, {len(scales)} scales")
+        return self._run_decode(x, experts, scales)
+
     def describe(self) -> str:
         """One line for reports: the backend, its device, and how it computes."""
         return f"{self.name} ({self.device})"
@@ -64,3 +73,8 @@ class Backend:
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not implement _run_experts")
+
+    def _run_decode(self, x: torch.Tensor, experts: Sequence[Any], scales: Sequence[float]) -> torch.Tensor:
+        row = torch.zeros(1, dtype=torch.int64, device=x.device)
+        weights = torch.tensor(scales, dtype=torch.float32, device=x.device).view(-1, 1).unbind(0)
+        return self._run_experts(x, list(map(ExpertWork, experts, (row,) * len(experts), weights)))

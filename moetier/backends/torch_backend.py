@@ -84,20 +84,22 @@ class TorchBackend(Backend):
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         if x.shape[0] == 1 and work:  # decode: every expert serves the one row
             scales = torch.cat([item.weights for item in work]).tolist()  # one host read, not one per expert
-            experts = [item.expert for item in work]
-            if self._pool is None or len(work) < 2:
-                return self._decode(x, experts, scales)
-            lanes = min(self.lanes, len(work))
-            futures = [self._pool.submit(self._decode, x, experts[i::lanes], scales[i::lanes]) for i in range(lanes)]
-            out = futures[0].result()
-            for future in futures[1:]:
-                out += future.result()
-            return out
+            return self._run_decode(x, [item.expert for item in work], scales)
         out = torch.zeros_like(x)  # [T, D]
         for item in work:
             rows = item.rows.to(x.device)
             y = swiglu(x.index_select(0, rows), item.expert)  # [n, D]
             out.index_add_(0, rows, y * item.weights.to(x.device)[:, None])
+        return out
+
+    def _run_decode(self, x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
+        if self._pool is None or len(experts) < 2:
+            return self._decode(x, experts, scales)
+        lanes = min(self.lanes, len(experts))
+        futures = [self._pool.submit(self._decode, x, experts[i::lanes], scales[i::lanes]) for i in range(lanes)]
+        out = futures[0].result()
+        for future in futures[1:]:
+            out += future.result()
         return out
 
     def native_lane(self, threads: int) -> "native.NativeLane | None":

@@ -27,6 +27,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from moetier.engine.router import DecodeJobs
 from moetier.model.checkpoint import Checkpoint
 from moetier.tiers.base import ExpertJob, Tier
 from moetier.tiers.cpu import CpuTier
@@ -122,7 +123,9 @@ class RemoteTier(Tier):
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
         begin = time.perf_counter()
         held = self.experts.get(layer, _EMPTY)
-        stray = [j.expert for j in jobs if j.expert not in held]
+        decode = isinstance(jobs, DecodeJobs)  # one token, gate weights as floats: no per-expert tensors
+        experts = tuple(jobs.experts) if decode else tuple(j.expert for j in jobs)
+        stray = [e for e in experts if e not in held]
         if stray:
             raise ValueError(f"remote tier {self.name!r}: layer {layer} expert {stray[0]} is not held here")
         if not self.client.ready:
@@ -131,7 +134,7 @@ class RemoteTier(Tier):
         index = None  # rows of x that go out; None: all of them
         if tokens == 1:  # decode: every expert serves the one row, so every row index is 0
             sub = x  # [1, D]
-            rows = torch.zeros(sum(int(j.rows.numel()) for j in jobs), dtype=torch.int32)  # [k]
+            rows = torch.zeros(len(experts) if decode else sum(int(j.rows.numel()) for j in jobs), dtype=torch.int32)  # [k]
         else:
             wanted = torch.cat([j.rows for j in jobs]).cpu()  # [r] grouped by expert
             index = torch.unique(wanted)  # [n] sorted
@@ -144,8 +147,11 @@ class RemoteTier(Tier):
         limit_bytes = min(self.client.hello.max_message_bytes, self.client.max_message_bytes)  # both ends enforce one
         if sub.numel() * sub.element_size() + rows.numel() * 8 + MAX_HEADER_BYTES > limit_bytes:
             return self._done(self._fall_back(layer, x, jobs, "too_large", None))
-        weights = torch.cat([j.weights.float().cpu() for j in jobs])  # [r]
-        request = Run(layer, tuple(j.expert for j in jobs), tuple(int(j.rows.numel()) for j in jobs), sub, rows, weights)
+        if decode:
+            weights, counts = torch.tensor(jobs.scales, dtype=torch.float32), (1,) * len(experts)  # [k]
+        else:
+            weights, counts = torch.cat([j.weights.float().cpu() for j in jobs]), tuple(int(j.rows.numel()) for j in jobs)  # [r]
+        request = Run(layer, experts, counts, sub, rows, weights)
         reply = self.client.submit(request, self.layer_budget_us / 1e6)
         future = _RemoteRun(reply)
         reply.add_done_callback(lambda r: self._finish(future, r, layer, x, jobs, index, begin))

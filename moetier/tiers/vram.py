@@ -25,6 +25,7 @@ import torch
 from moetier.backends import ExpertWork
 from moetier.backends.torch_backend import TorchBackend
 from moetier.model.checkpoint import ExpertWeights
+from moetier.engine.router import DecodeJobs
 from moetier.tiers.base import ExpertJob, Tier
 from moetier.tiers.host import HostExperts
 from moetier.tiers.link import Link
@@ -151,11 +152,14 @@ class VramTier(Tier):
     def _run(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
         arena = self.arenas[layer]
         begin = time.perf_counter()
-        for job in jobs:
-            arena.ready[job.expert].wait()
+        ready = arena.ready
+        for expert in jobs.experts if isinstance(jobs, DecodeJobs) else [j.expert for j in jobs]:
+            ready[expert].wait()
         self.upload_wait_us += (time.perf_counter() - begin) * 1e6
-        work = [ExpertWork(arena.weights(j.expert), j.rows, j.weights) for j in jobs]
-        out = self.backend.run_experts(x.to(self.device), work)
+        if isinstance(jobs, DecodeJobs):  # one token: the weights stay floats
+            out = self.backend.run_decode(x.to(self.device), [arena.weights(e) for e in jobs.experts], jobs.scales)
+        else:
+            out = self.backend.run_experts(x.to(self.device), [ExpertWork(arena.weights(j.expert), j.rows, j.weights) for j in jobs])
         self.backend.synchronize()
         return out.to(x.device)
 
