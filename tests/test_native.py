@@ -160,6 +160,12 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
     finally:
         lane.close()
         lane.close()  # idempotent
+    forked = native.NativeLane(native.decode_kernel(), 1)
+    forked._pid = -1  # as a forked child sees it
+    with pytest.raises(RuntimeError, match="forked child"):
+        forked.submit(x, addresses, floats, 8)
+    forked._pid = os.getpid()
+    forked.close()
     other = native.NativeLane(native.decode_kernel(), 1)
     pending = other.submit(x, addresses, floats, 8)
     other.close()  # finishes the queued call, but its result went with the lane

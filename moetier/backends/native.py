@@ -122,6 +122,7 @@ class NativeLane:
         if not self._handle:
             raise RuntimeError(f"native lane: could not start {threads} thread(s)")
         self.threads = self._lib.lane_threads(self._handle)
+        self._pid = os.getpid()  # a forked child inherits the lane but not its threads
         if self.threads < threads:
             self.close()
             raise RuntimeError(f"native lane: started {self.threads} of {threads} threads")
@@ -130,6 +131,8 @@ class NativeLane:
         """x [1, D] float32 contiguous in host memory; addresses: array("q") of 2k (gate_up, down)
         addresses; scales: array("f") of k gate weights; inter: I, each expert's width."""
         k, dim = len(scales), x.shape[1]
+        if self._pid != os.getpid():
+            raise RuntimeError("native lane: used in a forked child process (its threads stayed in the parent); open a new one")
         if len(addresses) != 2 * k or addresses.itemsize != 8 or scales.itemsize != 4:
             raise ValueError(f"native lane: {len(addresses)} addresses for {k} scales (expected int64 pairs, float32 scales)")
         ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses.buffer_info()[0],
