@@ -75,6 +75,6 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} does not implement _run_experts")
 
     def _run_decode(self, x: torch.Tensor, experts: Sequence[Any], scales: Sequence[float]) -> torch.Tensor:
-        row = torch.zeros(1, dtype=torch.int64, device=x.device)
-        weights = torch.tensor(scales, dtype=torch.float32, device=x.device).view(-1, 1).unbind(0)
+        row = torch.zeros(1, dtype=torch.int64)  # host tensors, as group_by_expert's decode jobs carry
+        weights = torch.tensor(scales, dtype=torch.float32).view(-1, 1).unbind(0)
         return self._run_experts(x, list(map(ExpertWork, experts, (row,) * len(experts), weights)))
