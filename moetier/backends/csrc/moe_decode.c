@@ -55,13 +55,13 @@ static void gemv(const float *restrict W, const float *restrict x, float *restri
     }
 }
 
-/* experts: 2k addresses, gate_up_0, down_0, gate_up_1, down_1, ...
- * scratch: 3I + D floats the call may overwrite. out: D floats, overwritten. */
-void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
-                    const float *scale, float *out, float *scratch) {
+/* out[D] = sum over j = first, first + stride, ... < k of scale[j] * ffn_j(x), summed in that order.
+ * experts: 2k addresses, gate_up_0, down_0, gate_up_1, down_1, ...; scratch: 3I + D floats. */
+static void decode_strided(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts, const float *scale,
+                           int64_t first, int64_t stride, float *out, float *scratch) {
     float *gate_up = scratch, *hidden = scratch + 2 * I, *y = scratch + 3 * I;
     for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-    for (int64_t j = 0; j < k; j++) {
+    for (int64_t j = first; j < k; j += stride) {
         gemv((const float *)(intptr_t)experts[2 * j], x, gate_up, 2 * I, D);
         for (int64_t i = 0; i < I; i++) {
             const float g = gate_up[i];
@@ -71,6 +71,12 @@ void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64
         const float s = scale[j];
         for (int64_t d = 0; d < D; d++) out[d] += s * y[d];
     }
+}
+
+/* every expert, in order. out: D floats, overwritten. */
+void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                    const float *scale, float *out, float *scratch) {
+    decode_strided(x, D, I, k, experts, scale, 0, 1, out, scratch);
 }
 
 /* ---------------------------------------------------------------------------
@@ -93,7 +99,6 @@ void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64
  * ------------------------------------------------------------------------- */
 #include <pthread.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #define LANE_SLOTS 16
@@ -149,23 +154,6 @@ static double monotonic_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* part `part` of a call: experts part, part + parts, ... summed into out[D] */
-static void decode_part(const lane_slot *s, int64_t part, float *out, float *scratch) {
-    float *gate_up = scratch, *hidden = scratch + 2 * s->I, *y = scratch + 3 * s->I;
-    const int64_t D = s->D, I = s->I;
-    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-    for (int64_t j = part; j < s->k; j += s->parts) {
-        gemv((const float *)(intptr_t)s->experts[2 * j], s->x, gate_up, 2 * I, D);
-        for (int64_t i = 0; i < I; i++) {
-            const float g = gate_up[i];
-            hidden[i] = g / (1.f + expf(-g)) * gate_up[I + i];
-        }
-        gemv((const float *)(intptr_t)s->experts[2 * j + 1], hidden, y, D, I);
-        const float c = s->scale[j];
-        for (int64_t d = 0; d < D; d++) out[d] += c * y[d];
-    }
-}
-
 static void *lane_main(void *arg) {
     moe_lane *lane = arg;
     pthread_mutex_lock(&lane->mu);
@@ -186,7 +174,8 @@ static void *lane_main(void *arg) {
         }
         const int64_t part = s->claimed++;
         pthread_mutex_unlock(&lane->mu);
-        decode_part(s, part, s->rows + part * s->D, s->scratch + part * (3 * s->I + s->D));
+        decode_strided(s->x, s->D, s->I, s->k, s->experts, s->scale, part, s->parts,  /* experts part, part + parts, ... */
+                       s->rows + part * s->D, s->scratch + part * (3 * s->I + s->D));
         pthread_mutex_lock(&lane->mu);
         if (++s->finished < s->parts) continue;
         pthread_mutex_unlock(&lane->mu);  /* the last part: every other row is written */
@@ -286,9 +275,7 @@ int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s)
     }
     if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
         pthread_mutex_unlock(&lane->mu);
-        const double until = monotonic_s() + lane->spin_s;
-        while (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == SLOT_QUEUED && monotonic_s() < until)
-            cpu_relax();
+        spin_while_equal(&s->state, SLOT_QUEUED, lane->spin_s);
         pthread_mutex_lock(&lane->mu);
     }
     while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);
