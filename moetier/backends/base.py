@@ -35,6 +35,14 @@ class ExpertWork(NamedTuple):  # a tuple: built per expert per layer on the hot 
     weights: torch.Tensor  # [n] float32 gate weights
 
 
+ROW0 = torch.zeros(1, dtype=torch.int64)  # [1]: the one row of a decode step's work, in host memory
+
+
+def decode_weights(scales: Sequence[float]) -> tuple[torch.Tensor, ...]:
+    """k gate weights -> k one-element float32 tensors [1] in host memory, one per expert."""
+    return torch.tensor(scales, dtype=torch.float32).view(-1, 1).unbind(0)
+
+
 class Backend:
     name: ClassVar[str]
     caps: ClassVar[BackendCaps]
@@ -75,6 +83,4 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} does not implement _run_experts")
 
     def _run_decode(self, x: torch.Tensor, experts: Sequence[Any], scales: Sequence[float]) -> torch.Tensor:
-        row = torch.zeros(1, dtype=torch.int64)  # host tensors, as group_by_expert's decode jobs carry
-        weights = torch.tensor(scales, dtype=torch.float32).view(-1, 1).unbind(0)
-        return self._run_experts(x, list(map(ExpertWork, experts, (row,) * len(experts), weights)))
+        return self._run_experts(x, list(map(ExpertWork, experts, (ROW0,) * len(experts), decode_weights(scales))))

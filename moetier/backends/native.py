@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from array import array
 import hashlib
 import os
 import platform
 import subprocess
 import tempfile
+from array import array
 from pathlib import Path
 from typing import Sequence
 

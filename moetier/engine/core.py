@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.backends.base import ROW0
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
-from moetier.engine.router import ROW0, ExpertJob, Route, route_gate
+from moetier.engine.router import ExpertJob, Route, route_gate
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 

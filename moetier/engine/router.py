@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.backends import native
+from moetier.backends.base import ROW0, decode_weights
 from moetier.model.spec import ModelSpec
 
 
@@ -36,9 +37,6 @@ class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot p
     expert: int
     rows: torch.Tensor  # [n] int64 indices into x
     weights: torch.Tensor  # [n] float32
-
-
-ROW0 = torch.zeros(1, dtype=torch.int64)  # [1]: a decode job's one row
 
 
 class DecodeJobs(Sequence[ExpertJob]):
@@ -66,9 +64,13 @@ class DecodeJobs(Sequence[ExpertJob]):
 
     def jobs(self) -> list[ExpertJob]:
         if self._jobs is None:
-            weights = torch.tensor(self.scales, dtype=torch.float32).view(-1, 1).unbind(0)  # k x [1]
-            self._jobs = list(map(ExpertJob, self.experts, (ROW0,) * len(self.experts), weights))
+            self._jobs = list(map(ExpertJob, self.experts, (ROW0,) * len(self.experts), decode_weights(self.scales)))
         return self._jobs
+
+
+def job_experts(jobs: Sequence[ExpertJob]) -> list[int]:
+    """The experts of a tier's jobs, in order (without making a DecodeJobs' tensors)."""
+    return jobs.experts if isinstance(jobs, DecodeJobs) else [job.expert for job in jobs]
 
 
 def _nudge(bias: torch.Tensor | None, affinity: torch.Tensor | None) -> torch.Tensor | None:

@@ -24,7 +24,7 @@ import torch
 
 from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.native import DecodeKernel
-from moetier.engine.router import DecodeJobs
+from moetier.engine.router import DecodeJobs, job_experts
 from moetier.tiers.base import ExpertJob, Tier
 from moetier.tiers.handoff import LaneThreads
 from moetier.tiers.host import HostExperts
@@ -94,10 +94,8 @@ class CpuTier(Tier):
         return self._lane.submit(self._timed_compute, layer, x, jobs, time.perf_counter())
 
     def _native_submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]):
-        if isinstance(jobs, DecodeJobs):
-            experts, scales = jobs.experts, jobs.scales
-        else:
-            experts, scales = [j.expert for j in jobs], torch.cat([j.weights for j in jobs]).tolist()
+        experts = job_experts(jobs)
+        scales = jobs.scales if isinstance(jobs, DecodeJobs) else torch.cat([j.weights for j in jobs]).tolist()
         table = self._addresses[layer]
         addresses = array("q", [a for e in experts for a in table[e]])
         return self._native.submit(x.contiguous(), addresses, array("f", scales), self.inter)

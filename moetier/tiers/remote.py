@@ -27,7 +27,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from moetier.engine.router import DecodeJobs
+from moetier.engine.router import DecodeJobs, job_experts
 from moetier.model.checkpoint import Checkpoint
 from moetier.tiers.base import ExpertJob, Tier
 from moetier.tiers.cpu import CpuTier
@@ -124,7 +124,7 @@ class RemoteTier(Tier):
         begin = time.perf_counter()
         held = self.experts.get(layer, _EMPTY)
         decode = isinstance(jobs, DecodeJobs)  # one token, gate weights as floats: no per-expert tensors
-        experts = tuple(jobs.experts) if decode else tuple(j.expert for j in jobs)
+        experts = tuple(job_experts(jobs))
         stray = [e for e in experts if e not in held]
         if stray:
             raise ValueError(f"remote tier {self.name!r}: layer {layer} expert {stray[0]} is not held here")

@@ -24,8 +24,8 @@ import torch
 
 from moetier.backends import ExpertWork
 from moetier.backends.torch_backend import TorchBackend
+from moetier.engine.router import DecodeJobs, job_experts
 from moetier.model.checkpoint import ExpertWeights
-from moetier.engine.router import DecodeJobs
 from moetier.tiers.base import ExpertJob, Tier
 from moetier.tiers.host import HostExperts
 from moetier.tiers.link import Link
@@ -153,7 +153,7 @@ class VramTier(Tier):
         arena = self.arenas[layer]
         begin = time.perf_counter()
         ready = arena.ready
-        for expert in jobs.experts if isinstance(jobs, DecodeJobs) else [j.expert for j in jobs]:
+        for expert in job_experts(jobs):
             ready[expert].wait()
         self.upload_wait_us += (time.perf_counter() - begin) * 1e6
         if isinstance(jobs, DecodeJobs):  # one token: the weights stay floats
