@@ -161,10 +161,15 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
         lane.close()
         lane.close()  # idempotent
     forked = native.NativeLane(native.decode_kernel(), 1)
-    forked._pid = -1  # as a forked child sees it
-    with pytest.raises(RuntimeError, match="forked child"):
-        forked.submit(x, addresses, floats, 8)
-    forked._pid = os.getpid()
+    child = os.fork()
+    if child == 0:  # the lane's threads stayed in the parent: queuing must refuse, not hang
+        try:
+            forked.submit(x, addresses, floats, 8)
+        except RuntimeError as err:
+            os._exit(0 if "forked child" in str(err) else 2)
+        os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    assert torch.equal(forked.submit(x, addresses, floats, 8).result(), expected)  # the parent's lane still works
     forked.close()
     other = native.NativeLane(native.decode_kernel(), 1)
     pending = other.submit(x, addresses, floats, 8)

@@ -27,6 +27,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import weakref
 from array import array
 from pathlib import Path
 from typing import Sequence
@@ -122,7 +123,8 @@ class NativeLane:
         if not self._handle:
             raise RuntimeError(f"native lane: could not start {threads} thread(s)")
         self.threads = self._lib.lane_threads(self._handle)
-        self._pid = os.getpid()  # a forked child inherits the lane but not its threads
+        self._forked = False  # set in a forked child, which inherits the lane but not its threads
+        _LANES.add(self)
         if self.threads < threads:
             self.close()
             raise RuntimeError(f"native lane: started {self.threads} of {threads} threads")
@@ -131,7 +133,7 @@ class NativeLane:
         """x [1, D] float32 contiguous in host memory; addresses: array("q") of 2k (gate_up, down)
         addresses; scales: array("f") of k gate weights; inter: I, each expert's width."""
         k, dim = len(scales), x.shape[1]
-        if self._pid != os.getpid():
+        if self._forked:
             raise RuntimeError("native lane: used in a forked child process (its threads stayed in the parent); open a new one")
         if len(addresses) != 2 * k or addresses.itemsize != 8 or scales.itemsize != 4:
             raise ValueError(f"native lane: {len(addresses)} addresses for {k} scales (expected int64 pairs, float32 scales)")
@@ -147,6 +149,17 @@ class NativeLane:
         if self._handle:
             handle, self._handle = self._handle, None
             self._lib.lane_close(handle)
+
+
+_LANES: "weakref.WeakSet[NativeLane]" = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for lane in _LANES:
+        lane._forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 class LaneTicket:
