@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from moetier.tiers.policies import POLICIES, make_policy
 
 PROFILED = {"static", "lru", "lfu", "xlayer"}
-VARIANTS = [("static", {}), ("lru", {}), ("lfu", {}), ("xlayer", {}), ("xlayer", {"budget": 0}), ("xlayer", {"budget": 3})]
+VARIANTS = [("static", {}), ("lru", {}), ("lfu", {}), ("xlayer", {}), ("xlayer", {"budget": 0}), ("xlayer", {"budget": 3}),
+            ("xlayer", {"native": False}), ("xlayer", {"budget": 3, "context": 1, "native": False})]
 
 
 def distinct_picks(rng: np.random.Generator, tokens: int, layers: int, experts: int, k: int, skew: float = 1.0) -> np.ndarray:
@@ -235,6 +236,40 @@ def test_history_ignores_residency(name, stream):
     for other in (steps, full):
         for key, value in block.history_state().items():
             assert np.array_equal(value, other.history_state()[key]), key
+
+
+needs_c = pytest.mark.skipif(not make_policy("xlayer", 1, 2, 1).native, reason="xlayer's C path did not build here")
+
+
+@needs_c
+@pytest.mark.parametrize("options", [{}, {"budget": 0}, {"budget": 3, "context": 1}, {"half_life": 4.0, "smoothing": 0.25}])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=streams(), prefill=st.integers(0, 3))
+def test_xlayer_in_c_makes_the_numpy_decisions(options, stream, prefill):
+    """csrc/xlayer.c and the numpy path, step for step: a prefill of `prefill` rows, tokens by access and
+    touch in turn, then by access_all -> the same hits, changes, resident sets, uploads and history, bit for bit."""
+    picks, *_ = stream
+    tokens, layers, _ = picks.shape
+    c, py = policy_for("xlayer", options, stream), policy_for("xlayer", {**options, "native": False}, stream)
+    assert c.native and not py.native
+    for layer in range(layers):  # a multi-row step: each layer once per row
+        for row in picks[:prefill, layer]:
+            assert (c.access(layer, row) == py.access(layer, row)).all()
+    for t in range(tokens):  # online (access and touch), then the replay path (access_all: changes not tracked)
+        if t >= tokens // 2:
+            assert (c.access_all(picks[t]) == py.access_all(picks[t])).all()
+        for l in range(layers if t < tokens // 2 else 0):
+            if t % 2:
+                assert c.touch(l, picks[t, l].tolist()) == py.touch(l, picks[t, l].tolist())
+            else:
+                assert (c.access(l, picks[t, l]) == py.access(l, picks[t, l])).all()
+            assert [a.tolist() for a in c.last_changes(l)] == [a.tolist() for a in py.last_changes(l)]
+            if l + 1 < layers:
+                assert [a.tolist() for a in c.prefetched(l + 1)] == [a.tolist() for a in py.prefetched(l + 1)]
+        assert all((c.resident(l) == py.resident(l)).all() for l in range(layers))
+    assert (c.uploads == py.uploads).all()
+    for name, value in py.history_state().items():
+        assert np.array_equal(value, c.history_state()[name]), name
 
 
 def test_xlayer_multi_row_steps():

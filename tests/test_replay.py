@@ -144,6 +144,20 @@ def test_replay_equals_online_real(policy, flame, qwen):
             assert got.hits.tolist() == want.sum(axis=(0, 2)).tolist()
 
 
+@pytest.mark.parametrize("options", [{}, {"context": 2}])
+def test_xlayer_in_c_replays_the_numpy_hits_on_real_traces(options, flame, qwen):
+    """The whole FLAME trace and 1,000 tokens of Qwen1.5-MoE at 25%: csrc/xlayer.c gives the numpy path's hits, token by token."""
+    if not make_policy("xlayer", 1, 2, 1).native:
+        pytest.skip("xlayer's C path did not build here")
+    for trace in (flame, qwen.tokens(0, 1000)):
+        slots, profile = trace.num_experts // 4, trace.counts()
+        fast, slow = (make_policy("xlayer", trace.num_layers, trace.num_experts, slots, profile, native=native, **options)
+                      for native in (True, False))
+        picks = trace.picks.astype(np.int64)
+        assert (fast.access_block(picks) == slow.access_block(picks)).all()
+        assert (fast.uploads == slow.uploads).all()
+
+
 def test_replay_uploads_match_online():
     trace = random_trace(3, 200, 3, 16, 2)
     for policy in ("lru", "lfu", "xlayer"):

@@ -7,7 +7,9 @@ machine's `cc` (or $CC) at -O3 -march=native into
 $MOETIER_HOME/native/moe_decode-<key>.so, where the key hashes the source, the
 flags and the compiler's version: a changed kernel or compiler builds anew,
 and a build is written to a temporary name and renamed into place, so
-processes that race to build never load half a file.
+processes that race to build never load half a file. `library(name, flags)`
+builds any csrc/<name>.c that way (csrc/xlayer.c, the xlayer residency policy,
+with STRICT_FLAGS).
 
 Guarantee: `DecodeKernel.run` computes what the torch decode path computes
 (the gate-weighted sum of k SwiGLU experts over one token) in float32, with
@@ -37,11 +39,14 @@ import torch
 from moetier.model.checkpoint import ExpertWeights
 from moetier.paths import moetier_home
 
-SOURCE = Path(__file__).with_name("csrc") / "moe_decode.c"
+CSRC = Path(__file__).with_name("csrc")
 # Reassociation (not full -ffast-math: NaN and inf keep their meaning) lets the dot products vectorize.
 FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=fast"]
 ARCH_FLAGS = ["-march=native"]  # dropped if this compiler does not take it
+# IEEE arithmetic exactly as written (no reassociation, no fused multiply-add): for code whose
+# results must equal a numpy path's bit for bit (csrc/xlayer.c). GCC contracts by default.
+STRICT_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 
 
 class DecodeKernel:
@@ -201,15 +206,15 @@ def _version(compiler: str) -> str:
         return ""
 
 
-def _build(compiler: str, out: Path) -> str | None:
-    """Compile SOURCE into `out` (atomically); None on success, else why not (one line)."""
+def _build(compiler: str, source: Path, flags: list[str], out: Path) -> str | None:
+    """Compile `source` into `out` (atomically); None on success, else why not (one line)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     last = ""
     for arch in (ARCH_FLAGS, []):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *FLAGS, *arch, str(SOURCE), "-o", tmp, "-lm"],
+            done = subprocess.run([compiler, *flags, *arch, str(source), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, out)
@@ -224,24 +229,35 @@ def _build(compiler: str, out: Path) -> str | None:
 
 
 @functools.cache
-def _load() -> tuple[DecodeKernel | None, str]:
+def library(name: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, Path | None, str]:
+    """csrc/<name>.c built with `flags` (once per machine) and loaded -> (library, its path, "") or
+    (None, None, why not): MOETIER_NATIVE=0, no C compiler, a failed build or load."""
     if os.environ.get("MOETIER_NATIVE", "1") == "0":
-        return None, "off (MOETIER_NATIVE=0): torch kernels"
+        return None, None, "off (MOETIER_NATIVE=0)"
     compiler = _compiler()
     version = _version(compiler)
     if not version:
-        return None, f"off: no C compiler ({compiler!r} did not run; set CC): torch kernels"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + ARCH_FLAGS), version,
+        return None, None, f"off: no C compiler ({compiler!r} did not run; set CC)"
+    source = CSRC / f"{name}.c"
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags + tuple(ARCH_FLAGS)), version,
                                     platform.machine()]).encode()).hexdigest()[:16]
-    path = moetier_home() / "native" / f"moe_decode-{key}.so"
+    path = moetier_home() / "native" / f"{name}-{key}.so"
     if not path.exists():
-        why = _build(compiler, path)
+        why = _build(compiler, source, list(flags), path)
         if why is not None:
-            return None, f"off: {why}: torch kernels"
+            return None, None, f"off: {why}"
     try:
-        return DecodeKernel(ctypes.CDLL(str(path)), path), f"on ({path})"
+        return ctypes.CDLL(str(path)), path, ""
     except OSError as err:
-        return None, f"off: {path} did not load ({err}): torch kernels"
+        return None, None, f"off: {path} did not load ({err})"
+
+
+@functools.cache
+def _load() -> tuple[DecodeKernel | None, str]:
+    lib, path, why = library("moe_decode", tuple(FLAGS))
+    if lib is None:
+        return None, f"{why}: torch kernels"
+    return DecodeKernel(lib, path), f"on ({path})"
 
 
 def decode_kernel() -> DecodeKernel | None:

@@ -91,7 +91,7 @@ MAX_HISTORY_BYTES = 256 << 20  # all shards' history snapshots together (xlayer 
 
 
 def _auto_shards(pol: ResidencyPolicy, tokens: int, top_k: int) -> int:
-    if not pol.mutable:
+    if not pol.mutable or pol.native:
         return 1
     per_shard = sum(a.nbytes for a in pol.history_state().values())
     lookups = pol.num_layers * top_k
@@ -99,14 +99,9 @@ def _auto_shards(pol: ResidencyPolicy, tokens: int, top_k: int) -> int:
 
 
 def _sequential(pol: ResidencyPolicy, picks: np.ndarray, warmup: int) -> tuple[np.ndarray, np.ndarray, int]:
-    T, L, k = picks.shape
-    hits = np.empty((T - warmup, L, k), bool)  # [T', L, k]
-    step = pol.access_all
-    for t in range(warmup):
-        step(picks[t])
+    pol.access_block(picks[:warmup])
     before = pol.uploads.copy()
-    for t in range(warmup, T):
-        hits[t - warmup] = step(picks[t])
+    hits = pol.access_block(picks[warmup:])  # [T', L, k]
     return hits, pol.uploads - before, 1
 
 

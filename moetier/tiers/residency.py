@@ -40,6 +40,7 @@ class ResidencyPolicy:
     key_dtype: ClassVar[type] = np.int64
     history: ClassVar[tuple[str, ...]] = ("_key", "_clock")
     shard_tokens: ClassVar[int] = 64  # replay shards shorter than this rarely converge (see moetier.sim.replay)
+    native: bool = False  # True: steps run in C, one call for a whole block of tokens (no time shards needed)
 
     def __init__(self, num_layers: int, num_experts: int, capacity: int | Sequence[int], profile: np.ndarray | None = None):
         L, E = int(num_layers), int(num_experts)
@@ -142,6 +143,13 @@ class ResidencyPolicy:
     def access_all(self, picks: np.ndarray) -> np.ndarray:
         """picks [L, k] of one token -> hits [L, k]; same state as access(0..L-1); last_changes is not tracked."""
         return self._step(self._rows, self._ri, picks)
+
+    def access_block(self, picks: np.ndarray) -> np.ndarray:
+        """picks [n, L, k]: access_all for each token in turn -> hits [n, L, k]."""
+        hits = np.empty(picks.shape, bool)  # [n, L, k]
+        for t, token in enumerate(picks):
+            hits[t] = self.access_all(token)
+        return hits
 
     def observe_all(self, picks: np.ndarray) -> None:
         """Update only the `history` arrays for one token's picks [L, k] (as access_all would)."""
