@@ -12,7 +12,8 @@ from moetier.tiers.policies import POLICIES, make_policy
 
 PROFILED = {"static", "lru", "lfu", "xlayer"}
 VARIANTS = [("static", {}), ("lru", {}), ("lfu", {}), ("xlayer", {}), ("xlayer", {"budget": 0}), ("xlayer", {"budget": 3}),
-            ("xlayer", {"native": False}), ("xlayer", {"budget": 3, "context": 1, "native": False})]
+            ("xlayer", {"native": False}), ("xlayer", {"budget": 3, "context": 1, "native": False}),
+            ("lru", {"native": False}), ("lfu", {"native": False})]  # native=False: the paths without csrc/residency.c
 
 
 def distinct_picks(rng: np.random.Generator, tokens: int, layers: int, experts: int, k: int, skew: float = 1.0) -> np.ndarray:
@@ -270,6 +271,13 @@ def test_xlayer_in_c_makes_the_numpy_decisions(options, stream, prefill):
     assert (c.uploads == py.uploads).all()
     for name, value in py.history_state().items():
         assert np.array_equal(value, c.history_state()[name]), name
+
+
+@needs_c
+def test_lru_and_lfu_touch_in_c_where_it_builds():
+    """test_touch_equals_access then checks the C touch (and its native=False variants the Python one)."""
+    assert all(make_policy(name, 1, 4, 2).native_touch for name in ("lru", "lfu"))
+    assert not any(make_policy(name, 1, 4, 2, native=False).native_touch for name in ("lru", "lfu"))
 
 
 def test_xlayer_multi_row_steps():

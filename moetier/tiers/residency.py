@@ -15,12 +15,28 @@ can also run time shards side by side (moetier.sim.replay) and get the same hits
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import ClassVar, Sequence
 
 import numpy as np
 
+from moetier.backends.native import STRICT_FLAGS, library
+
 _STAMP = 1024  # recency stamp = access count * _STAMP + position in picks (k < _STAMP)
 _NEVER = -(1 << 62)  # int key of an expert never accessed
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """csrc/residency.c, built with IEEE arithmetic as written (its decisions equal the numpy paths'), or None."""
+    lib = library("residency", STRICT_FLAGS)[0]
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name, args in (("xlayer_block", [p, i64, p, i64, p]), ("xlayer_access", [p, i64, p, i64, p]),
+                           ("xlayer_changes", [p, i64, i64, p, p]), ("admit_all_touch", [p, i64, i64, p, i64, p])):
+            getattr(lib, name).restype, getattr(lib, name).argtypes = i64, args
+    return lib
 
 
 class ResidencyPolicy:
@@ -297,13 +313,34 @@ class StaticPolicy(ResidencyPolicy):
         return np.zeros(picks.shape, self.key_dtype)
 
 
+class _CacheState(ctypes.Structure):
+    """csrc/residency.c's cache_state: a policy's slot table and int64 keys by address."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "experts", "width")] + [
+        (name, ctypes.c_void_p) for name in ("slots", "slot_of", "key", "clock", "uploads")]
+
+
 class _ScalarAccess(ResidencyPolicy):
-    """`touch` for one layer in plain Python over the same arrays (k and the slots are few, where numpy's
-    per-call overhead dominates), for policies that admit every miss and key each pick by `_key_one`.
+    """`touch` for one layer without numpy (k and the slots are few, where numpy's per-call overhead
+    dominates), for policies that admit every miss and key each pick by `_key_one`: one call of
+    csrc/residency.c (`c_mode` names the key), or plain Python over the same arrays without it.
 
     Equal to `access`: hits are the picks resident before; the misses, best key first (later pick
     first on ties), take the slots of the lowest keys among experts not picked (empty slots first).
     """
+
+    c_mode: ClassVar[int]  # admit_all_touch's mode: 0 LRU, 1 LFU
+
+    def __init__(self, num_layers, num_experts, capacity, profile=None, native: bool = True):
+        super().__init__(num_layers, num_experts, capacity, profile)
+        lib = _library() if native else None
+        self.native_touch = lib is not None
+        if lib is not None:
+            E = self.num_experts
+            self._state = _CacheState(self.num_layers, E, self._slots.shape[1], *(a.ctypes.data for a in (
+                self._slots, self._slot_of, self._key, self._clock, self.uploads)))  # updated in place only
+            self._touch_c = functools.partial(lib.admit_all_touch, ctypes.addressof(self._state))
+            self._picks, self._out = (ctypes.c_int64 * E)(), (ctypes.c_int64 * (3 + 2 * E))()
 
     def _key_one(self, layer: int, picks: list[int]) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} does not implement _key_one")
@@ -312,6 +349,14 @@ class _ScalarAccess(ResidencyPolicy):
         E = self.num_experts
         if not 0 <= layer < self.num_layers or not picks:
             raise ValueError(f"{self.name}: touch(layer in [0, {self.num_layers}), picks [k]), got layer {layer}, picks {picks}")
+        if self.native_touch and len(picks) <= E:
+            k, out = len(picks), self._out
+            self._picks[:k] = picks
+            if self._touch_c(layer, self.c_mode, self._picks, k, out) >= 0:
+                admitted, evicted = out[3 : 3 + out[1]], out[3 + out[1] : 3 + out[1] + out[2]]
+                self._changes[layer] = (admitted, evicted)  # arrays when last_changes asks
+                self._snapshot[layer] = None
+                return out[0], admitted, evicted
         if min(picks) < 0 or max(picks) >= E or len(set(picks)) != len(picks):
             raise ValueError(f"{self.name}: picks must be distinct expert ids in [0, {E}), got {picks}")
         slot_of, slots, key = self._slot_of[layer], self._slots[layer], self._key[layer]
@@ -353,6 +398,7 @@ class LruPolicy(_ScalarAccess):
     """
 
     name = "lru"
+    c_mode = 0
 
     def observe_block(self, picks):
         cell, stamp = self._flat_cells(picks)
@@ -381,6 +427,7 @@ class LfuPolicy(_ScalarAccess):
     """
 
     name = "lfu"
+    c_mode = 1
 
     def observe_block(self, picks):
         cell, stamp = self._flat_cells(picks)

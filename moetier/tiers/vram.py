@@ -66,9 +66,7 @@ class VramTier(Tier):
         self.upload_wait_us = 0.0
         self.prefetch_uploads = 0
         for layer in layers:  # initial residency (a static profile, a warm start) lands before timing
-            resident = policy.resident(self.index[layer]).tolist()
-            if resident:
-                self._upload(layer, resident, timed=False)
+            self._upload([self._apply(layer, policy.resident(self.index[layer]).tolist(), [])], timed=False)
 
     # -- residency ----------------------------------------------------------------------
     def holds(self, layer: int) -> frozenset[int]:
@@ -85,16 +83,19 @@ class VramTier(Tier):
             return len(self.holds(layer).intersection(picks)), []
         index = self.index[layer]
         hits, admitted, evicted = self.policy.touch(index, list(picks))
-        admitted = self._apply(layer, admitted, evicted)
+        batches = [self._apply(layer, admitted, evicted)]
         following = self._layer_at.get(index + 1) if self.policy.prefetches else None
         if following is not None:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
             admitted_next, evicted_next = self.policy.prefetched(index + 1)
-            self.prefetch_uploads += len(self._apply(following, admitted_next.tolist(), evicted_next.tolist()))
-        return hits, admitted
+            batches.append(self._apply(following, admitted_next.tolist(), evicted_next.tolist()))
+            self.prefetch_uploads += len(batches[-1][1])
+        self._upload(batches, timed=True)
+        return hits, batches[0][1]
 
-    def _apply(self, layer: int, admitted: list[int], evicted: list[int]) -> list[int]:
-        """Make the arena hold what the policy holds: free the evicted, upload the admitted it lacks (a
-        prefetch applied early is reported again by the next access) -> the experts uploaded now."""
+    def _apply(self, layer: int, admitted: list[int], evicted: list[int]) -> tuple[int, list[int], list[int]]:
+        """Make the arena's bookkeeping hold what the policy holds: free the evicted, give each admitted
+        expert it lacks a slot (a prefetch applied early is reported again by the next access)
+        -> (layer, the experts to upload now, their slots)."""
         arena = self.arenas[layer]
         for expert in evicted:
             if expert in arena.slot_of:
@@ -102,36 +103,42 @@ class VramTier(Tier):
                 arena.ready.pop(expert, None)
                 arena.held = None
         new = [expert for expert in admitted if expert not in arena.slot_of]
+        slots = [arena.free.pop() for _ in new]
+        for expert, slot in zip(new, slots):
+            arena.slot_of[expert] = slot
         if new:
-            self._upload(layer, new, timed=True)
-        return new
+            arena.held = None
+        return layer, new, slots
 
-    def _upload(self, layer: int, experts: list[int], timed: bool) -> None:
-        """Give each expert a slot now; copy them in, in one job on the link thread (or here when untimed)."""
-        arena = self.arenas[layer]
-        event = threading.Event()  # one per batch: the batch lands together
-        slots = []
-        for expert in experts:
-            slots.append(arena.free.pop())
-            arena.slot_of[expert] = slots[-1]
-            arena.ready[expert] = event
-        arena.held = None
+    def _upload(self, batches: list[tuple[int, list[int], list[int]]], timed: bool) -> None:
+        """Copy batches of (layer, experts, slots) in, in one job on the link thread (or here when untimed);
+        each batch lands together, in order, and its experts wait until then."""
+        batches = [batch for batch in batches if batch[1]]
+        if not batches:
+            return
+        events = [threading.Event() for _ in batches]
+        for (layer, experts, _), event in zip(batches, events):
+            ready = self.arenas[layer].ready
+            for expert in experts:
+                ready[expert] = event
 
         def copy() -> None:
-            for expert, slot in zip(experts, slots):
-                source = self.host.get(layer, expert)
-                if timed:
-                    self.link.transfer(self.host.expert_bytes)
+            for (layer, experts, slots), event in zip(batches, events):
+                arena = self.arenas[layer]
+                for expert, slot in zip(experts, slots):
+                    source = self.host.get(layer, expert)
+                    if timed:
+                        self.link.transfer(self.host.expert_bytes)
+                    if self._stream is not None:
+                        with torch.cuda.stream(self._stream):
+                            arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
+                            arena.down[slot].copy_(source.down, non_blocking=True)
+                    else:
+                        arena.gate_up[slot].copy_(source.gate_up)
+                        arena.down[slot].copy_(source.down)
                 if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
-                        arena.down[slot].copy_(source.down, non_blocking=True)
-                else:
-                    arena.gate_up[slot].copy_(source.gate_up)
-                    arena.down[slot].copy_(source.down)
-            if self._stream is not None:
-                self._stream.synchronize()
-            event.set()
+                    self._stream.synchronize()
+                event.set()
 
         if timed:
             self._uploads.submit(copy)

@@ -8,35 +8,20 @@ why (on real traces the previous layer's picks predict far better than frequency
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 
-from moetier.backends.native import STRICT_FLAGS, library
-from moetier.tiers.residency import ResidencyPolicy, _lowest, _add_counts
+from moetier.tiers.residency import ResidencyPolicy, _add_counts, _library, _lowest
 
 
 class _State(ctypes.Structure):
-    """csrc/xlayer.c's xlayer_state: the policy's arrays by address, and the last access."""
+    """csrc/residency.c's xlayer_state: the policy's arrays by address, and the last access."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "experts", "width", "group", "budget", "context")] + [
         ("decay", ctypes.c_double), ("smoothing", ctypes.c_double)] + [
         (name, ctypes.c_void_p) for name in ("slots", "slot_of", "key", "mass", "clock", "per_token", "pair", "seen", "uploads",
                                              "tie_key", "tie_score", "net", "score", "acc", "prev")] + [
         (name, ctypes.c_int64) for name in ("prev_row", "prev_k", "prev_batched", "track")]
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """csrc/xlayer.c, built with IEEE arithmetic as written (its decisions equal the numpy path's), or None."""
-    lib = library("xlayer", STRICT_FLAGS)[0]
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.xlayer_block.restype = lib.xlayer_access.restype = lib.xlayer_changes.restype = i64
-        lib.xlayer_block.argtypes = [p, i64, p, i64, p]
-        lib.xlayer_access.argtypes = [p, i64, p, i64, p]
-        lib.xlayer_changes.argtypes = [p, i64, i64, p, p]
-    return lib
 
 
 class CrossLayerPolicy(ResidencyPolicy):
@@ -92,7 +77,7 @@ class CrossLayerPolicy(ResidencyPolicy):
         self._c = self._bind(context) if native else None
         self.native = self._c is not None
 
-    # -- the C path (csrc/xlayer.c): the same decisions, ~50x faster ------------------------
+    # -- the C path (csrc/residency.c): the same decisions, ~50x faster ------------------------
     def _bind(self, context: int | None):
         """The C state over this policy's arrays (they are only ever updated in place), or None without the library."""
         lib = _library()

@@ -1,9 +1,11 @@
-/* moetier's `xlayer` residency policy (moetier/tiers/xlayer.py, CrossLayerPolicy) in C.
+/* moetier's residency policies in C (moetier/tiers/residency.py, moetier/tiers/xlayer.py): the
+ * runtime's one-layer access of LRU and LFU (admit_all_touch), and the `xlayer` policy
+ * (CrossLayerPolicy) whole.
  *
  * Same state (the policy's numpy arrays, passed by address in one xlayer_state), same rules,
  * and the same IEEE operations in the same order as the numpy path: built without fast-math
  * and without FP contraction (moetier/backends/native.py, STRICT_FLAGS), so both paths make
- * the same decisions, bit for bit. Per layer-token:
+ * the same decisions, bit for bit. xlayer, per layer-token:
  *
  *   hits   = picks resident before the call
  *   learn    pair[l, a, b] += 1, seen[l, a] += 1  for a in the previous layer's first c picks, b in picks
@@ -244,4 +246,76 @@ int64_t xlayer_changes(xlayer_state *s, int64_t row, int64_t clear, int64_t *out
     if (clear) memset(net, 0, (size_t)E);
     *evicted = gone;
     return admitted;
+}
+
+/* -- LRU and LFU: admit every miss ------------------------------------------------------------ */
+
+typedef struct {
+    int64_t rows, experts, width;
+    int64_t *slots;    /* [rows, width] as xlayer_state's */
+    int64_t *slot_of;  /* [rows, E + 2] */
+    int64_t *key;      /* [rows, E + 2] LRU: recency stamp; LFU: count << 32 | stamp */
+    int64_t *clock;    /* [rows] accesses */
+    int64_t *uploads;  /* [rows] */
+} cache_state;
+
+#define STAMP 1024 /* recency stamp = access count * STAMP + position in picks (residency._STAMP) */
+
+static void sort_ascending(int64_t *v, int64_t n) {
+    for (int64_t j = 1; j < n; j++) {
+        const int64_t x = v[j];
+        int64_t i = j;
+        while (i > 0 && v[i - 1] > x) { v[i] = v[i - 1]; i--; }
+        v[i] = x;
+    }
+}
+
+/* One token's picks at `layer` (mode 0: LRU, 1: LFU), as _ScalarAccess.touch: key the picks; the
+ * misses, best key first (later pick first on ties), take the slots of the lowest keys among experts
+ * not picked (empty slots first, then the lower slot). out: [hits, admitted n, evicted n, admitted
+ * ids ascending..., evicted ids ascending...]. Returns the hits, or -1 on bad picks (nothing changed). */
+int64_t admit_all_touch(cache_state *s, int64_t layer, int64_t mode, const int64_t *picks, int64_t k, int64_t *out) {
+    const int64_t E = s->experts, W = s->width;
+    if (layer < 0 || layer >= s->rows || k < 1 || k > E || k > MAX_PAIRS) return -1;
+    for (int64_t j = 0; j < k; j++) {
+        if (picks[j] < 0 || picks[j] >= E) return -1;
+        for (int64_t i = 0; i < j; i++)
+            if (picks[i] == picks[j]) return -1;
+    }
+    int64_t *slots = s->slots + layer * W, *slot_of = s->slot_of + layer * (E + 2), *key = s->key + layer * (E + 2);
+    const int64_t base = s->clock[layer] * STAMP;
+    int64_t miss[MAX_PAIRS], misses = 0;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t p = picks[j], count = key[p] >> 32 > 0 ? (key[p] >> 32) + 1 : 1;
+        key[p] = mode ? (count << 32 | (base + j)) : base + j;
+        if (slot_of[p] < 0) { /* insertion, best key first; a later equal key before */
+            int64_t i = misses++;
+            while (i > 0 && key[picks[miss[i - 1]]] <= key[p]) { miss[i] = miss[i - 1]; i--; }
+            miss[i] = j;
+        }
+    }
+    s->clock[layer] += 1;
+    int64_t admitted = 0, evicted = 0, *adm = out + 3, *ev = out + 3 + k;
+    for (int64_t i = 0; i < misses; i++) { /* the lowest-key slot not holding a pick, empty first */
+        int64_t best = -1, best_key = 0;
+        for (int64_t w = 0; w < W; w++) {
+            const int64_t e = slots[w];
+            if (e > E) continue; /* beyond the capacity */
+            int picked = 0;
+            for (int64_t j = 0; j < k && e < E; j++) picked |= picks[j] == e;
+            if (picked) continue; /* a pick: resident before, or admitted just now */
+            const int64_t v = e == E ? INT64_MIN : key[e];
+            if (best < 0 || v < best_key) best = w, best_key = v;
+        }
+        if (best < 0) break; /* no slot left: the rest are not admitted */
+        const int64_t old = slots[best], p = picks[miss[i]];
+        if (old < E) slot_of[old] = -1, ev[evicted++] = old;
+        slot_of[p] = best, slots[best] = p, adm[admitted++] = p;
+    }
+    s->uploads[layer] += admitted;
+    sort_ascending(adm, admitted);
+    sort_ascending(ev, evicted);
+    memmove(out + 3 + admitted, ev, (size_t)evicted * sizeof *ev);
+    out[0] = k - misses, out[1] = admitted, out[2] = evicted;
+    return k - misses;
 }
