@@ -247,8 +247,8 @@ needs_c = pytest.mark.skipif(not make_policy("xlayer", 1, 2, 1).native, reason="
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=streams(), prefill=st.integers(0, 3))
 def test_xlayer_in_c_makes_the_numpy_decisions(options, stream, prefill):
-    """csrc/xlayer.c and the numpy path, step for step: a prefill of `prefill` rows, tokens by access and
-    touch in turn, then by access_all -> the same hits, changes, resident sets, uploads and history, bit for bit."""
+    """csrc/residency.c and the numpy path, step for step: a prefill of `prefill` rows, tokens by access,
+    touch and touch_next in turn, then by access_all -> the same hits, changes, resident sets, uploads and history, bit for bit."""
     picks, *_ = stream
     tokens, layers, _ = picks.shape
     c, py = policy_for("xlayer", options, stream), policy_for("xlayer", {**options, "native": False}, stream)
@@ -260,8 +260,10 @@ def test_xlayer_in_c_makes_the_numpy_decisions(options, stream, prefill):
         if t >= tokens // 2:
             assert (c.access_all(picks[t]) == py.access_all(picks[t])).all()
         for l in range(layers if t < tokens // 2 else 0):
-            if t % 2:
+            if t % 4 == 1:
                 assert c.touch(l, picks[t, l].tolist()) == py.touch(l, picks[t, l].tolist())
+            elif t % 4 == 3:  # touch and the prefetch into l + 1, in one call
+                assert c.touch_next(l, picks[t, l].tolist()) == py.touch_next(l, picks[t, l].tolist())
             else:
                 assert (c.access(l, picks[t, l]) == py.access(l, picks[t, l])).all()
             assert [a.tolist() for a in c.last_changes(l)] == [a.tolist() for a in py.last_changes(l)]

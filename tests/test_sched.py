@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetier.sched.cost import TierCost
-from moetier.sched.plan import cpu_only_us, plan_layer
+from moetier.sched.plan import PlanCache, cpu_only_us, plan_layer
 
 E = 32
 
@@ -80,3 +80,22 @@ def test_misses_go_to_the_cheapest_tier():
     plan = plan_layer({1: 1, 2: 1}, {"cpu": frozenset(range(E)), "vram": frozenset({1})}, {"cpu": cpu, "vram": slow_link}, 1000.0,
                       fetchable={"vram": frozenset({2})})
     assert plan.assign == {"vram": [1], "cpu": [2]}
+
+
+SHARED = PlanCache(limit=64)  # across examples: hits, misses and start-overs
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.booleans(), st.integers(1, 4), st.integers(0, 3))
+def test_the_plan_cache_gives_plan_layers_plans(problem, tail_skip, tokens, shift):
+    """Decode-shaped steps (one token count): the memoised plan equals plan_layer's, the first time, the
+    second, and for other experts in the same pattern (ids moved apart, order kept)."""
+    expert_tokens, holders, costs, budget, fetchable = problem
+    expert_tokens = dict.fromkeys(expert_tokens, tokens)
+    moved = {e: e * (shift + 1) + shift for e in range(E)}  # increasing: the same pattern in id order
+    relabel = lambda experts: frozenset(moved[e] for e in experts)  # noqa: E731
+    moved_problem = ({moved[e]: n for e, n in expert_tokens.items()}, {n: relabel(h) for n, h in holders.items()},
+                     {n: relabel(f) for n, f in fetchable.items()})
+    for step_tokens, step_holders, step_fetchable in ((expert_tokens, holders, fetchable),) * 2 + (moved_problem,):
+        want = plan_layer(step_tokens, step_holders, costs, budget, tail_skip, step_fetchable)
+        assert SHARED(step_tokens, step_holders, costs, budget, tail_skip, step_fetchable) == want

@@ -22,7 +22,7 @@ from moetier.engine.core import Partials, group_by_expert
 from moetier.engine.router import DecodeJobs, Route
 from moetier.engine.timing import StepTimes
 from moetier.sched.cost import TierCost
-from moetier.sched.plan import plan_layer
+from moetier.sched.plan import PlanCache
 from moetier.tiers.base import Tier
 
 WAIT_CATEGORY = {"vram": "gpu experts", "helper": "gpu experts", "remote": "remote"}
@@ -89,7 +89,10 @@ class TieredExecutor:
         self.tiers = list(tiers)
         self.serving = {layer: list(ts) for layer, ts in serving.items()}
         self.costs = dict(costs)
-        self._layer_costs = {layer: {t.name: self.costs[t.name] for t in ts} for layer, ts in self.serving.items()}
+        tables: dict[tuple[str, ...], dict[str, TierCost]] = {}  # one table per set of serving tiers: layers share plans
+        self._layer_costs = {layer: tables.setdefault(tuple(t.name for t in ts), {t.name: self.costs[t.name] for t in ts})
+                             for layer, ts in self.serving.items()}
+        self._plan = PlanCache()  # decode steps with one pattern of hits and misses share a plan
         self.budget_us, self.tail_skip = budget_us, tail_skip
         self.num_experts = num_experts
         self.index = {tier.name: i for i, tier in enumerate(self.tiers)}
@@ -142,7 +145,7 @@ class TieredExecutor:
             else:
                 holders[tier.name] = before & after
                 fetchable[tier.name] = after - before
-        plan = plan_layer(expert_tokens, holders, self._layer_costs[layer], self.budget_us, self.tail_skip, fetchable)
+        plan = self._plan(expert_tokens, holders, self._layer_costs[layer], self.budget_us, self.tail_skip, fetchable)
         self.skipped += len(plan.skipped)
         futures, lane, inline = [], None, []
         for tier in serving:

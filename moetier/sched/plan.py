@@ -88,9 +88,51 @@ def plan_layer(
     return LayerPlan(assign, fetch, skipped, finish)
 
 
+class PlanCache:
+    """plan_layer, memoised for steps whose experts all have the same token count (decode).
+
+    Such a plan depends on the experts only through which ways may serve each of them, taken in
+    ascending id order (ties between ways never look at ids), so steps with the same pattern of
+    eligibility share one plan, kept as positions in that order. Returns exactly plan_layer's
+    LayerPlan; steps with unequal token counts, or no `fetchable`, are planned each time. Keeps at
+    most `limit` patterns (then starts over). A cost table is keyed by identity: one changed in
+    place must not be passed again (the runtime's never change).
+    """
+
+    def __init__(self, limit: int = 1 << 14):
+        self.limit = limit
+        self._plans: dict[tuple, tuple] = {}
+        self._costs: dict[int, Mapping[str, TierCost]] = {}  # keeps each keyed cost table alive (its id stays unique)
+
+    def __call__(self, expert_tokens: Mapping[int, int], holders: Mapping[str, frozenset[int]], costs: Mapping[str, TierCost],
+                 budget_us: float, tail_skip: bool = False, fetchable: Mapping[str, frozenset[int]] | None = None) -> LayerPlan:
+        counts = set(expert_tokens.values())
+        if len(counts) != 1 or fetchable is None:
+            return plan_layer(expert_tokens, holders, costs, budget_us, tail_skip, fetchable)
+        order = sorted(expert_tokens)
+        key = (id(costs), budget_us, tail_skip, counts.pop(),
+               tuple((name, tuple(map(held.__contains__, order))) for name, held in holders.items() if held),
+               tuple((name, tuple(map((ways - holders.get(name, frozenset())).__contains__, order)))
+                     for name, ways in fetchable.items() if ways))
+        known = self._plans.get(key)
+        if known is None:
+            plan = plan_layer(expert_tokens, holders, costs, budget_us, tail_skip, fetchable)
+            if len(self._plans) >= self.limit:
+                self._plans.clear()
+                self._costs.clear()
+            at = {expert: i for i, expert in enumerate(order)}
+            positions = lambda table: {name: [at[e] for e in experts] for name, experts in table.items()}  # noqa: E731
+            self._plans[key] = (positions(plan.assign), positions(plan.fetch), [at[e] for e in plan.skipped], plan.finish_us)
+            self._costs[id(costs)] = costs
+            return plan
+        assign, fetch, skipped, finish = known
+        return LayerPlan({name: [order[i] for i in at] for name, at in assign.items()},
+                         {name: [order[i] for i in at] for name, at in fetch.items()}, [order[i] for i in skipped], dict(finish))
+
+
 def cpu_only_us(expert_tokens: Mapping[int, int], cpu: TierCost) -> float:
     """The reference plan every plan must match or beat: everything on the CPU lane."""
     return cpu.serve_us(list(expert_tokens.values()))
 
 
-__all__: Sequence[str] = ["LayerPlan", "cpu_only_us", "plan_layer"]
+__all__: Sequence[str] = ["LayerPlan", "PlanCache", "cpu_only_us", "plan_layer"]

@@ -34,7 +34,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name, args in (("xlayer_block", [p, i64, p, i64, p]), ("xlayer_access", [p, i64, p, i64, p]),
-                           ("xlayer_changes", [p, i64, i64, p, p]), ("admit_all_touch", [p, i64, i64, p, i64, p])):
+                           ("xlayer_changes", [p, i64, i64, p, p]), ("xlayer_touch", [p, i64, p, i64, p, p]),
+                           ("admit_all_touch", [p, i64, i64, p, i64, p])):
             getattr(lib, name).restype, getattr(lib, name).argtypes = i64, args
     return lib
 
@@ -120,6 +121,15 @@ class ResidencyPolicy:
         hits = int(self.access(layer, np.asarray(picks, dtype=np.int64)).sum())
         admitted, evicted = self.last_changes(layer)
         return hits, admitted.tolist(), evicted.tolist()
+
+    def touch_next(self, layer: int, picks: list[int]) -> tuple[int, list[int], list[int], list[int], list[int]]:
+        """touch, and what it prefetched into layer + 1 so far (`prefetched` as lists; empty without prefetch):
+        (hits, admitted, evicted, admitted next, evicted next)."""
+        hits, admitted, evicted = self.touch(layer, picks)
+        if not self.prefetches or layer + 1 >= self.num_layers:
+            return hits, admitted, evicted, [], []
+        admitted_next, evicted_next = self.prefetched(layer + 1)
+        return hits, admitted, evicted, admitted_next.tolist(), evicted_next.tolist()
 
     def resident(self, layer: int) -> np.ndarray:
         """Expert ids of `layer` cached now, ascending."""

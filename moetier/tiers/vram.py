@@ -82,12 +82,14 @@ class VramTier(Tier):
         if not self.policy.mutable and not self.policy.prefetches:  # a fixed set (static): membership is the answer
             return len(self.holds(layer).intersection(picks)), []
         index = self.index[layer]
-        hits, admitted, evicted = self.policy.touch(index, list(picks))
-        batches = [self._apply(layer, admitted, evicted)]
         following = self._layer_at.get(index + 1) if self.policy.prefetches else None
+        if following is None:
+            hits, admitted, evicted = self.policy.touch(index, list(picks))
+        else:
+            hits, admitted, evicted, admitted_next, evicted_next = self.policy.touch_next(index, list(picks))
+        batches = [self._apply(layer, admitted, evicted)]
         if following is not None:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
-            admitted_next, evicted_next = self.policy.prefetched(index + 1)
-            batches.append(self._apply(following, admitted_next.tolist(), evicted_next.tolist()))
+            batches.append(self._apply(following, admitted_next, evicted_next))
             self.prefetch_uploads += len(batches[-1][1])
         self._upload(batches, timed=True)
         return hits, batches[0][1]

@@ -98,7 +98,7 @@ class CrossLayerPolicy(ResidencyPolicy):
         self._address = ctypes.addressof(state)
         self._picks = (ctypes.c_int64 * E)()  # touch's picks
         self._hit = (ctypes.c_uint8 * E)()
-        self._out = (ctypes.c_int64 * E)()  # a report: admitted, then evicted
+        self._out = (ctypes.c_int64 * (5 + 4 * E))()  # reports: counts, then admitted and evicted ids
         self._evicted = ctypes.c_int64()
         return lib
 
@@ -124,15 +124,22 @@ class CrossLayerPolicy(ResidencyPolicy):
     def touch(self, layer, picks):
         if self._c is None:
             return super().touch(layer, picks)
+        return self.touch_next(layer, picks)[:3]
+
+    def touch_next(self, layer, picks):
+        if self._c is None:
+            return super().touch_next(layer, picks)
         k = len(picks)
         if not 0 < k <= self.num_experts or len(set(picks)) != k:
             raise self._bad_picks(layer, picks)
         self._picks[:k] = picks
-        hits = self._c.xlayer_access(self._address, layer, self._picks, k, self._hit)
-        if hits < 0:
+        out = self._out
+        if self._c.xlayer_touch(self._address, layer, self._picks, k, self._hit, out) < 0:
             raise self._bad_picks(layer, picks)
-        self._changes[layer] = admitted, evicted = self._report(layer, clear=True)
-        return hits, admitted, evicted
+        a, e, an, en = out[1], out[2], out[3], out[4]
+        ids = out[5 : 5 + a + e + an + en]
+        self._changes[layer] = admitted, evicted = ids[:a], ids[a : a + e]
+        return out[0], admitted, evicted, ids[a + e : a + e + an], ids[a + e + an :]
 
     def prefetched(self, layer):
         if self._c is None:

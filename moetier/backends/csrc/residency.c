@@ -248,6 +248,21 @@ int64_t xlayer_changes(xlayer_state *s, int64_t row, int64_t clear, int64_t *out
     return admitted;
 }
 
+/* The runtime's access with its reports, in one call: xlayer_access, then out = [hits, admitted n,
+ * evicted n, next admitted n, next evicted n, ids...]: this layer's changes (as xlayer_changes with
+ * clear) and what it prefetched into the next layer so far (without), each admitted then evicted.
+ * out holds 5 + 4E. Returns the hits, or -1 on bad picks. */
+int64_t xlayer_touch(xlayer_state *s, int64_t layer, const int64_t *picks, int64_t k, uint8_t *hit, int64_t *out) {
+    const int64_t hits = xlayer_access(s, layer, picks, k, hit);
+    if (hits < 0) return -1;
+    int64_t *ids = out + 5, evicted = 0;
+    out[0] = hits;
+    out[1] = xlayer_changes(s, layer, 1, ids, &evicted), out[2] = evicted;
+    out[3] = out[4] = 0;
+    if (layer + 1 < s->rows) out[3] = xlayer_changes(s, layer + 1, 0, ids + out[1] + out[2], &evicted), out[4] = evicted;
+    return hits;
+}
+
 /* -- LRU and LFU: admit every miss ------------------------------------------------------------ */
 
 typedef struct {
