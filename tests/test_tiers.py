@@ -9,6 +9,7 @@ import torch
 from moetier.config import load_layout
 from moetier.engine import Engine, generate, score
 from moetier.engine.core import Partials
+from moetier.engine.router import DecodeJobs
 from moetier.engine.layout_runtime import build_runtime
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
@@ -351,3 +352,32 @@ def test_a_cuda_device_this_machine_lacks_is_one_clear_error(model, tmp_path, mo
     path.write_text(HEAD.replace(SECOND_GPU_EMULATED, "") + TWO_PARTS + CPU)
     with pytest.raises(ConfigError, match=r"\[devices.1\] 'gpu1': cuda:1 does not exist here .*1 CUDA device"):
         build_runtime(load_layout(path), model)
+
+
+def test_a_failed_upload_raises_where_its_experts_are_needed(model, tmp_path):
+    """The link thread's copy fails: the layer waiting for those experts raises it, nothing hangs, and
+    the link thread keeps serving the uploads queued after it."""
+    runtime = runtime_for(tmp_path, model, ONE_PART + vram("vram", "gpu0", 4, "lru") + CPU + scheduler(0))
+    tier = next(t for t in runtime.executor.tiers if t.kind == "vram")
+    layer = next(iter(tier.index))
+    real_get, broken = tier.host.get, {"on": True}
+
+    def get(l, expert):
+        if broken["on"]:
+            raise OSError("the link went away")
+        return real_get(l, expert)
+
+    tier.host.get = get
+    try:
+        missing = [e for e in range(tier.host.spec.num_experts) if e not in tier.holds(layer)][:2]
+        hits, uploaded = tier.access(layer, missing)
+        assert hits == 0 and uploaded == missing
+        x = torch.randn(1, tier.host.spec.hidden_size)
+        with pytest.raises(RuntimeError, match="an expert upload failed: OSError"):
+            tier.submit(layer, x, DecodeJobs(missing, [0.5, 0.5])).result()
+        broken["on"] = False
+        others = [e for e in range(tier.host.spec.num_experts) if e not in tier.holds(layer)][:2]
+        tier.access(layer, others)
+        assert tier.submit(layer, x, DecodeJobs(others, [0.5, 0.5])).result().shape == x.shape
+    finally:
+        runtime.close()

@@ -15,10 +15,11 @@ layer l+1's access (`prefetch_uploads` counts them).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from concurrent.futures import Future
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,13 +32,58 @@ from moetier.tiers.host import HostExperts
 from moetier.tiers.link import Link
 
 
+class _Landing:
+    """Set once, when a batch of uploads has landed (or failed); wait() blocks until then and raises the
+    failure. A held lock: a tenth of a threading.Event's cost, which counts once per layer-token."""
+
+    __slots__ = ("_lock", "_error")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._lock.release()
+
+    def wait(self) -> None:
+        with self._lock:
+            pass
+        if self._error is not None:
+            raise RuntimeError(f"an expert upload failed: {self._error!r}") from self._error
+
+
+class _LinkThread:
+    """One thread running the tier's upload jobs in order; a job reports its own failure (through the
+    landings it sets), so unlike a ThreadPoolExecutor there is no Future per job."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs, then stop (idempotent)."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+
 class _LayerSlots:
     def __init__(self, slots: int, inter: int, hidden: int, device: torch.device):
         self.gate_up = torch.empty(slots, 2 * inter, hidden, device=device)  # [S, 2I, D]
         self.down = torch.empty(slots, hidden, inter, device=device)  # [S, D, I]
         self.slot_of: dict[int, int] = {}
         self.free = list(range(slots - 1, -1, -1))
-        self.ready: dict[int, threading.Event] = {}  # expert -> set when its upload has landed
+        self.ready: dict[int, _Landing] = {}  # expert -> set when its upload has landed
         self.held: frozenset[int] | None = None  # slot_of's keys, cached between changes
 
     def weights(self, expert: int) -> ExpertWeights:
@@ -61,7 +107,7 @@ class VramTier(Tier):
         self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> the policy's layer index
         self._layer_at = {i: layer for layer, i in self.index.items()}
         self.arenas = {layer: _LayerSlots(slots, spec.moe_intermediate_size, spec.hidden_size, self.device) for layer in layers}
-        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link-{name}")
+        self._uploads = _LinkThread(f"link-{name}")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.upload_wait_us = 0.0
         self.prefetch_uploads = 0
@@ -118,34 +164,44 @@ class VramTier(Tier):
         batches = [batch for batch in batches if batch[1]]
         if not batches:
             return
-        events = [threading.Event() for _ in batches]
-        for (layer, experts, _), event in zip(batches, events):
+        landings = [_Landing() for _ in batches]
+        for (layer, experts, _), landing in zip(batches, landings):
             ready = self.arenas[layer].ready
             for expert in experts:
-                ready[expert] = event
+                ready[expert] = landing
 
         def copy() -> None:
-            for (layer, experts, slots), event in zip(batches, events):
-                arena = self.arenas[layer]
-                for expert, slot in zip(experts, slots):
-                    source = self.host.get(layer, expert)
-                    if timed:
-                        self.link.transfer(self.host.expert_bytes)
-                    if self._stream is not None:
-                        with torch.cuda.stream(self._stream):
-                            arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
-                            arena.down[slot].copy_(source.down, non_blocking=True)
-                    else:
-                        arena.gate_up[slot].copy_(source.gate_up)
-                        arena.down[slot].copy_(source.down)
-                if self._stream is not None:
-                    self._stream.synchronize()
-                event.set()
+            error = None
+            for (layer, experts, slots), landing in zip(batches, landings):
+                if error is None:
+                    try:
+                        self._copy(layer, experts, slots, timed)
+                    except Exception as err:  # the computing thread raises it when it waits for these experts
+                        error = err
+                landing.set(error)
 
-        if timed:
-            self._uploads.submit(copy)
-        else:
-            copy()
+        if not timed:  # the initial residency, before timing: here, and a failure raises now
+            for (layer, experts, slots), landing in zip(batches, landings):
+                self._copy(layer, experts, slots, timed)
+                landing.set()
+            return
+        self._uploads.submit(copy)
+
+    def _copy(self, layer: int, experts: list[int], slots: list[int], timed: bool) -> None:
+        arena = self.arenas[layer]
+        for expert, slot in zip(experts, slots):
+            source = self.host.get(layer, expert)
+            if timed:
+                self.link.transfer(self.host.expert_bytes)
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)
+                    arena.down[slot].copy_(source.down, non_blocking=True)
+            else:
+                arena.gate_up[slot].copy_(source.gate_up)
+                arena.down[slot].copy_(source.down)
+        if self._stream is not None:
+            self._stream.synchronize()
 
     # -- compute --------------------------------------------------------------------------
     def cost_us(self, layer: int, experts: int, tokens: int) -> float:
@@ -173,4 +229,4 @@ class VramTier(Tier):
         return out.to(x.device)
 
     def close(self) -> None:
-        self._uploads.shutdown(wait=True)
+        self._uploads.shutdown()
