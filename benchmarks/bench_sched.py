@@ -89,7 +89,7 @@ class NullBackend(Backend):
 
 def null_submit(submit):
     """A native lane's submit that queues the call with its experts dropped: everything but the math."""
-    nothing = array("q"), array("f")
+    nothing = b"", array("f")
     return lambda x, addresses, scales, inter: submit(x, *nothing, inter)
 
 

@@ -74,18 +74,20 @@ class DecodeKernel:
         """One token's router (moetier.engine.router.route's arithmetic, not damped): gate [E, D] and
         x [1, D], correction and nudge [E] or None, all float32 contiguous in host memory
         -> logits [1, E], probs (scores) [1, E], picks [1, k] int64, weights [1, k]."""
-        experts, dim, k = gate.shape[0], gate.shape[1], spec.top_k
-        buffer = torch.empty(1, 3 * experts + k + spec.n_group)
-        logits, probs, weights, scratch = buffer.split_with_sizes([experts, experts, k, experts + spec.n_group], dim=1)
+        (experts, dim), k = gate.shape, spec.top_k
+        buffer = torch.empty(1, 3 * experts + k + spec.n_group)  # logits, probs, weights, scratch
+        logits, probs, weights, _ = buffer.split_with_sizes([experts, experts, k, experts + spec.n_group], dim=1)
         picks = torch.empty(1, k, dtype=torch.int64)
-        address = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        base, at = buffer.data_ptr(), 4 * experts  # float32 offsets into buffer
         if spec.router == "softmax":
-            self.library.route_softmax_f32(gate.data_ptr(), x.data_ptr(), experts, dim, k, address(nudge), int(spec.norm_topk_prob),
-                                           logits.data_ptr(), probs.data_ptr(), picks.data_ptr(), weights.data_ptr(), scratch.data_ptr())
+            self.library.route_softmax_f32(gate.data_ptr(), x.data_ptr(), experts, dim, k, nudge.data_ptr() if nudge is not None else None,
+                                           int(spec.norm_topk_prob), base, base + at, picks.data_ptr(), base + 2 * at, base + 2 * at + 4 * k)
         else:
-            self.library.route_sigmoid_f32(gate.data_ptr(), x.data_ptr(), experts, dim, k, address(correction), address(nudge),
-                                           spec.n_group, spec.topk_group, int(spec.norm_topk_prob), spec.routed_scaling_factor,
-                                           logits.data_ptr(), probs.data_ptr(), picks.data_ptr(), weights.data_ptr(), scratch.data_ptr())
+            self.library.route_sigmoid_f32(gate.data_ptr(), x.data_ptr(), experts, dim, k,
+                                           correction.data_ptr() if correction is not None else None,
+                                           nudge.data_ptr() if nudge is not None else None, spec.n_group, spec.topk_group,
+                                           int(spec.norm_topk_prob), spec.routed_scaling_factor,
+                                           base, base + at, picks.data_ptr(), base + 2 * at, base + 2 * at + 4 * k)
         return logits, probs, picks, weights
 
     @staticmethod
@@ -134,15 +136,17 @@ class NativeLane:
             self.close()
             raise RuntimeError(f"native lane: started {self.threads} of {threads} threads")
 
-    def submit(self, x: torch.Tensor, addresses: array, scales: array, inter: int) -> "LaneTicket":
-        """x [1, D] float32 contiguous in host memory; addresses: array("q") of 2k (gate_up, down)
-        addresses; scales: array("f") of k gate weights; inter: I, each expert's width."""
+    def submit(self, x: torch.Tensor, addresses: bytes, scales: array, inter: int) -> "LaneTicket":
+        """x [1, D] float32 contiguous in host memory; addresses: 2k native int64 (gate_up, down)
+        addresses, packed (struct "qq" per expert); scales: array("f") of k gate weights; inter: I,
+        each expert's width."""
         k, dim = len(scales), x.shape[1]
         if self._forked:
             raise RuntimeError("native lane: used in a forked child process (its threads stayed in the parent); open a new one")
-        if len(addresses) != 2 * k or addresses.itemsize != 8 or scales.itemsize != 4:
-            raise ValueError(f"native lane: {len(addresses)} addresses for {k} scales (expected int64 pairs, float32 scales)")
-        ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses.buffer_info()[0],
+        if len(addresses) != 16 * k or scales.itemsize != 4:
+            raise ValueError(f"native lane: {len(addresses)} address bytes for {k} scales (expected 16 per expert: "
+                             "two native int64s; float32 scales)")
+        ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses,
                                        scales.buffer_info()[0], self.threads)
         if ticket < 0:
             why = f"all {self.SLOTS} call slots hold results not collected" if ticket == -1 else "out of memory"

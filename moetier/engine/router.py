@@ -88,13 +88,17 @@ def route_gate(
     damped: bool = False,
 ) -> Route:
     """x [T, D], gate [E, D] -> route(spec, x @ gate.T, ...), natively for one undamped token on the CPU."""
-    kernel = native.decode_kernel() if x.shape[0] == 1 and not damped and x.device.type == "cpu" else None
-    if kernel is not None and spec.n_group <= 64:
+    if x.shape[0] == 1 and not damped and _host_f32(x) and _host_f32(gate) and spec.n_group <= 64:
+        kernel = native.decode_kernel()
         nudge = _nudge(bias, affinity)
-        tensors = (x, gate, correction_bias, nudge)
-        if all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu") for t in tensors):
+        if kernel is not None and (correction_bias is None or _host_f32(correction_bias)) and (nudge is None or _host_f32(nudge)):
             return Route(*kernel.route(spec, gate, x, correction_bias, nudge))
     return route(spec, F.linear(x, gate), correction_bias, bias, affinity, damped)
+
+
+def _host_f32(t: torch.Tensor) -> bool:
+    """float32, contiguous, in host memory: what the native router reads in place."""
+    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
 
 
 def route(

@@ -15,6 +15,7 @@ float32 summation order when the native lane splits a call over threads.
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
 from collections import deque
@@ -80,11 +81,12 @@ class CpuTier(Tier):
         lane = opener(threads)
         if lane is None:
             return None, None
-        addresses = {layer: [(w.gate_up.data_ptr(), w.down.data_ptr()) for w in placed] for layer, placed in self.placed.items()}
+        addresses = {layer: [struct.pack("qq", w.gate_up.data_ptr(), w.down.data_ptr()) for w in placed]  # per expert, packed
+                     for layer, placed in self.placed.items()}
         return lane, addresses
 
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]):
-        if self._native is not None and x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32:
+        if self._native is not None and x.shape[0] == 1 and x.is_cpu and x.dtype is torch.float32:
             if self.calls is None:
                 return self._native_submit(layer, x, jobs)
             submitted = time.perf_counter()
@@ -96,8 +98,7 @@ class CpuTier(Tier):
     def _native_submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]):
         experts = job_experts(jobs)
         scales = jobs.scales if isinstance(jobs, DecodeJobs) else torch.cat([j.weights for j in jobs]).tolist()
-        table = self._addresses[layer]
-        addresses = array("q", [a for e in experts for a in table[e]])
+        addresses = b"".join(map(self._addresses[layer].__getitem__, experts))
         return self._native.submit(x.contiguous(), addresses, array("f", scales), self.inter)
 
     def _timed_compute(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob], submitted: float) -> torch.Tensor:
