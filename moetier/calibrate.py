@@ -73,15 +73,28 @@ def expert_rate_us(checkpoint, backend: TorchBackend, tokens: int, rounds: int =
     return median(samples)
 
 
+TIMED_REPEATS = 5  # timed decodes per calibration pass; each rate is their median
+
+
 def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[str, float] | None = None,
-                 steps: int = 96, streaming_us: float | None = None) -> Calibration:
+                 steps: int = 96, streaming_us: float | None = None, repeats: int = TIMED_REPEATS) -> Calibration:
     """`base` with the trunk, head, dispatch and GPU rate of a timed decode of `engine` (over `executor`,
     a TieredExecutor, when it has one): microseconds per step in each timing category, the head
     taking the step's time outside every category too (sampling, the Python loop); the CPU lane's
     call cost fitted to its calls; a remote call's time beyond its link's round trip (link_rtt_us,
-    by tier name). A rate this decode gives no sample of (no remote call, say) keeps base's value.
-    streaming_us: the CPU's streaming rate per expert that bounds the lane's fit (default base's)."""
+    by tier name). Each rate is the median over `repeats` timed decodes of `steps` steps (one
+    decode is a fraction of a second, and a busy machine slows some of them). A rate this decode
+    gives no sample of (no remote call, say) keeps base's value. streaming_us: the CPU's streaming
+    rate per expert that bounds the lane's fit (default base's)."""
     generate(engine, [1, 2, 3, 4], 16)  # untimed: first-call costs, caches and pools settle
+    samples = [_timed_rates(engine, executor, base, link_rtt_us or {}, steps, streaming_us) for _ in range(repeats)]
+    rates = {name: float(np.median([s[name] for s in samples if name in s])) for name in {n for s in samples for n in s}}
+    return replace(base, **rates)
+
+
+def _timed_rates(engine: Engine, executor, base: Calibration, link_rtt_us: dict[str, float], steps: int,
+                 streaming_us: float | None) -> dict[str, float]:
+    """One timed decode -> the rates it gives a sample of (see timed_decode)."""
     times = StepTimes()
     lanes = [t for t in executor.tiers if t.kind == "cpu"] if executor is not None else []
     remotes = [t for t in executor.tiers if t.kind == "remote"] if executor is not None else []
@@ -115,11 +128,10 @@ def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[
             tier.calls = None
         if calls:
             rates["cpu_lane_fixed_us"], rates["cpu_us_per_expert"] = lane_fit(calls, streaming_us or base.cpu_us_per_expert)
-        rtt = link_rtt_us or {}
-        extra = [float(np.median(t.round_trips_us)) - rtt.get(t.name, 0.0) for t in remotes if t.round_trips_us]
+        extra = [float(np.median(t.round_trips_us)) - link_rtt_us.get(t.name, 0.0) for t in remotes if t.round_trips_us]
         if extra:  # negative when a call takes less than the link's configured round trip (tier_cost keeps the sum >= 0)
             rates["remote_extra_us"] = float(np.mean(extra))
-    return replace(base, **rates)
+    return rates
 
 
 CALIBRATION_PASSES = 4  # decodes timed at most, each planned with the rates of the one before

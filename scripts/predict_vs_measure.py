@@ -11,7 +11,7 @@ measured run is a separate process, prompt and length. The model is the syntheti
 --preset medium); prompts are one token, so the caches start as cold as the replay's. Prints
 a table, then JSON.
 
-    python scripts/predict_vs_measure.py [--preset small] [--tokens 128] [--repeats 3]
+    python scripts/predict_vs_measure.py [--preset small] [--tokens 256] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def compare(name: str, path: Path, runs: list, model: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", choices=["small", "medium"])
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="measured runs per layout (interleaved); the median is kept")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "predict_vs_measure")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for calibrate and run alike")
     args = parser.parse_args()
