@@ -2,8 +2,9 @@
 
 Expert rates are measured by streaming distinct experts (cycling through every
 MoE layer, so the caches hold none of them), the way decode touches them. With
-a layout, everything else comes from a timed decode over that layout, in the
-runtime the run will use, with its threads: the trunk (attention and router,
+a layout, everything else comes from timed decodes over that layout (five per
+planning pass, each rate their median), in the runtime the run will use, with
+its threads: the trunk (attention and router,
 per layer), the head (with the step's time outside every category: sampling,
 the Python loop), the GPU's time per expert it served, the dispatch overhead,
 the CPU lane's cost per call and per expert (a line fitted to its calls, each
