@@ -10,7 +10,9 @@ tier uploads and frees. `access_all(picks [L, k])` is the replay path: one token
 in one set of numpy ops, with exactly the state changes of access(0), ..., access(L-1).
 Invariants: at most capacity[l] experts resident; decisions are a pure function of the picks
 seen and of the resident *sets* (never of slot order: resident keys are distinct), so replay
-can also run time shards side by side (moetier.sim.replay) and get the same hits.
+can also run time shards side by side (moetier.sim.replay) and get the same hits. LRU and
+LFU's `touch` (the runtime's one-layer access) runs in C (csrc/residency.c) where it builds,
+with the same decisions as the Python and numpy paths.
 """
 
 from __future__ import annotations

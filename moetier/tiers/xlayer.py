@@ -3,6 +3,8 @@
 Learned online (co-occurrence counts between consecutive layers) and used to prefetch a
 bounded number of experts per layer-token; see CrossLayerPolicy and docs/policies.md for
 why (on real traces the previous layer's picks predict far better than frequency or recency).
+Runs in C (moetier/backends/csrc/residency.c) where that library builds, with the numpy
+path's decisions bit for bit; `native=False` (or no C compiler) runs the numpy path.
 """
 
 from __future__ import annotations
