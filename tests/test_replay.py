@@ -158,6 +158,18 @@ def test_xlayer_in_c_replays_the_numpy_hits_on_real_traces(options, flame, qwen)
         assert (fast.uploads == slow.uploads).all()
 
 
+@pytest.mark.parametrize("bypass", [False, True])
+def test_belady_in_c_gives_the_numpy_hits_and_uploads(bypass, flame, qwen):
+    """csrc/residency.c's belady_block against the numpy oracle: random traces (ties included) and real ones."""
+    if not make_policy("xlayer", 1, 2, 1).native:
+        pytest.skip("csrc/residency.c did not build here")
+    traces = [random_trace(seed, 200, 3, 16, 3, skew=seed / 2) for seed in range(4)] + [flame, qwen.tokens(0, 1500)]
+    for trace in traces:
+        for capacity in (0.25, 0.5):
+            fast, slow = (belady(trace, capacity, bypass=bypass, native=native) for native in (True, False))
+            assert fast.hits.tolist() == slow.hits.tolist() and fast.uploads.tolist() == slow.uploads.tolist(), (trace.source, capacity)
+
+
 def test_replay_uploads_match_online():
     trace = random_trace(3, 200, 3, 16, 2)
     for policy in ("lru", "lfu", "xlayer"):

@@ -14,6 +14,7 @@ router's live-cache affinity) from the trace's router probabilities.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -22,6 +23,7 @@ import numpy as np
 
 from moetier.sim.traces import RoutingTrace
 from moetier.tiers.policies import ResidencyPolicy, make_policy
+from moetier.tiers.residency import _cache_state, _library
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,8 +235,9 @@ class _BeladyOracle(ResidencyPolicy):
 
     name = "belady"
 
-    def __init__(self, picks: np.ndarray, num_experts: int, slots: np.ndarray, bypass: bool, prefilled: bool):
+    def __init__(self, picks: np.ndarray, num_experts: int, slots: np.ndarray, bypass: bool, prefilled: bool, native: bool = True):
         T, L, _ = picks.shape
+        self.native_c = native
         self._next, first = next_use(picks)  # [T, L, k], [L, E']
         self._t = 0
         super().__init__(L, num_experts, slots)
@@ -253,17 +256,34 @@ class _BeladyOracle(ResidencyPolicy):
         self._t += 1
         return key
 
+    def access_block(self, picks):
+        """In C (csrc/residency.c, belady_block) where it builds, with the same hits: one call per block."""
+        lib = _library() if self.native_c else None
+        if lib is None:
+            return super().access_block(picks)
+        picks = np.ascontiguousarray(picks, dtype=np.int64)
+        n, _, k = picks.shape
+        nxt = np.ascontiguousarray(self._next[self._t : self._t + n], dtype=np.int64)
+        hit = np.empty(picks.shape, np.bool_)
+        state = _cache_state(self)
+        if lib.belady_block(ctypes.addressof(state), n, picks.ctypes.data, nxt.ctypes.data, k, int(not self.admit_all),
+                            hit.ctypes.data) < 0:
+            raise ValueError(f"belady: picks must be expert ids in [0, {self.num_experts}), k <= 256")
+        self._t += n
+        return hit
+
 
 def belady(trace: RoutingTrace, capacity: int | float | Sequence[int], bypass: bool = False, prefilled: bool = False,
-           warmup_tokens: int = 0) -> ReplayResult:
+           warmup_tokens: int = 0, native: bool = True) -> ReplayResult:
     """Offline optimum: demand paging (every miss admitted, evicting the furthest next use among
     residents the token did not pick), or with `bypass` a miss is admitted only if it is needed
-    again before some resident; `prefilled` starts from the best content instead of empty."""
+    again before some resident; `prefilled` starts from the best content instead of empty.
+    Runs in C where csrc/residency.c builds (`native=False`: numpy), with the same hits."""
     slots = slots_for(capacity, trace.num_layers, trace.num_experts)
     if not bypass and (slots < trace.top_k).any():
         raise ValueError(f"belady without bypass needs capacity >= k = {trace.top_k} (the picks are needed together)")
     picks = trace.picks.astype(np.intp)
-    oracle = _BeladyOracle(picks, trace.num_experts, slots, bypass, prefilled)
+    oracle = _BeladyOracle(picks, trace.num_experts, slots, bypass, prefilled, native)
     return _run(trace, lambda rows: oracle, "belady-bypass" if bypass else "belady", warmup_tokens, 1)
 
 

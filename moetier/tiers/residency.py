@@ -37,7 +37,7 @@ def _library() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name, args in (("xlayer_block", [p, i64, p, i64, p]), ("xlayer_access", [p, i64, p, i64, p]),
                            ("xlayer_changes", [p, i64, i64, p, p]), ("xlayer_touch", [p, i64, p, i64, p, p]),
-                           ("admit_all_touch", [p, i64, i64, p, i64, p])):
+                           ("admit_all_touch", [p, i64, i64, p, i64, p]), ("belady_block", [p, i64, p, p, i64, i64, p])):
             getattr(lib, name).restype, getattr(lib, name).argtypes = i64, args
     return lib
 
@@ -277,12 +277,13 @@ class ResidencyPolicy:
 
 
 def _lowest(key: np.ndarray, n: int, lr: np.ndarray, hi, scratch: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(columns, keys) [R, n] of the n lowest keys per row of key [R, W], ascending.
+    """(columns, keys) [R, n] of the n lowest keys per row of key [R, W], ascending; equal keys: the
+    lower column first (as csrc/residency.c breaks them, so Belady's ties fall alike in both).
 
     Wide rows and few picks: n argmin passes (numpy's argpartition costs ~3 us a row), which
-    overwrite `key` if it is `scratch`; otherwise argpartition, then a stable sort of the n.
+    overwrite `key` if it is `scratch`; otherwise a stable sort of the rows.
     """
-    if key.shape[1] >= 64 and n <= 8:
+    if key.shape[1] >= 64 and n <= 16:
         key, col = key if scratch else key.copy(), np.empty((len(key), n), np.intp)
         val = np.empty((len(key), n), key.dtype)
         for j in range(n):
@@ -290,12 +291,7 @@ def _lowest(key: np.ndarray, n: int, lr: np.ndarray, hi, scratch: bool = False) 
             val[:, j] = key[lr[:, 0], c]
             key[lr[:, 0], c] = hi
         return col, val
-    if key.shape[1] > n:
-        part = np.argpartition(key, n - 1, axis=1)[:, :n]  # [R, n]
-        pk = key[lr, part]
-        order = np.argsort(pk, axis=1, kind="stable")
-        return part[lr, order], pk[lr, order]
-    col = np.argsort(key, axis=1, kind="stable")
+    col = np.argsort(key, axis=1, kind="stable")[:, :n]  # [R, n]
     return col, key[lr, col]
 
 
@@ -332,6 +328,13 @@ class _CacheState(ctypes.Structure):
         (name, ctypes.c_void_p) for name in ("slots", "slot_of", "key", "clock", "uploads")]
 
 
+def _cache_state(policy: ResidencyPolicy) -> _CacheState:
+    """The C view of a policy with int64 keys (its arrays are only ever updated in place)."""
+    assert policy._key.dtype == np.int64
+    return _CacheState(policy.num_layers, policy.num_experts, policy._slots.shape[1], *(a.ctypes.data for a in (
+        policy._slots, policy._slot_of, policy._key, policy._clock, policy.uploads)))
+
+
 class _ScalarAccess(ResidencyPolicy):
     """`touch` for one layer without numpy (k and the slots are few, where numpy's per-call overhead
     dominates), for policies that admit every miss and key each pick by `_key_one`: one call of
@@ -349,8 +352,7 @@ class _ScalarAccess(ResidencyPolicy):
         self.native_touch = lib is not None
         if lib is not None:
             E = self.num_experts
-            self._state = _CacheState(self.num_layers, E, self._slots.shape[1], *(a.ctypes.data for a in (
-                self._slots, self._slot_of, self._key, self._clock, self.uploads)))  # updated in place only
+            self._state = _cache_state(self)
             self._touch_c = functools.partial(lib.admit_all_touch, ctypes.addressof(self._state))
             self._picks, self._out = (ctypes.c_int64 * E)(), (ctypes.c_int64 * (3 + 2 * E))()
 

@@ -285,32 +285,24 @@ static void sort_ascending(int64_t *v, int64_t n) {
     }
 }
 
-/* One token's picks at `layer` (mode 0: LRU, 1: LFU), as _ScalarAccess.touch: key the picks; the
- * misses, best key first (later pick first on ties), take the slots of the lowest keys among experts
- * not picked (empty slots first, then the lower slot). out: [hits, admitted n, evicted n, admitted
- * ids ascending..., evicted ids ascending...]. Returns the hits, or -1 on bad picks (nothing changed). */
-int64_t admit_all_touch(cache_state *s, int64_t layer, int64_t mode, const int64_t *picks, int64_t k, int64_t *out) {
+/* Admit every miss of one layer-token whose picks carry their new keys already (key[picks] set):
+ * the misses, best key first (later pick first on ties), take the slots of the lowest keys among
+ * experts not picked (empty slots first, then the lower slot). hit [k] set; out as admit_all_touch's
+ * (NULL: no report). Returns the hits. */
+static int64_t admit_every_miss(cache_state *s, int64_t layer, const int64_t *picks, int64_t k, uint8_t *hit, int64_t *out) {
     const int64_t E = s->experts, W = s->width;
-    if (layer < 0 || layer >= s->rows || k < 1 || k > E || k > MAX_PAIRS) return -1;
-    for (int64_t j = 0; j < k; j++) {
-        if (picks[j] < 0 || picks[j] >= E) return -1;
-        for (int64_t i = 0; i < j; i++)
-            if (picks[i] == picks[j]) return -1;
-    }
     int64_t *slots = s->slots + layer * W, *slot_of = s->slot_of + layer * (E + 2), *key = s->key + layer * (E + 2);
-    const int64_t base = s->clock[layer] * STAMP;
     int64_t miss[MAX_PAIRS], misses = 0;
     for (int64_t j = 0; j < k; j++) {
-        const int64_t p = picks[j], count = key[p] >> 32 > 0 ? (key[p] >> 32) + 1 : 1;
-        key[p] = mode ? (count << 32 | (base + j)) : base + j;
-        if (slot_of[p] < 0) { /* insertion, best key first; a later equal key before */
+        const int64_t p = picks[j];
+        hit[j] = slot_of[p] >= 0;
+        if (!hit[j]) { /* insertion, best key first; a later equal key before */
             int64_t i = misses++;
             while (i > 0 && key[picks[miss[i - 1]]] <= key[p]) { miss[i] = miss[i - 1]; i--; }
             miss[i] = j;
         }
     }
-    s->clock[layer] += 1;
-    int64_t admitted = 0, evicted = 0, *adm = out + 3, *ev = out + 3 + k;
+    int64_t admitted = 0, evicted = 0, adm[MAX_PAIRS], ev[MAX_PAIRS];
     for (int64_t i = 0; i < misses; i++) { /* the lowest-key slot not holding a pick, empty first */
         int64_t best = -1, best_key = 0;
         for (int64_t w = 0; w < W; w++) {
@@ -328,9 +320,89 @@ int64_t admit_all_touch(cache_state *s, int64_t layer, int64_t mode, const int64
         slot_of[p] = best, slots[best] = p, adm[admitted++] = p;
     }
     s->uploads[layer] += admitted;
-    sort_ascending(adm, admitted);
-    sort_ascending(ev, evicted);
-    memmove(out + 3 + admitted, ev, (size_t)evicted * sizeof *ev);
-    out[0] = k - misses, out[1] = admitted, out[2] = evicted;
+    if (out) {
+        sort_ascending(adm, admitted);
+        sort_ascending(ev, evicted);
+        out[0] = k - misses, out[1] = admitted, out[2] = evicted;
+        memcpy(out + 3, adm, (size_t)admitted * sizeof *adm);
+        memcpy(out + 3 + admitted, ev, (size_t)evicted * sizeof *ev);
+    }
     return k - misses;
+}
+
+/* Admit a miss only where its key beats a slot's (no pick protected): candidates best key first
+ * (later pick first on ties), slots lowest key first (empty first, then the lower slot), pair j
+ * swaps while the candidate's key is higher (ResidencyPolicy._admit, not forced). */
+static int64_t admit_what_beats(cache_state *s, int64_t layer, const int64_t *picks, int64_t k, uint8_t *hit) {
+    const int64_t E = s->experts, W = s->width;
+    int64_t *slots = s->slots + layer * W, *slot_of = s->slot_of + layer * (E + 2), *key = s->key + layer * (E + 2);
+    int64_t order[MAX_PAIRS], misses = 0, hits = 0;
+    for (int64_t j = 0; j < k; j++) {
+        hits += hit[j] = slot_of[picks[j]] >= 0;
+        if (hit[j]) continue;
+        int64_t i = misses++;
+        while (i > 0 && key[picks[order[i - 1]]] <= key[picks[j]]) { order[i] = order[i - 1]; i--; }
+        order[i] = j;
+    }
+    const int64_t n = misses < W ? misses : W;
+    int64_t taken[MAX_PAIRS];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t best = -1, best_key = 0;
+        for (int64_t w = 0; w < W; w++) {
+            int used = 0;
+            for (int64_t u = 0; u < i; u++) used |= taken[u] == w;
+            const int64_t e = slots[w], v = e == E ? INT64_MIN : e > E ? INT64_MAX : key[e];
+            if (!used && (best < 0 || v < best_key)) best = w, best_key = v;
+        }
+        taken[i] = best;
+        const int64_t p = picks[order[i]];
+        if (best_key == INT64_MAX || key[p] <= best_key) break; /* the rest are weaker still */
+        const int64_t old = slots[best];
+        if (old < E) slot_of[old] = -1;
+        slot_of[p] = best, slots[best] = p;
+        s->uploads[layer] += 1;
+    }
+    return hits;
+}
+
+/* One token's picks at `layer` (mode 0: LRU, 1: LFU), as _ScalarAccess.touch: key the picks, then
+ * admit every miss. out: [hits, admitted n, evicted n, admitted ids ascending..., evicted ids
+ * ascending...]. Returns the hits, or -1 on bad picks (nothing changed). */
+int64_t admit_all_touch(cache_state *s, int64_t layer, int64_t mode, const int64_t *picks, int64_t k, int64_t *out) {
+    const int64_t E = s->experts;
+    if (layer < 0 || layer >= s->rows || k < 1 || k > E || k > MAX_PAIRS) return -1;
+    for (int64_t j = 0; j < k; j++) {
+        if (picks[j] < 0 || picks[j] >= E) return -1;
+        for (int64_t i = 0; i < j; i++)
+            if (picks[i] == picks[j]) return -1;
+    }
+    int64_t *key = s->key + layer * (E + 2);
+    const int64_t base = s->clock[layer] * STAMP;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t p = picks[j], count = key[p] >> 32 > 0 ? (key[p] >> 32) + 1 : 1;
+        key[p] = mode ? (count << 32 | (base + j)) : base + j;
+    }
+    s->clock[layer] += 1;
+    uint8_t hit[MAX_PAIRS];
+    return admit_every_miss(s, layer, picks, k, hit, out);
+}
+
+/* Belady's replay (moetier.sim.replay.belady): picks and each pick's next use (the token that picks
+ * it next, T when none) [n, rows, k], token after token, each row in order; a pick's key is
+ * -(its next use), so the nearest next use is kept. Demand paging admits every miss; `bypass` only
+ * a miss that beats a slot. hit [n, rows, k]. 0, or -1 on an id out of range. */
+int64_t belady_block(cache_state *s, int64_t n, const int64_t *picks, const int64_t *next, int64_t k, int64_t bypass, uint8_t *hit) {
+    const int64_t E = s->experts, R = s->rows;
+    if (k < 1 || k > E || k > MAX_PAIRS) return -1;
+    for (int64_t i = 0; i < n * R * k; i++)
+        if (picks[i] < 0 || picks[i] >= E) return -1;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t at = (t * R + r) * k;
+            int64_t *key = s->key + r * (E + 2);
+            for (int64_t j = 0; j < k; j++) key[picks[at + j]] = -next[at + j];
+            if (bypass) admit_what_beats(s, r, picks + at, k, hit + at);
+            else admit_every_miss(s, r, picks + at, k, hit + at, NULL);
+        }
+    return 0;
 }
