@@ -231,17 +231,17 @@ def next_use(picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _BeladyOracle(ResidencyPolicy):
-    """Key = -(token of next use): the nearest next use is kept; fed token by token by `belady` only."""
+    """Key = -(token of next use): the nearest next use is kept; fed by `belady` only (a token at a time in numpy, a block in C)."""
 
     name = "belady"
 
     def __init__(self, picks: np.ndarray, num_experts: int, slots: np.ndarray, bypass: bool, prefilled: bool, native: bool = True):
         T, L, _ = picks.shape
-        self.native_c = native
         self._next, first = next_use(picks)  # [T, L, k], [L, E']
         self._t = 0
         super().__init__(L, num_experts, slots)
         self.admit_all = not bypass
+        self.native = native and _library() is not None
         self._key[:, : first.shape[1]] = -first  # never-used experts keep _NEVER (< -T)
         if prefilled:  # start from the best possible content: the experts needed first
             for layer in range(L):
@@ -258,9 +258,9 @@ class _BeladyOracle(ResidencyPolicy):
 
     def access_block(self, picks):
         """In C (csrc/residency.c, belady_block) where it builds, with the same hits: one call per block."""
-        lib = _library() if self.native_c else None
-        if lib is None:
+        if not self.native:
             return super().access_block(picks)
+        lib = _library()
         picks = np.ascontiguousarray(picks, dtype=np.int64)
         n, _, k = picks.shape
         nxt = np.ascontiguousarray(self._next[self._t : self._t + n], dtype=np.int64)
