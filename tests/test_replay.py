@@ -146,7 +146,7 @@ def test_replay_equals_online_real(policy, flame, qwen):
 
 @pytest.mark.parametrize("options", [{}, {"context": 2}])
 def test_xlayer_in_c_replays_the_numpy_hits_on_real_traces(options, flame, qwen):
-    """The whole FLAME trace and 1,000 tokens of Qwen1.5-MoE at 25%: csrc/xlayer.c gives the numpy path's hits, token by token."""
+    """The whole FLAME trace and 1,000 tokens of Qwen1.5-MoE at 25%: csrc/residency.c gives the numpy path's hits, token by token."""
     if not make_policy("xlayer", 1, 2, 1).native:
         pytest.skip("xlayer's C path did not build here")
     for trace in (flame, qwen.tokens(0, 1000)):

@@ -8,7 +8,7 @@ $MOETIER_HOME/native/moe_decode-<key>.so, where the key hashes the source, the
 flags and the compiler's version: a changed kernel or compiler builds anew,
 and a build is written to a temporary name and renamed into place, so
 processes that race to build never load half a file. `library(name, flags)`
-builds any csrc/<name>.c that way (csrc/xlayer.c, the xlayer residency policy,
+builds any csrc/<name>.c that way (csrc/residency.c, the residency policies,
 with STRICT_FLAGS).
 
 Guarantee: `DecodeKernel.run` computes what the torch decode path computes
@@ -45,7 +45,7 @@ FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fassociativ
          "-fno-trapping-math", "-ffp-contract=fast"]
 ARCH_FLAGS = ["-march=native"]  # dropped if this compiler does not take it
 # IEEE arithmetic exactly as written (no reassociation, no fused multiply-add): for code whose
-# results must equal a numpy path's bit for bit (csrc/xlayer.c). GCC contracts by default.
+# results must equal a numpy path's bit for bit (csrc/residency.c). GCC contracts by default.
 STRICT_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 
 

@@ -258,7 +258,7 @@ class CrossLayerPolicy(ResidencyPolicy):
         gathered = self._pair[ri, pred]  # [R, c, E] float32 counts
         w = (1.0 / (self._seen[ri, pred] + np.float32(s))).astype(np.float64)  # [R, c] float32 values
         acc, sum_w = np.zeros((len(rows), E)), np.zeros(len(rows))  # [R, E], [R]
-        for j in range(pred.shape[1]):  # in j order, as csrc/xlayer.c sums (the products are exact)
+        for j in range(pred.shape[1]):  # in j order, as csrc/residency.c sums (the products are exact)
             acc += w[:, j, None] * gathered[:, j]
             sum_w += w[:, j]
         rate = self._key[sel, :E] * (self._per_token[sel] / np.maximum(self._mass[sel], 1e-300))[:, None]  # [R, E] p_b
