@@ -48,8 +48,8 @@ class _Landing:
         self._lock.release()
 
     def wait(self) -> None:
-        with self._lock:
-            pass
+        self._lock.acquire()  # held until set(): blocks until then; released at once for the next waiter
+        self._lock.release()
         if self._error is not None:
             raise RuntimeError(f"an expert upload failed: {self._error!r}") from self._error
 
@@ -128,14 +128,10 @@ class VramTier(Tier):
         if not self.policy.mutable and not self.policy.prefetches:  # a fixed set (static): membership is the answer
             return len(self.holds(layer).intersection(picks)), []
         index = self.index[layer]
-        following = self._layer_at.get(index + 1) if self.policy.prefetches else None
-        if following is None:
-            hits, admitted, evicted = self.policy.touch(index, list(picks))
-        else:
-            hits, admitted, evicted, admitted_next, evicted_next = self.policy.touch_next(index, list(picks))
+        hits, admitted, evicted, admitted_next, evicted_next = self.policy.touch_next(index, list(picks))
         batches = [self._apply(layer, admitted, evicted)]
-        if following is not None:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
-            batches.append(self._apply(following, admitted_next, evicted_next))
+        if admitted_next or evicted_next:  # what this access prefetched into the next layer: on the link now, beside this layer's compute
+            batches.append(self._apply(self._layer_at[index + 1], admitted_next, evicted_next))
             self.prefetch_uploads += len(batches[-1][1])
         self._upload(batches, timed=True)
         return hits, batches[0][1]
@@ -177,15 +173,15 @@ class VramTier(Tier):
                     try:
                         self._copy(layer, experts, slots, timed)
                     except Exception as err:  # the computing thread raises it when it waits for these experts
+                        if not timed:
+                            raise  # the initial residency, copied here: a failure raises now
                         error = err
                 landing.set(error)
 
-        if not timed:  # the initial residency, before timing: here, and a failure raises now
-            for (layer, experts, slots), landing in zip(batches, landings):
-                self._copy(layer, experts, slots, timed)
-                landing.set()
-            return
-        self._uploads.submit(copy)
+        if timed:
+            self._uploads.submit(copy)
+        else:
+            copy()
 
     def _copy(self, layer: int, experts: list[int], slots: list[int], timed: bool) -> None:
         arena = self.arenas[layer]
