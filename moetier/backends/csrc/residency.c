@@ -50,6 +50,14 @@ typedef struct {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* k in [1, min(E, MAX_PAIRS)] and every id in [0, E) (distinctness is the caller's to check). */
+static int ids_ok(int64_t E, const int64_t *picks, int64_t k) {
+    if (k < 1 || k > E || k > MAX_PAIRS) return 0;
+    for (int64_t j = 0; j < k; j++)
+        if (picks[j] < 0 || picks[j] >= E) return 0;
+    return 1;
+}
+
 /* Put `expert` into `slot` of `row` (the slot's occupant, if any, leaves). */
 static void place(xlayer_state *s, int64_t row, int64_t slot, int64_t expert) {
     const int64_t E = s->experts;
@@ -182,19 +190,12 @@ static void step_row(xlayer_state *s, int64_t row, const int64_t *picks, int64_t
     if (prefetches && g + 1 < s->group) prefetch(s, row + 1, picks, c);
 }
 
-static int picks_ok(const xlayer_state *s, const int64_t *picks, int64_t k) {
-    if (k < 1 || k > s->experts || k > MAX_PAIRS) return 0;
-    for (int64_t j = 0; j < k; j++)
-        if (picks[j] < 0 || picks[j] >= s->experts) return 0;
-    return 1;
-}
-
 /* Replay: picks [n, rows, k] -> hit [n, rows, k], token after token, each token's rows in order
  * (the numpy path's access_all per token). 0 on success, -1 on an id out of range. */
 int64_t xlayer_block(xlayer_state *s, int64_t n, const int64_t *picks, int64_t k, uint8_t *hit) {
     if (s->budget > MAX_PAIRS) return -1;
     for (int64_t i = 0; i < n * s->rows; i++)
-        if (!picks_ok(s, picks + i * k, k)) return -1;
+        if (!ids_ok(s->experts, picks + i * k, k)) return -1;
     const int64_t track = s->track;
     s->track = 0;
     for (int64_t t = 0; t < n; t++)
@@ -214,7 +215,7 @@ int64_t xlayer_block(xlayer_state *s, int64_t n, const int64_t *picks, int64_t k
  * A multi-token step that calls each layer once per row, layer by layer, learns nothing (rows of
  * different tokens would pair up) and prefetches once per layer. -1 on bad picks. */
 int64_t xlayer_access(xlayer_state *s, int64_t layer, const int64_t *picks, int64_t k, uint8_t *hit) {
-    if (layer < 0 || layer >= s->rows || s->budget > MAX_PAIRS || !picks_ok(s, picks, k)) return -1;
+    if (layer < 0 || layer >= s->rows || s->budget > MAX_PAIRS || !ids_ok(s->experts, picks, k)) return -1;
     const int64_t E = s->experts, *slot_of = s->slot_of + layer * (E + 2);
     const int64_t c = s->context ? min64(s->context, k) : k;
     const int prefetches = s->budget > 0, batched = s->prev_k > 0 && s->prev_row == layer;
@@ -285,6 +286,20 @@ static void sort_ascending(int64_t *v, int64_t n) {
     }
 }
 
+/* hit[j] = pick j resident; the misses' positions into order, best key first (a later equal key
+ * first). Returns how many miss. */
+static int64_t order_misses(const int64_t *slot_of, const int64_t *key, const int64_t *picks, int64_t k, uint8_t *hit, int64_t *order) {
+    int64_t misses = 0;
+    for (int64_t j = 0; j < k; j++) {
+        hit[j] = slot_of[picks[j]] >= 0;
+        if (hit[j]) continue;
+        int64_t i = misses++;
+        while (i > 0 && key[picks[order[i - 1]]] <= key[picks[j]]) { order[i] = order[i - 1]; i--; }
+        order[i] = j;
+    }
+    return misses;
+}
+
 /* Admit every miss of one layer-token whose picks carry their new keys already (key[picks] set):
  * the misses, best key first (later pick first on ties), take the slots of the lowest keys among
  * experts not picked (empty slots first, then the lower slot). hit [k] set; out as admit_all_touch's
@@ -292,16 +307,8 @@ static void sort_ascending(int64_t *v, int64_t n) {
 static int64_t admit_every_miss(cache_state *s, int64_t layer, const int64_t *picks, int64_t k, uint8_t *hit, int64_t *out) {
     const int64_t E = s->experts, W = s->width;
     int64_t *slots = s->slots + layer * W, *slot_of = s->slot_of + layer * (E + 2), *key = s->key + layer * (E + 2);
-    int64_t miss[MAX_PAIRS], misses = 0;
-    for (int64_t j = 0; j < k; j++) {
-        const int64_t p = picks[j];
-        hit[j] = slot_of[p] >= 0;
-        if (!hit[j]) { /* insertion, best key first; a later equal key before */
-            int64_t i = misses++;
-            while (i > 0 && key[picks[miss[i - 1]]] <= key[p]) { miss[i] = miss[i - 1]; i--; }
-            miss[i] = j;
-        }
-    }
+    int64_t miss[MAX_PAIRS];
+    const int64_t misses = order_misses(slot_of, key, picks, k, hit, miss);
     int64_t admitted = 0, evicted = 0, adm[MAX_PAIRS], ev[MAX_PAIRS];
     for (int64_t i = 0; i < misses; i++) { /* the lowest-key slot not holding a pick, empty first */
         int64_t best = -1, best_key = 0;
@@ -336,14 +343,8 @@ static int64_t admit_every_miss(cache_state *s, int64_t layer, const int64_t *pi
 static int64_t admit_what_beats(cache_state *s, int64_t layer, const int64_t *picks, int64_t k, uint8_t *hit) {
     const int64_t E = s->experts, W = s->width;
     int64_t *slots = s->slots + layer * W, *slot_of = s->slot_of + layer * (E + 2), *key = s->key + layer * (E + 2);
-    int64_t order[MAX_PAIRS], misses = 0, hits = 0;
-    for (int64_t j = 0; j < k; j++) {
-        hits += hit[j] = slot_of[picks[j]] >= 0;
-        if (hit[j]) continue;
-        int64_t i = misses++;
-        while (i > 0 && key[picks[order[i - 1]]] <= key[picks[j]]) { order[i] = order[i - 1]; i--; }
-        order[i] = j;
-    }
+    int64_t order[MAX_PAIRS];
+    const int64_t misses = order_misses(slot_of, key, picks, k, hit, order);
     const int64_t n = misses < W ? misses : W;
     int64_t taken[MAX_PAIRS];
     for (int64_t i = 0; i < n; i++) {
@@ -362,7 +363,7 @@ static int64_t admit_what_beats(cache_state *s, int64_t layer, const int64_t *pi
         slot_of[p] = best, slots[best] = p;
         s->uploads[layer] += 1;
     }
-    return hits;
+    return k - misses;
 }
 
 /* One token's picks at `layer` (mode 0: LRU, 1: LFU), as _ScalarAccess.touch: key the picks, then
@@ -370,12 +371,10 @@ static int64_t admit_what_beats(cache_state *s, int64_t layer, const int64_t *pi
  * ascending...]. Returns the hits, or -1 on bad picks (nothing changed). */
 int64_t admit_all_touch(cache_state *s, int64_t layer, int64_t mode, const int64_t *picks, int64_t k, int64_t *out) {
     const int64_t E = s->experts;
-    if (layer < 0 || layer >= s->rows || k < 1 || k > E || k > MAX_PAIRS) return -1;
-    for (int64_t j = 0; j < k; j++) {
-        if (picks[j] < 0 || picks[j] >= E) return -1;
+    if (layer < 0 || layer >= s->rows || !ids_ok(E, picks, k)) return -1;
+    for (int64_t j = 0; j < k; j++)
         for (int64_t i = 0; i < j; i++)
             if (picks[i] == picks[j]) return -1;
-    }
     int64_t *key = s->key + layer * (E + 2);
     const int64_t base = s->clock[layer] * STAMP;
     for (int64_t j = 0; j < k; j++) {
@@ -393,9 +392,8 @@ int64_t admit_all_touch(cache_state *s, int64_t layer, int64_t mode, const int64
  * a miss that beats a slot. hit [n, rows, k]. 0, or -1 on an id out of range. */
 int64_t belady_block(cache_state *s, int64_t n, const int64_t *picks, const int64_t *next, int64_t k, int64_t bypass, uint8_t *hit) {
     const int64_t E = s->experts, R = s->rows;
-    if (k < 1 || k > E || k > MAX_PAIRS) return -1;
-    for (int64_t i = 0; i < n * R * k; i++)
-        if (picks[i] < 0 || picks[i] >= E) return -1;
+    for (int64_t i = 0; i < n * R; i++)
+        if (!ids_ok(E, picks + i * k, k)) return -1;
     for (int64_t t = 0; t < n; t++)
         for (int64_t r = 0; r < R; r++) {
             const int64_t at = (t * R + r) * k;
