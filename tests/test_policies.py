@@ -149,7 +149,7 @@ def test_access_all_equals_access(name, options, stream):
 @settings(max_examples=40, deadline=None)
 @given(stream=streams())
 def test_touch_equals_access(name, options, stream):
-    """The runtime's `touch` (plain Python for LRU and LFU) makes access's hits, changes and state."""
+    """The runtime's `touch` (C, or plain Python with native=False, for LRU and LFU) makes access's hits, changes and state."""
     picks, *_ = stream
     tokens, layers, _ = picks.shape
     online, touched, mixed = (policy_for(name, options, stream) for _ in range(3))  # mixed: touch, then access, ...

@@ -12,11 +12,20 @@ engine decides the order of a step.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from moetier.engine.router import ExpertJob  # noqa: F401  (tiers take their work in this form)
+from moetier.backends import Backend, ExpertWork
+from moetier.engine.router import DecodeJobs, ExpertJob
+
+
+def run_jobs(backend: Backend, x: torch.Tensor, jobs: Sequence[ExpertJob], placed: Callable[[int], Any]) -> torch.Tensor:
+    """x [T, D] -> [T, D]: the backend's gate-weighted sum over a tier's jobs, each expert as `placed(expert)`
+    gives it. A decode step's DecodeJobs go to run_decode (its weights stay floats), other jobs to run_experts."""
+    if isinstance(jobs, DecodeJobs):
+        return backend.run_decode(x, [placed(e) for e in jobs.experts], jobs.scales)
+    return backend.run_experts(x, [ExpertWork(placed(j.expert), j.rows, j.weights) for j in jobs])
 
 
 class Tier:

@@ -23,10 +23,10 @@ from typing import Sequence
 
 import torch
 
-from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.backends import Backend, get_backend
 from moetier.backends.native import DecodeKernel
 from moetier.engine.router import DecodeJobs, job_experts
-from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.base import ExpertJob, Tier, run_jobs
 from moetier.tiers.handoff import LaneThreads
 from moetier.tiers.host import HostExperts
 
@@ -67,11 +67,10 @@ class CpuTier(Tier):
 
         x [T, D] may live on a GPU (a part's device): its rows come to host memory and the partial goes back.
         """
-        placed = self.placed[layer]
-        work = [ExpertWork(placed[j.expert], j.rows, j.weights) for j in jobs]
+        placed = self.placed[layer].__getitem__
         if x.device.type == "cpu":
-            return self.backend.run_experts(x, work)
-        return self.backend.run_experts(x.cpu(), work).to(x.device)
+            return run_jobs(self.backend, x, jobs, placed)
+        return run_jobs(self.backend, x.cpu(), jobs, placed).to(x.device)
 
     def _open_native(self, threads: int):
         """The backend's native lane and, per layer, each expert's (gate_up, down) addresses; or (None, None)."""

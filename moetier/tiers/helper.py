@@ -13,10 +13,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from moetier.backends import ExpertWork
 from moetier.backends.torch_backend import TorchBackend
 from moetier.engine.router import DecodeJobs
-from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.base import ExpertJob, Tier, run_jobs
 from moetier.tiers.host import HostExperts
 from moetier.tiers.link import Link
 
@@ -46,15 +45,10 @@ class HelperTier(Tier):
         return self._compute.submit(self._run, layer, x, jobs)
 
     def _run(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
-        decode = isinstance(jobs, DecodeJobs)  # one token, gate weights as floats
-        rows = 1 if decode else torch.unique(torch.cat([j.rows for j in jobs])).numel()
+        rows = 1 if isinstance(jobs, DecodeJobs) else torch.unique(torch.cat([j.rows for j in jobs])).numel()  # one token: one row
         payload = rows * x.shape[1] * x.element_size()
         self.link.transfer(payload)  # the token rows go there
-        placed = self.placed[layer]
-        if decode:
-            out = self.backend.run_decode(x.to(self.device), [placed[e] for e in jobs.experts], jobs.scales)
-        else:
-            out = self.backend.run_experts(x.to(self.device), [ExpertWork(placed[j.expert], j.rows, j.weights) for j in jobs])
+        out = run_jobs(self.backend, x.to(self.device), jobs, self.placed[layer].__getitem__)
         self.backend.synchronize()
         self.link.transfer(payload)  # the partial sums come back
         return out.to(x.device)

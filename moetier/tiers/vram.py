@@ -23,11 +23,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from moetier.backends import ExpertWork
 from moetier.backends.torch_backend import TorchBackend
-from moetier.engine.router import DecodeJobs, job_experts
+from moetier.engine.router import job_experts
 from moetier.model.checkpoint import ExpertWeights
-from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.base import ExpertJob, Tier, run_jobs
 from moetier.tiers.host import HostExperts
 from moetier.tiers.link import Link
 
@@ -217,10 +216,7 @@ class VramTier(Tier):
         for expert in job_experts(jobs):
             ready[expert].wait()
         self.upload_wait_us += (time.perf_counter() - begin) * 1e6
-        if isinstance(jobs, DecodeJobs):  # one token: the weights stay floats
-            out = self.backend.run_decode(x.to(self.device), [arena.weights(e) for e in jobs.experts], jobs.scales)
-        else:
-            out = self.backend.run_experts(x.to(self.device), [ExpertWork(arena.weights(j.expert), j.rows, j.weights) for j in jobs])
+        out = run_jobs(self.backend, x.to(self.device), jobs, arena.weights)
         self.backend.synchronize()
         return out.to(x.device)
 
