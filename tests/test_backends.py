@@ -70,6 +70,21 @@ def test_run_decode_is_run_experts_for_one_token(name, device):
         backend.run_decode(x.to(backend.device), placed, [1.0])
 
 
+@pytest.mark.parametrize("name, device", backends_here() + [("numpy", "cpu")])
+def test_one_row_given_to_an_expert_twice_or_not_at_all(name, device):
+    """A one-token step whose work lists an expert with the row twice (two weights) and one with no row."""
+    g = torch.Generator().manual_seed(3)
+    experts, x = random_experts(4), torch.randn(1, D, generator=g)
+    backend, numpy = get_backend(name, device), NumpyBackend()
+    work = lambda b: [ExpertWork(b.place(experts[1]), torch.tensor([0, 0]), torch.tensor([0.5, 0.25])),  # noqa: E731
+                      ExpertWork(b.place(experts[2]), torch.tensor([], dtype=torch.int64), torch.tensor([])),
+                      ExpertWork(b.place(experts[3]), torch.tensor([0]), torch.tensor([0.125]))]
+    got = backend.run_experts(x.to(backend.device), work(backend))
+    backend.synchronize()
+    single = [ExpertWork(numpy.place(experts[e]), torch.tensor([0]), torch.tensor([w])) for e, w in ((1, 0.75), (3, 0.125))]
+    assert torch.allclose(got.cpu(), numpy.run_experts(x, single), atol=1e-5, rtol=1e-5)
+
+
 def test_numpy_reference_is_the_plain_formula():
     """The reference itself, against a per-token loop written from the definition."""
     experts = random_experts(1)

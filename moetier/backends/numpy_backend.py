@@ -47,6 +47,6 @@ class NumpyBackend(Backend):
         out = np.zeros_like(xs)
         for item in work:
             rows = item.rows.numpy()
-            # a token picks an expert at most once, so rows are unique and += is a scatter-add
-            out[rows] += swiglu(xs[rows], item.expert) * item.weights.numpy()[:, None]
+            # a scatter-add that counts a row given twice twice (a RUN may list it so; the router never does)
+            np.add.at(out, rows, swiglu(xs[rows], item.expert) * item.weights.numpy()[:, None])
         return torch.from_numpy(out).to(x.device)

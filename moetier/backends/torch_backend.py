@@ -84,7 +84,8 @@ class TorchBackend(Backend):
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         if x.shape[0] == 1 and work:  # decode: every expert serves the one row
             scales = torch.cat([item.weights for item in work]).tolist()  # one host read, not one per expert
-            return self._run_decode(x, [item.expert for item in work], scales)
+            experts = [item.expert for item in work for _ in range(item.weights.shape[0])]  # one per weight: a RUN may
+            return self._run_decode(x, experts, scales)  # give an expert the row twice, or not at all
         out = torch.zeros_like(x)  # [T, D]
         for item in work:
             rows = item.rows.to(x.device)
