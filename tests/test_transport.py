@@ -164,30 +164,34 @@ def test_every_command_round_trips():
 
 
 def _frames(header: dict, *tensors: bytes) -> list[bytes]:
-    import msgpack
+    return P.pack(header, list(tensors))
 
-    return [msgpack.packb(header), *tensors]
+
+V = P.PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize("frames, code", [
     ([b"\xc1garbage"], P.ErrorCode.BAD_FRAME),
     ([b""], P.ErrorCode.BAD_FRAME),
     ([], P.ErrorCode.BAD_FRAME),
+    ([b"\x05\0\0\0\x80"], P.ErrorCode.BAD_FRAME),  # a header length past the frame's end
     (_frames([1, 2, 3]), P.ErrorCode.BAD_FRAME),
     (_frames({"v": 99, "c": 4, "id": 1, "t": [["u8", [1]]]}, b"x"), P.ErrorCode.BAD_VERSION),
-    (_frames({"v": 1, "c": 77, "id": 1}), P.ErrorCode.UNKNOWN_COMMAND),
-    (_frames({"v": 1, "c": 7, "id": 1}), P.ErrorCode.UNKNOWN_COMMAND),  # ERROR is never a request
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["u8", [4]]]}), P.ErrorCode.BAD_FRAME),  # truncated: no tensor frame
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["u8", [1]]]}, b"x", b"y"), P.ErrorCode.BAD_FRAME),  # an extra frame
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["f32", [1]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),  # wrong dtype
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["u8", [5]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),  # shape vs bytes
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["u8", [2**40]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["u8", [2**30, 2**30]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),
-    (_frames({"v": 1, "c": 4, "id": 1, "t": [["u8", [2**28]]]}, b"abcd"), P.ErrorCode.TOO_LARGE),
-    ([b"\x80" + b"\x00" * P.MAX_HEADER_BYTES], P.ErrorCode.TOO_LARGE),
-    (_frames({"v": 1, "c": 1, "id": -1, "fingerprint": "x", "client": ""}), P.ErrorCode.BAD_FRAME),
-    (_frames({"v": 1, "c": 1, "id": 1, "fingerprint": 5, "client": ""}), P.ErrorCode.BAD_FRAME),
-    (_frames({"v": 1, "c": 3, "id": 1, "layer": 0, "experts": [1], "counts": [2], "t": [["f32", [1, 1]], ["i32", [1]], ["f32", [1]]]},
+    (_frames({"v": V, "c": 77, "id": 1}), P.ErrorCode.UNKNOWN_COMMAND),
+    (_frames({"v": V, "c": 7, "id": 1}), P.ErrorCode.UNKNOWN_COMMAND),  # ERROR is never a request
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [4]]]}), P.ErrorCode.BAD_TENSOR),  # truncated: a small tensor's bytes missing
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [P.INLINE_MAX_BYTES]]]}), P.ErrorCode.BAD_FRAME),  # a large tensor's frame missing
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [1]]]}, b"x") + [b"y"], P.ErrorCode.BAD_FRAME),  # an extra frame
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [1]]]}, b"xy"), P.ErrorCode.BAD_TENSOR),  # an extra byte in frame 0
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["f32", [1]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),  # wrong dtype
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [5]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),  # shape vs bytes
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [2**40]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [2**30, 2**30]]]}, b"abcd"), P.ErrorCode.BAD_TENSOR),
+    (_frames({"v": V, "c": 4, "id": 1, "t": [["u8", [2**28]]]}, b"abcd"), P.ErrorCode.TOO_LARGE),
+    ([(P.MAX_HEADER_BYTES + 1).to_bytes(4, "little") + b"\x80" + b"\0" * P.MAX_HEADER_BYTES], P.ErrorCode.TOO_LARGE),
+    (_frames({"v": V, "c": 1, "id": -1, "fingerprint": "x", "client": ""}), P.ErrorCode.BAD_FRAME),
+    (_frames({"v": V, "c": 1, "id": 1, "fingerprint": 5, "client": ""}), P.ErrorCode.BAD_FRAME),
+    (_frames({"v": V, "c": 3, "id": 1, "layer": 0, "experts": [1], "counts": [2], "t": [["f32", [1, 1]], ["i32", [1]], ["f32", [1]]]},
              b"\0" * 4, b"\0" * 4, b"\0" * 4), P.ErrorCode.BAD_TENSOR),
 ])
 def test_bad_messages_are_refused_with_a_code(frames, code):
@@ -199,9 +203,10 @@ def test_bad_messages_are_refused_with_a_code(frames, code):
 def test_msgpack_ext_and_bin_are_refused():
     import msgpack
 
-    for header in ({"v": 1, "c": 5, "id": 1, "x": msgpack.ExtType(1, b"obj")}, {"v": 1, "c": 5, "id": 1, "x": b"raw"}):
+    for header in ({"v": V, "c": 5, "id": 1, "x": msgpack.ExtType(1, b"obj")}, {"v": V, "c": 5, "id": 1, "x": b"raw"}):
+        packed = msgpack.packb(header, use_bin_type=True)
         with pytest.raises(P.ProtocolError):
-            P.decode_request([msgpack.packb(header, use_bin_type=True)])
+            P.decode_request([len(packed).to_bytes(4, "little") + packed])
 
 
 def test_worker_handles_sessions_ranges_and_computes_like_the_lane(checkpoint, lane):

@@ -13,6 +13,7 @@ worker; every reply matches its own request's expected result.
 from __future__ import annotations
 
 import json
+import math
 import re
 import select
 import subprocess
@@ -75,11 +76,26 @@ def _valid(spec, fingerprint: str) -> dict[str, list[bytes]]:
     return {name: [bytes(f) for f in P.encode(7, m)] for name, m in messages.items()}
 
 
+def _split(frames: list[bytes]) -> tuple[dict, list[bytes]]:
+    """The header and the tensors' bytes of a well-formed message (the inverse of P.pack)."""
+    raw = frames[0]
+    length = int.from_bytes(raw[:4], "little")
+    header, tensors, at, large = msgpack.unpackb(raw[4 : 4 + length]), [], 4 + length, iter(frames[1:])
+    for dtype, shape in header.get("t", []):
+        nbytes = math.prod(shape) * P.DTYPES[dtype].itemsize
+        if nbytes < P.INLINE_MAX_BYTES:
+            at += -at % 8
+            tensors.append(raw[at : at + nbytes])
+            at += nbytes
+        else:
+            tensors.append(next(large))
+    return header, tensors
+
+
 def _mutate(frames: list[bytes], kind: str, data, spec) -> list[bytes]:
-    header = msgpack.unpackb(frames[0])
-    tensors = frames[1:]
+    header, tensors = _split(frames)
     if kind == "truncate":
-        return frames[: data.draw(st.integers(1, max(1, len(frames) - 1)))] if len(frames) > 1 else [frames[0][: len(frames[0]) // 2]]
+        return frames[: data.draw(st.integers(1, max(1, len(frames) - 1)))] if len(frames) > 1 else [frames[0][: data.draw(st.integers(0, len(frames[0]) - 1))]]
     if kind == "extra":
         return frames + data.draw(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
     if kind == "version":
@@ -105,16 +121,16 @@ def _mutate(frames: list[bytes], kind: str, data, spec) -> list[bytes]:
         raw = bytearray(frames[0])
         for _ in range(data.draw(st.integers(1, 4))):
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-        return [bytes(raw), *tensors]
+        return [bytes(raw), *frames[1:]]
     elif kind == "big_header":
         header["pad"] = "x" * data.draw(st.integers(P.MAX_HEADER_BYTES, 4 * P.MAX_HEADER_BYTES))
     elif kind == "big_tensors":  # within the frame limit each, over the message limit together
-        header = {"v": 1, "c": int(P.Command.RUN), "id": 7, "layer": spec.moe_layers[0], "experts": [0], "counts": [LIMIT_BYTES // 8],
+        header = {"v": P.PROTOCOL_VERSION, "c": int(P.Command.RUN), "id": 7, "layer": spec.moe_layers[0], "experts": [0], "counts": [LIMIT_BYTES // 8],
                   "t": [["f32", [LIMIT_BYTES // 4 // spec.hidden_size, spec.hidden_size]], ["i32", [LIMIT_BYTES // 8]], ["f32", [LIMIT_BYTES // 8]]]}
         tensors = [b"\0" * (LIMIT_BYTES // 4 // spec.hidden_size * spec.hidden_size * 4), b"\0" * (LIMIT_BYTES // 2), b"\0" * (LIMIT_BYTES // 2)]
     elif kind == "oversize_frame":  # one frame over the limit: ZeroMQ drops the connection
         tensors = [b"\0" * (LIMIT_BYTES + data.draw(st.integers(1, 4096)))]
-    return [msgpack.packb(header), *tensors]
+    return P.pack(header, tensors)
 
 
 KINDS = ["random", "truncate", "extra", "version", "fingerprint", "dtype", "shape", "ids", "field", "flip", "big_header", "big_tensors", "oversize_frame"]
