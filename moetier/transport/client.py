@@ -4,13 +4,15 @@
 `ReplyFuture`; any number may be in flight. Replies are matched by request
 id, and one whose id is no longer pending (cancelled, expired, from an old
 socket) is dropped. Waiting on a future pumps the socket on the waiting
-thread, so the hot path has no thread hop; a small maintenance thread drains
-replies between calls, expires deadlines, PINGs an idle worker (heartbeat),
-and reconnects a suspect one with exponential backoff: a new socket, HELLO,
-then the session's setup requests (e.g. LOAD). Invariant: every future ends —
-with the reply, or with TransportError at its deadline, on disconnect, or on
-an ERROR reply — and a timeout, disconnect or lost session makes the worker
-suspect (`ready` is False) until a reconnection succeeds.
+thread, so the hot path has no thread hop; a small maintenance thread, which
+wakes only when something is due, drains replies between calls, expires
+deadlines, PINGs an idle worker (heartbeat), and reconnects a suspect one with
+exponential backoff: a new socket, HELLO, then the session's setup requests
+(e.g. LOAD). Invariant: every future ends — with the reply, or with
+TransportError at its deadline (a future no thread waits on: by the
+maintenance thread's next tick, at most heartbeat_s later), on disconnect, or
+on an ERROR reply — and a timeout, disconnect or lost session makes the
+worker suspect (`ready` is False) until a reconnection succeeds.
 """
 
 from __future__ import annotations
@@ -291,12 +293,31 @@ class WorkerClient:
 
     # -- maintenance -----------------------------------------------------------------------------
     def _maintain(self) -> None:
-        while not self._closing.wait(self.tick_s):
+        """Wake when something is due (a deadline, the heartbeat, a reconnection), not on a fixed beat: an idle
+        client's thread then takes the GIL about once a heartbeat, not 50 times a second."""
+        delay_s = self.tick_s
+        while not self._closing.wait(delay_s):
             if self._lock.acquire(blocking=False):  # never delays a caller: skip the tick instead
                 try:
                     self._tick(time.monotonic())
+                    delay_s = self._next_tick_s(time.monotonic())
                 finally:
                     self._lock.release()
+            else:
+                delay_s = self.tick_s
+
+    def _next_tick_s(self, now: float) -> float:
+        """Seconds until the next tick has work, within [tick_s, heartbeat_s]."""
+        if self.state == CONNECTING:
+            return self.tick_s
+        due = [f.deadline_s for f in self._pending.values()]
+        if self.state == READY and self._heartbeat is None:
+            due.append(self._active_s + self.heartbeat_s)
+        elif self.state == READY:
+            due.append(now)  # an answered heartbeat is cleared on the next tick
+        elif self.state == SUSPECT:
+            due.append(self._next_attempt_s)
+        return min(max(min(due, default=now + self.heartbeat_s) - now, self.tick_s), self.heartbeat_s)
 
     def _tick(self, now: float) -> None:
         if self._socket is not None:
