@@ -210,15 +210,15 @@ def _version(compiler: str) -> str:
         return ""
 
 
-def _build(compiler: str, source: Path, flags: list[str], out: Path) -> str | None:
-    """Compile `source` into `out` (atomically); None on success, else why not (one line)."""
+def _build(compiler: str, source: Path, flags: list[str], out: Path, link: tuple[str, ...] = ()) -> str | None:
+    """Compile `source` into `out` (atomically), linking `link` after it; None on success, else why not (one line)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     last = ""
     for arch in (ARCH_FLAGS, []):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *flags, *arch, str(source), "-o", tmp, "-lm"],
+            done = subprocess.run([compiler, *flags, *arch, str(source), "-o", tmp, *link, "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, out)
@@ -233,9 +233,9 @@ def _build(compiler: str, source: Path, flags: list[str], out: Path) -> str | No
 
 
 @functools.cache
-def library(name: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, Path | None, str]:
-    """csrc/<name>.c built with `flags` (once per machine) and loaded -> (library, its path, "") or
-    (None, None, why not): MOETIER_NATIVE=0, no C compiler, a failed build or load."""
+def library(name: str, flags: tuple[str, ...], link: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Path | None, str]:
+    """csrc/<name>.c built with `flags` and linked with `link` (once per machine), and loaded -> (library,
+    its path, "") or (None, None, why not): MOETIER_NATIVE=0, no C compiler, a failed build or load."""
     if os.environ.get("MOETIER_NATIVE", "1") == "0":
         return None, None, "off (MOETIER_NATIVE=0)"
     compiler = _compiler()
@@ -243,11 +243,11 @@ def library(name: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, Path
     if not version:
         return None, None, f"off: no C compiler ({compiler!r} did not run; set CC)"
     source = CSRC / f"{name}.c"
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags + tuple(ARCH_FLAGS)), version,
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags + tuple(ARCH_FLAGS) + link), version,
                                     platform.machine()]).encode()).hexdigest()[:16]
     path = moetier_home() / "native" / f"{name}-{key}.so"
     if not path.exists():
-        why = _build(compiler, source, list(flags), path)
+        why = _build(compiler, source, list(flags), path, link)
         if why is not None:
             return None, None, f"off: {why}"
     try:
