@@ -69,6 +69,10 @@ class Backend:
                              f"{list(x.shape)}, {len(experts)} experts, {len(scales)} scales")
         return self._run_decode(x, experts, scales)
 
+    def decode_kernel(self) -> Any:
+        """The native DecodeKernel whose `run` this backend's one-row decode is, bit for bit; None if there is none."""
+        return None
+
     def describe(self) -> str:
         """One line for reports: the backend, its device, and how it computes."""
         return f"{self.name} ({self.device})"

@@ -103,6 +103,9 @@ class TorchBackend(Backend):
             out += future.result()
         return out
 
+    def decode_kernel(self) -> "native.DecodeKernel | None":
+        return self._kernel if self._pool is None else None  # several lanes sum in another order
+
     def native_lane(self, threads: int) -> "native.NativeLane | None":
         """A native lane of `threads` threads over this backend's kernel (None without the kernel)."""
         return native.NativeLane(self._kernel, threads) if self._kernel is not None else None

@@ -8,7 +8,10 @@ thread, so the hot path has no thread hop; a small maintenance thread, which
 wakes only when something is due, drains replies between calls, expires
 deadlines, PINGs an idle worker (heartbeat), and reconnects a suspect one with
 exponential backoff: a new socket, HELLO, then the session's setup requests
-(e.g. LOAD). Invariant: every future ends — with the reply, or with
+(e.g. LOAD). A decode RUN is encoded and sent, and its reply read, in C when
+this machine has the fast path (transport/fast.py): the waiting thread makes
+one call for each, and only other messages reach the Python decoder.
+Invariant: every future ends — with the reply, or with
 TransportError at its deadline (a future no thread waits on: by the
 maintenance thread's next tick, at most heartbeat_s later), on disconnect, or
 on an ERROR reply — and a timeout, disconnect or lost session makes the
@@ -21,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -32,13 +36,16 @@ import zmq
 from zmq.backend import zmq_poll
 from zmq.utils.monitor import recv_monitor_message
 
+from moetier.transport.fast import DROPPED, OTHER, REPLY, FastClient, wire
 from moetier.transport.keys import make_client
 from moetier.transport.protocol import (
-    DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, decode_reply, encode, send,
+    DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, Run, RunReply,
+    decode_reply, encode, send,
 )
 
 log = logging.getLogger("moetier.client")
 READY, CONNECTING, SUSPECT, CLOSED = "ready", "connecting", "suspect", "closed"
+_NOBLOCK = int(zmq.NOBLOCK)
 _HANDSHAKE = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the worker refused our CurveZMQ key (not in its authorized_clients)",
               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (plaintext vs CurveZMQ, or the wrong worker public key)",
               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed (plaintext vs CurveZMQ, or the wrong worker public key)"}
@@ -67,6 +74,7 @@ class ReplyFuture(Future):
         super().__init__()
         self.client, self.request_id, self.deadline_s, self.user = client, request_id, deadline_s, user
         self.sent_s = time.perf_counter()
+        self.y: torch.Tensor | None = None  # where the C reader puts a fast RUN's reply [n, D]
 
     def result(self, timeout=None):
         self.client.wait(self)
@@ -88,7 +96,11 @@ class WorkerClient:
                  name: str = "moetier", setup: Callable[[], list[Message]] | None = None, connect_timeout_s: float = 5.0,
                  setup_timeout_s: float = 120.0, heartbeat_s: float = 1.0, heartbeat_timeout_s: float = 1.0,
                  backoff_s: tuple[float, float] = (0.1, 5.0), tick_s: float = 0.02, maintain: bool = True,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, native: bool = True, spin_us: float | None = None):
+        """native=False keeps every message in Python (otherwise decode RUNs go through the C fast path when it is
+        here); spin_us: how long a thread waiting for a reply polls before it sleeps, in the C path (default
+        $MOETIER_REMOTE_SPIN_US, else 1000: longer than a LAN round trip's tail, so a late reply costs no
+        wake-up; 0 sleeps at once)."""
         self.address, self.fingerprint, self.keys, self.client, self.name = address, fingerprint, keys, client, name
         self.setup = setup or (lambda: [])
         self.connect_timeout_s, self.setup_timeout_s = connect_timeout_s, setup_timeout_s
@@ -104,7 +116,12 @@ class WorkerClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, ReplyFuture] = {}
         self._socket: zmq.Socket | None = None
+        self._handle = 0  # the socket's libzmq handle, for the fast path
         self._monitor: zmq.Socket | None = None
+        lib = wire() if native else None
+        if spin_us is None:
+            spin_us = float(os.environ.get("MOETIER_REMOTE_SPIN_US", "1000"))
+        self._fast = FastClient(lib, max_message_bytes, spin_us) if lib is not None else None
         self._backoff_s = self.backoff_min_s
         self._next_attempt_s = 0.0
         self._attempt: tuple[float, list[ReplyFuture]] | None = None  # (started, [hello, setup...]) while connecting
@@ -129,7 +146,13 @@ class WorkerClient:
                 future.set_exception(TransportError(f"worker {self.address} is {self.state}: {self.last_error}"))
                 return future
             try:
-                send(self._socket, encode(future.request_id, message), zmq.NOBLOCK)
+                if self._fast is not None and type(message) is Run and self._socket is not None and self._fast.fits(message):
+                    errno = self._fast.send_run(self._handle, future.request_id, message, _NOBLOCK)
+                    if errno:
+                        raise zmq.ZMQError(errno)
+                    future.y = torch.empty(message.x.shape, dtype=message.x.dtype)  # [n, D]: the reply's, in x's dtype
+                else:
+                    send(self._socket, encode(future.request_id, message), zmq.NOBLOCK)
             except (zmq.Again, zmq.ZMQError, AttributeError) as err:
                 future.set_exception(TransportError(f"worker {self.address}: cannot send ({type(err).__name__}: not connected)"))
                 self._suspect(f"cannot send: {err or 'not connected'}")
@@ -158,7 +181,18 @@ class WorkerClient:
                     self._expire(now, force=future)
                     continue
                 timeout_ms = max(1, min(math.ceil((future.deadline_s - now) * 1000), 5))
-                if zmq_poll([(self._socket, zmq.POLLIN)], timeout_ms):  # the bare poll: this is the hot path
+                if self._fast is not None:
+                    status, compute_us = self._fast.receive(self._handle, timeout_ms, future.request_id, future.y)
+                    if status == REPLY:
+                        self._pending.pop(future.request_id, None)
+                        self._settle(future, RunReply(future.y, compute_us))
+                    elif status == OTHER:
+                        self._take(self._fast.message())
+                    elif status == DROPPED:
+                        self.counts["bad_replies"] += 1
+                    else:
+                        self._watch()
+                elif zmq_poll([(self._socket, zmq.POLLIN)], timeout_ms):  # the bare poll: this is the hot path
                     self._receive()  # one reply per wake: no extra readiness check on the way back
                 else:
                     self._watch()
@@ -189,7 +223,7 @@ class WorkerClient:
             make_client(socket, self.keys, self.client)
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | sum(_HANDSHAKE))
         socket.connect(self.address)
-        self._socket = socket
+        self._socket, self._handle = socket, socket.underlying
 
     def _close_socket(self, reason: str) -> None:
         for future in list(self._pending.values()):
@@ -200,6 +234,7 @@ class WorkerClient:
             self._monitor.close(linger=0)
             self._socket.close(linger=0)
         self._socket = self._monitor = None
+        self._handle = 0
 
     def _start_attempt(self) -> None:
         self._open_socket()
@@ -248,8 +283,11 @@ class WorkerClient:
             self._receive()
 
     def _receive(self) -> None:
-        """Take one reply (the socket is readable) and end its future; unknown ids are stale and dropped."""
-        frames = self._socket.recv_multipart(copy=False)  # tensors stay in ZeroMQ's buffers
+        """Take one reply (the socket is readable) and end its future."""
+        self._take(self._socket.recv_multipart(copy=False))  # tensors stay in ZeroMQ's buffers
+
+    def _take(self, frames: list) -> None:
+        """Decode one reply and end its future; unknown ids are stale and dropped."""
         try:
             request_id, reply = decode_reply(frames, self.max_message_bytes)
         except ProtocolError:
@@ -259,6 +297,10 @@ class WorkerClient:
         if future is None:
             self.counts["stale_replies"] += 1
             return
+        self._settle(future, reply)
+
+    def _settle(self, future: ReplyFuture, reply: Message) -> None:
+        """End a future (no longer pending) with its reply."""
         self.counts["replies"] += 1
         self._active_s = time.monotonic()
         if isinstance(reply, ErrorReply):
@@ -344,6 +386,8 @@ class WorkerClient:
                     self.submit(Bye(), 0.2, user=False).exception()
             self.state = CLOSED
             self._close_socket("client closed")
+            if self._fast is not None:
+                self._fast.close()
 
     def __enter__(self) -> "WorkerClient":
         return self

@@ -5,6 +5,10 @@ the (layer, expert)s that clients LOAD (weights never cross the wire), and
 answers each RUN with the gate-weighted partial sum its backend computes. It
 serves any number of clients, one message at a time; each must HELLO (same
 protocol version, same model fingerprint) before LOAD, RUN, STATS or BYE.
+When the backend decodes with the native kernel (the torch backend on the
+CPU, one lane), `serve` receives in C (transport/fast.py): a decode RUN of an
+admitted session is answered there, bit for bit as this module would, and
+every other message comes here.
 Invariants: no message can crash it — a bad one gets an ERROR reply, or is
 dropped by ZeroMQ when a frame exceeds the size limit; memory is bounded by
 the experts loaded, the message limit times the per-peer queue, and the
@@ -27,6 +31,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.transport.fast import PYTHON, FastWorker, wire
+from moetier.transport.fast import status as fast_status
 from moetier.transport.keys import check_listen, make_server, start_authenticator
 from moetier.transport.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES, HIDDEN_DTYPES, MAX_HEADER_BYTES, Bye, ByeReply, ErrorCode, ErrorReply, Hello,
@@ -66,19 +72,39 @@ class ExpertWorker:
         # torch dtypes it computes in; x in other wire dtypes goes through float32
         self._native = frozenset(getattr(torch, d) for d in self.backend.caps.dtypes if isinstance(getattr(torch, d, None), torch.dtype))
         self._error_budget, self._errors_per_s, self._suppressed, self._budget_at = errors_per_s, errors_per_s, 0, time.monotonic()
+        self.fast: FastWorker | None = None  # the C receive loop while `serve` runs one
 
+    def attach(self, fast: FastWorker) -> None:
+        """Let `fast` serve decode RUNs: it learns every session and expert now, and each new one as it comes."""
+        for layer, experts in self.placed.items():
+            for expert, placed in experts.items():
+                fast.expert(layer, expert, placed)
+        for identity in self.sessions:
+            fast.open_session(identity)
+        self.fast = fast
+
+    def detach(self) -> None:
+        if self.fast is not None:
+            fast, self.fast = self.fast, None
+            self.counts["Run"] += fast.counts()["fast_runs"]
+            fast.close()
+
+    def requests(self, identity: bytes) -> int:
+        """Requests a session made (those the C loop served included)."""
+        session = self.sessions[identity]
+        return session.requests + (max(self.fast.activity(identity)[0], 0) if self.fast is not None else 0)
     @property
     def held(self) -> int:
         return sum(len(experts) for experts in self.placed.values())
 
     # -- one message -------------------------------------------------------------------
-    def handle(self, identity: bytes, frames: list) -> list:
-        """Frames of one request (identity stripped) -> reply frames; never raises."""
+    def handle(self, identity: bytes, frames: list, peer: str | None = None) -> list:
+        """Frames of one request (identity stripped; `peer` its address if known) -> reply frames; never raises."""
         request_id = 0
         try:
             request_id, request = decode_request(frames, self.max_message_bytes)
             self.counts[type(request).__name__] += 1
-            return encode(request_id, self._dispatch(identity, request, frames))
+            return encode(request_id, self._dispatch(identity, request, frames, peer))
         except ProtocolError as err:
             return self._error(identity, err.request_id or request_id, err.code, str(err))
         except Exception as err:  # a backend failure must not end the worker
@@ -103,11 +129,11 @@ class ExpertWorker:
             self._suppressed = 0
         log.warning(line)
 
-    def _dispatch(self, identity: bytes, request: Message, frames: list) -> Message:
+    def _dispatch(self, identity: bytes, request: Message, frames: list, peer: str | None) -> Message:
         if isinstance(request, Ping):
             return PingReply(request.payload)  # echoes the received frame, zero-copy
         if isinstance(request, Hello):
-            return self._hello(identity, request, frames)
+            return self._hello(identity, request, peer or _peer_address(frames[0]))
         session = self.sessions.get(identity)
         if session is None:
             raise ProtocolError(ErrorCode.NO_SESSION, f"{type(request).__name__.upper()} before HELLO (send HELLO first)")
@@ -120,21 +146,36 @@ class ExpertWorker:
         if isinstance(request, Stats):
             return StatsReply(self.stats())
         if isinstance(request, Bye):
-            del self.sessions[identity]
-            log.info("session %r (%s) closed by BYE after %d requests", session.client, identity.hex(), session.requests)
+            requests = self.requests(identity)
+            self._close_session(identity)
+            log.info("session %r (%s) closed by BYE after %d requests", session.client, identity.hex(), requests)
             return ByeReply()
         raise ProtocolError(ErrorCode.UNKNOWN_COMMAND, f"{type(request).__name__} is not a request")
 
-    def _hello(self, identity: bytes, hello: Hello, frames: list) -> HelloReply:
+    def _close_session(self, identity: bytes) -> None:
+        del self.sessions[identity]
+        if self.fast is not None:
+            self.fast.close_session(identity)
+
+    def _least_recent(self) -> bytes:
+        """The session whose last message is the oldest (the C loop's RUNs count as activity)."""
+        if self.fast is None:
+            return next(iter(self.sessions))
+        return min(self.sessions, key=lambda identity: self.fast.activity(identity)[1])
+
+    def _hello(self, identity: bytes, hello: Hello, peer: str) -> HelloReply:
         if hello.fingerprint != self.checkpoint.fingerprint:
             raise ProtocolError(ErrorCode.BAD_FINGERPRINT, f"model fingerprint {hello.fingerprint!r} does not match "
                                 f"this worker's {self.checkpoint.fingerprint!r} ({self.checkpoint.folder})")
         if identity not in self.sessions and len(self.sessions) >= self.max_sessions:
-            old_identity, old = self.sessions.popitem(last=False)
+            old_identity = self._least_recent()
+            old = self.sessions[old_identity]
+            self._close_session(old_identity)
             log.info("session %r (%s) evicted: %d sessions is the limit", old.client, old_identity.hex(), self.max_sessions)
-        peer = _peer_address(frames[0])
         self.sessions[identity] = Session(hello.client, peer, time.time())
         self.sessions.move_to_end(identity)
+        if self.fast is not None:
+            self.fast.open_session(identity)
         log.info("session %r from %s (%s) opened; %d open", hello.client, peer, identity.hex(), len(self.sessions))
         s = self.spec
         return HelloReply(self.checkpoint.fingerprint, self.name, self.backend.name, HIDDEN_DTYPES, s.hidden_size,
@@ -153,6 +194,8 @@ class ExpertWorker:
                 weights = self.checkpoint.expert(layer, expert)
                 experts[expert] = self.backend.place(weights)
                 placed_bytes += weights.nbytes
+                if self.fast is not None:
+                    self.fast.expert(layer, expert, experts[expert])
         self.placed_bytes += placed_bytes
         return LoadReply(self.held, placed_bytes)
 
@@ -192,7 +235,15 @@ class ExpertWorker:
             rss_bytes = -1
         return {"worker": self.name, "fingerprint": self.checkpoint.fingerprint, "backend": self.backend.name,
                 "uptime_s": round(time.time() - self.started_s, 3), "sessions": len(self.sessions), "held_experts": self.held,
-                "placed_bytes": self.placed_bytes, "rss_bytes": rss_bytes, **dict(self.counts)}
+                "placed_bytes": self.placed_bytes, "rss_bytes": rss_bytes, **self._counts()}
+
+    def _counts(self) -> dict:
+        counts = dict(self.counts)
+        if self.fast is not None:
+            fast = self.fast.counts()
+            counts["Run"] = counts.get("Run", 0) + fast["fast_runs"]
+            counts.update(fast_runs=fast["fast_runs"], dropped_many_parts=fast["dropped_many_parts"])
+        return counts
 
 
 def _min_max(rows: torch.Tensor) -> tuple[int, int]:
@@ -210,12 +261,21 @@ def _peer_address(frame) -> str:
         return "local"
 
 
+def fast_worker(worker: ExpertWorker) -> FastWorker | None:
+    """The C receive loop for `worker`, or None: no fast path here, or a backend that does not decode with the native kernel."""
+    lib, kernel = wire(), worker.backend.decode_kernel()
+    if lib is None or kernel is None:
+        return None
+    return FastWorker(lib, kernel, worker.spec, worker.max_message_bytes, worker.max_sessions)
+
+
 def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, stop: threading.Event | None = None,
-          on_ready: Callable[[str], None] | None = None, queue_messages: int = 16) -> None:
+          on_ready: Callable[[str], None] | None = None, queue_messages: int = 16, native: bool = True) -> None:
     """Bind a ROUTER on `listen` and answer requests until `stop` is set; every socket is closed on return.
 
     `queue_messages` bounds the messages ZeroMQ queues per peer (its receive
     high-water mark), so queued input is at most that many times the message limit per connection.
+    `native=False` keeps every message in Python (otherwise the C loop serves decode RUNs when it can).
     """
     check_listen(listen, keys)
     stop = stop or threading.Event()
@@ -232,24 +292,36 @@ def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, sto
         router.bind(listen)
         endpoint = router.last_endpoint.decode()
         monitor = router.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        log.info("listening on %s (model %s, fingerprint %s, backend %s, %s)", endpoint, worker.checkpoint.folder,
-                 worker.checkpoint.fingerprint, worker.backend.name, "CurveZMQ, listed clients only" if keys else "plaintext, loopback only")
+        fast = fast_worker(worker) if native else None
+        if fast is not None:
+            worker.attach(fast)
+        log.info("listening on %s (model %s, fingerprint %s, backend %s, %s; decode RUNs in %s)", endpoint, worker.checkpoint.folder,
+                 worker.checkpoint.fingerprint, worker.backend.name, "CurveZMQ, listed clients only" if keys else "plaintext, loopback only",
+                 "C" if fast is not None else f"Python, fast path {fast_status() if native else 'not asked for'}")
         if on_ready is not None:
             on_ready(endpoint)
         router.rcvtimeo = 100  # a blocking receive (the cheapest wake-up) that still lets `stop` be seen
         handled = 0
         while not stop.is_set():
-            try:
-                frames = router.recv_multipart(copy=False)  # tensors stay in ZeroMQ's buffers
-            except zmq.Again:  # idle
-                _log_events(monitor)
-                continue
-            identity = frames[0].bytes
-            send(router, [identity, *worker.handle(identity, frames[1:])])  # dropped by ZeroMQ if the peer is gone
+            if fast is not None:
+                status = fast.serve(router.underlying)  # decode RUNs are answered in there
+                if status != PYTHON:
+                    _log_events(monitor)
+                    continue
+                identity, frames, peer = fast.message()
+            else:
+                try:
+                    frames = router.recv_multipart(copy=False)  # tensors stay in ZeroMQ's buffers
+                except zmq.Again:  # idle
+                    _log_events(monitor)
+                    continue
+                identity, peer = frames.pop(0).bytes, None
+            send(router, [identity, *worker.handle(identity, frames, peer)])  # dropped by ZeroMQ if the peer is gone
             handled += 1
             if handled % 256 == 0:  # never idle: look at connection events now and then
                 _log_events(monitor)
     finally:
+        worker.detach()
         if monitor is not None:
             router.disable_monitor()
             monitor.close(linger=0)
