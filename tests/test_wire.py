@@ -1,12 +1,12 @@
 """The transport's C fast path (csrc/wire.c through transport/fast.py) against protocol.py, its judge.
 
-Parsing: for generated RUN messages, well-formed and broken, the C parser
-accepts only what `protocol.decode_request` accepts, with the same fields, and
-it accepts every one-row RUN that `protocol.encode` frames as one frame.
-Serving, over real sockets to worker threads: a C or Python client against a
-C or Python worker gives the same reply bits; errors get the same codes; BYE
-and eviction reach the C loop's sessions, and RUNs served in C count as
-activity when the least recent session is evicted.
+Parsing: for generated RUN and PING messages, well-formed and broken, the C
+parser accepts only what `protocol.decode_request` accepts, with the same
+fields, and it accepts every RUN and PING that `protocol.encode` frames as one
+frame. Serving, over real sockets to worker threads: a C or Python client
+against a C or Python worker gives the same reply bits; errors get the same
+codes; BYE and eviction reach the C loop's sessions, and RUNs served in C
+count as activity when the least recent session is evicted.
 """
 
 from __future__ import annotations
@@ -32,18 +32,20 @@ pytestmark = pytest.mark.skipif(fast.wire() is None, reason=f"transport fast pat
 
 
 class TensorDesc(ctypes.Structure):  # wire.c's tensor_desc
-    _fields_ = [("dtype", ctypes.c_int), ("dims", ctypes.c_int64 * 2), ("nbytes", ctypes.c_int64)]
+    _fields_ = [("dtype", ctypes.c_int), ("ndim", ctypes.c_int), ("dims", ctypes.c_int64 * 2), ("nbytes", ctypes.c_int64)]
 
 
-class RunRequest(ctypes.Structure):  # wire.c's run_request
-    _fields_ = [("id", ctypes.c_uint64), ("layer", ctypes.c_int64), ("m", ctypes.c_int64), ("experts", ctypes.c_int64 * fast.MAX_PICKS),
-                ("counts", ctypes.c_int64 * fast.MAX_PICKS), ("t", TensorDesc * 3), ("offset", ctypes.c_int64 * 3)]
+class Header(ctypes.Structure):  # wire.c's header
+    _fields_ = [("seen", ctypes.c_uint32), ("version", ctypes.c_int64), ("command", ctypes.c_int64), ("layer", ctypes.c_int64),
+                ("m", ctypes.c_int64), ("ncounts", ctypes.c_int64), ("id", ctypes.c_uint64), ("compute_us", ctypes.c_double),
+                ("experts", ctypes.c_int64 * fast.MAX_PICKS), ("counts", ctypes.c_int64 * fast.MAX_PICKS), ("nt", ctypes.c_int64),
+                ("t", TensorDesc * 3), ("offset", ctypes.c_int64 * 3)]
 
 
-def c_parse(frame: bytes, limit: int = 2**20) -> RunRequest | None:
-    out = RunRequest()
-    ok = fast.wire().wire_parse_run(frame, len(frame), limit, ctypes.byref(out))
-    return out if ok else None
+def c_parse(frame: bytes, kind: type[P.Message], limit: int = 2**20) -> Header | None:
+    out = Header()
+    parse = fast.wire().wire_parse_run if kind is P.Run else fast.wire().wire_parse_ping
+    return out if parse(frame, len(frame), limit, ctypes.byref(out)) else None
 
 
 def py_decode(frames: list, limit: int = 2**20) -> tuple[int, P.Run] | None:
@@ -66,15 +68,20 @@ def runs(draw) -> P.Run:
     return P.Run(draw(st.integers(0, 2**31 - 1)), experts, counts, x, rows, torch.rand(sum(counts)))
 
 
+@st.composite
+def pings(draw) -> P.Ping:
+    return P.Ping(torch.tensor(list(draw(st.binary(max_size=300))), dtype=torch.uint8))
+
+
 FIELD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True), st.text(max_size=6),
                          st.lists(st.integers(-3, 2**33), max_size=4), st.lists(st.lists(st.integers(-1, 9), max_size=3), max_size=3))
 
 
 @st.composite
 def messages(draw) -> tuple[list, bool]:
-    """(frames, mutated) of a RUN, possibly broken in its header or its bytes."""
-    run = draw(runs())
-    header, buffers = P.parts(draw(st.integers(0, 2**64 - 1)), run)
+    """(frames, mutated, kind) of a RUN or a PING, possibly broken in its header or its bytes."""
+    message = draw(st.one_of(runs(), pings()))
+    header, buffers = P.parts(draw(st.integers(0, 2**64 - 1)), message)
     kind = draw(st.sampled_from(["none", "none", "field", "drop", "extra", "descriptor", "bytes", "truncate", "append"]))
     if kind == "field":
         header[draw(st.sampled_from(sorted(header)))] = draw(FIELD_VALUES)
@@ -83,7 +90,7 @@ def messages(draw) -> tuple[list, bool]:
     elif kind == "extra":
         header[draw(st.text(min_size=1, max_size=8))] = draw(FIELD_VALUES)
     elif kind == "descriptor":
-        i = draw(st.integers(0, 2))
+        i = draw(st.integers(0, len(header["t"]) - 1))
         header["t"][i] = [draw(st.sampled_from(["f32", "bf16", "f16", "i32", "i64", "u8", "f64"])),
                           draw(st.lists(st.integers(0, 70), min_size=0, max_size=3))]
     frames = P.pack(header, buffers)
@@ -96,24 +103,29 @@ def messages(draw) -> tuple[list, bool]:
         frames[0] = frames[0][: draw(st.integers(0, len(frames[0]) - 1))]
     elif kind == "append":
         frames[0] = frames[0] + b"\0" * draw(st.integers(1, 9))
-    return frames, kind != "none"
+    return frames, kind != "none", type(message)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(message=messages())
 def test_c_parser_accepts_only_what_python_accepts_with_the_same_fields(message):
-    frames, mutated = message
-    c, py = c_parse(frames[0]) if len(frames) == 1 else None, py_decode(frames)
+    frames, mutated, kind = message
+    c, py = c_parse(frames[0], kind) if len(frames) == 1 else None, py_decode(frames)
     if not mutated and len(frames) == 1:
-        assert c is not None, "a RUN protocol.encode made, deferred"
+        assert c is not None, f"a {kind.__name__} protocol.encode made, deferred"
     if c is None:
         return
-    assert py is not None, "C accepted a RUN the protocol refuses"
-    request_id, run = py
-    assert (c.id, c.layer, c.m) == (request_id, run.layer, len(run.experts))
-    assert tuple(c.experts[: c.m]) == run.experts and tuple(c.counts[: c.m]) == run.counts
-    for i, tensor in enumerate((run.x, run.rows, run.weights)):
-        assert fast.DTYPE_CODES[tensor.dtype] == c.t[i].dtype and list(tensor.shape) == list(c.t[i].dims[: tensor.dim()])
+    assert py is not None and type(py[1]) is kind, f"C accepted a {kind.__name__} the protocol refuses"
+    request_id, request = py
+    assert (c.id, c.command) == (request_id, int(request.command))
+    if kind is P.Ping:
+        tensors = (request.payload,)
+    else:
+        assert (c.layer, c.m) == (request.layer, len(request.experts))
+        assert tuple(c.experts[: c.m]) == request.experts and tuple(c.counts[: c.m]) == request.counts
+        tensors = (request.x, request.rows, request.weights)
+    for i, tensor in enumerate(tensors):
+        assert fast.DTYPE_CODES[tensor.dtype] == c.t[i].dtype and list(tensor.shape) == list(c.t[i].dims[: c.t[i].ndim])
         start = c.offset[i]
         assert frames[0][start : start + c.t[i].nbytes] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -123,7 +135,7 @@ def test_constants_and_a_large_run_defers():
     assert [lib.wire_constant(i) for i in range(5)] == [P.PROTOCOL_VERSION, P.MAX_HEADER_BYTES, P.INLINE_MAX_BYTES, P.MAX_DIM, int(P.Command.RUN)]
     big = P.Run(0, (1,), (1,), torch.zeros(1, P.INLINE_MAX_BYTES // 4), torch.zeros(1, dtype=torch.int32), torch.ones(1))
     frames = P.encode(3, big)
-    assert len(frames) == 2 and c_parse(frames[0], 2**24) is None and py_decode(frames, 2**24) is not None
+    assert len(frames) == 2 and c_parse(frames[0], P.Run, 2**24) is None and py_decode(frames, 2**24) is not None
 
 
 # -- serving, over sockets ------------------------------------------------------------------------
@@ -167,13 +179,19 @@ def test_every_pairing_of_c_and_python_ends_gives_the_same_bits(checkpoint, work
         for client_native in (True, False):
             with WorkerClient(endpoint, checkpoint.fingerprint, setup=lambda: [load], native=client_native) as client:
                 replies[worker_native, client_native] = [client.call(r, 10.0).y for r in requests]
-                served_in_c[worker_native, client_native] = client.call(P.Stats(), 10.0).stats.get("fast_runs", 0)
+                for size in (0, 3, 5000):
+                    payload = torch.randint(0, 256, (size,), dtype=torch.uint8)
+                    assert torch.equal(client.call(P.Ping(payload), 10.0).payload, payload)
+                stats = client.call(P.Stats(), 10.0).stats
+                served_in_c[worker_native, client_native] = stats.get("fast_runs", 0), stats.get("fast_pings", 0)
     reference = replies[False, False]
     for pairing, ys in replies.items():
         for y, expected in zip(ys, reference):
             assert y.dtype == expected.dtype and torch.equal(y, expected), pairing
-    assert served_in_c[True, True] == 2 and served_in_c[True, False] == 4  # f32 and bf16 one-row RUNs, from either client
-    assert served_in_c[False, True] == served_in_c[False, False] == 0
+    # f32 and bf16 one-row RUNs and every PING (a heartbeat may add one), from either client; the counts are the worker's, cumulative
+    assert served_in_c[True, True][0] == 2 and served_in_c[True, False][0] == 4
+    assert served_in_c[True, False][1] >= served_in_c[True, True][1] + 3 >= 6
+    assert served_in_c[False, True] == served_in_c[False, False] == (0, 0)
 
 
 def _dealer(endpoint: str) -> zmq.Socket:

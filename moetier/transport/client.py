@@ -39,8 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 from moetier.transport.fast import DROPPED, OTHER, REPLY, FastClient, wire
 from moetier.transport.keys import make_client
 from moetier.transport.protocol import (
-    DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, Run, RunReply,
-    decode_reply, encode, send,
+    DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, decode_reply, encode, send,
 )
 
 log = logging.getLogger("moetier.client")
@@ -74,7 +73,7 @@ class ReplyFuture(Future):
         super().__init__()
         self.client, self.request_id, self.deadline_s, self.user = client, request_id, deadline_s, user
         self.sent_s = time.perf_counter()
-        self.y: torch.Tensor | None = None  # where the C reader puts a fast RUN's reply [n, D]
+        self.command, self.y = 0, None  # a request the C path sent: its command, where its reply's tensor goes
 
     def result(self, timeout=None):
         self.client.wait(self)
@@ -146,11 +145,11 @@ class WorkerClient:
                 future.set_exception(TransportError(f"worker {self.address} is {self.state}: {self.last_error}"))
                 return future
             try:
-                if self._fast is not None and type(message) is Run and self._socket is not None and self._fast.fits(message):
-                    errno = self._fast.send_run(self._handle, future.request_id, message, _NOBLOCK)
+                if self._fast is not None and self._socket is not None and self._fast.fits(message):
+                    errno = self._fast.send(self._handle, future.request_id, message, _NOBLOCK)
                     if errno:
                         raise zmq.ZMQError(errno)
-                    future.y = torch.empty(message.x.shape, dtype=message.x.dtype)  # [n, D]: the reply's, in x's dtype
+                    future.command, future.y = int(message.command), self._fast.reply_buffer(message)
                 else:
                     send(self._socket, encode(future.request_id, message), zmq.NOBLOCK)
             except (zmq.Again, zmq.ZMQError, AttributeError) as err:
@@ -182,10 +181,10 @@ class WorkerClient:
                     continue
                 timeout_ms = max(1, min(math.ceil((future.deadline_s - now) * 1000), 5))
                 if self._fast is not None:
-                    status, compute_us = self._fast.receive(self._handle, timeout_ms, future.request_id, future.y)
+                    status, reply = self._fast.receive(self._handle, timeout_ms, future.request_id, future.command, future.y)
                     if status == REPLY:
                         self._pending.pop(future.request_id, None)
-                        self._settle(future, RunReply(future.y, compute_us))
+                        self._settle(future, reply)
                     elif status == OTHER:
                         self._take(self._fast.message())
                     elif status == DROPPED:

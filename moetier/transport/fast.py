@@ -1,10 +1,11 @@
-"""The wire format's C fast path (backends/csrc/wire.c): a decode RUN sent, served and answered without Python.
+"""The wire format's C fast path (backends/csrc/wire.c): a decode RUN, or a PING, without Python at either end.
 
-`FastClient` encodes and sends a RUN and takes its reply in C, on the
-client's own pyzmq socket; `FastWorker` is the worker's receive loop in C,
-which serves a decode RUN (one row, all tensors in the header frame, every
-expert held as float32) with the worker backend's native decode kernel and
-hands every other message to Python. Python's protocol module stays the only
+`FastClient` encodes and sends a RUN or a PING and takes its reply in C, on
+the client's own pyzmq socket; `FastWorker` is the worker's receive loop in
+C, which echoes a PING, serves a decode RUN (one row, all tensors in the
+header frame, every expert held as float32) with the worker backend's native
+decode kernel, and hands every other message to Python. A PING so measures
+the same path a decode RUN takes (`moetier ping`, RemoteTier's cost model). Python's protocol module stays the only
 judge: the C code accepts just messages that `protocol.decode_*` accepts with
 the same fields, and defers everything else, errors included, to it. The
 worker's reply is bit for bit what the Python path sends for the same RUN:
@@ -58,7 +59,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "wire_inbox_count": (i64, [p]),
         "wire_inbox_part": (p, [p, i64, ctypes.POINTER(i64)]),
         "wire_inbox_peer": (ctypes.c_char_p, [p, i64]),
+        "wire_parse_header": (i64, [p, i64, i64, p]),
         "wire_parse_run": (i64, [p, i64, i64, p]),
+        "wire_parse_ping": (i64, [p, i64, i64, p]),
         "wire_worker_open": (p, [i64, i64, i64, i64, i64, p]),
         "wire_worker_close": (None, [p]),
         "wire_worker_inbox": (p, [p]),
@@ -72,7 +75,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "wire_client_close": (None, [p]),
         "wire_client_inbox": (p, [p]),
         "wire_send_run": (i64, [p, p, u64, i64, i64, p, p, p, i64, i64, i64, p, i64, i64, p, i64]),
-        "wire_recv_reply": (i64, [p, p, i64, dbl, u64, p, i64, i64, i64, ctypes.POINTER(dbl)]),
+        "wire_send_ping": (i64, [p, p, u64, p, i64, i64]),
+        "wire_recv_reply": (i64, [p, p, i64, dbl, u64, i64, p, i64, i64, i64, i64, ctypes.POINTER(dbl)]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -131,28 +135,49 @@ class FastClient:
         self._compute_us = ctypes.c_double()
 
     @staticmethod
-    def fits(run: P.Run) -> bool:
-        """Whether `run` goes out as one frame from host memory, as the C encoder sends it."""
-        x, rows, weights = run.x, run.rows, run.weights
-        return (len(run.experts) <= MAX_PICKS and x.device.type == "cpu" and x.is_contiguous() and rows.is_contiguous()
+    def fits(message: P.Message) -> bool:
+        """Whether `message` is a RUN or PING that goes out as one frame from host memory, as the C encoder sends it."""
+        kind = type(message)
+        if kind is P.Ping:
+            payload = message.payload
+            return payload.device.type == "cpu" and payload.is_contiguous() and payload.numel() < P.INLINE_MAX_BYTES
+        if kind is not P.Run:
+            return False
+        x, rows, weights = message.x, message.rows, message.weights
+        return (len(message.experts) <= MAX_PICKS and x.device.type == "cpu" and x.is_contiguous() and rows.is_contiguous()
                 and weights.is_contiguous() and x.numel() * x.element_size() < P.INLINE_MAX_BYTES
                 and rows.numel() * rows.element_size() < P.INLINE_MAX_BYTES and weights.numel() * 4 < P.INLINE_MAX_BYTES)
 
-    def send_run(self, socket: int, request_id: int, run: P.Run, flags: int) -> int:
-        """Encode and send `run` (it `fits`) on the libzmq socket `socket`; -> 0, or ZeroMQ's errno."""
-        experts, counts = array("q", run.experts), array("q", run.counts)
-        x = run.x
-        return self._lib.wire_send_run(self._handle, socket, request_id, run.layer, len(experts), experts.buffer_info()[0],
+    def send(self, socket: int, request_id: int, message: P.Message, flags: int) -> int:
+        """Encode and send `message` (it `fits`) on the libzmq socket `socket`; -> 0, or ZeroMQ's errno."""
+        if type(message) is P.Ping:
+            payload = message.payload
+            return self._lib.wire_send_ping(self._handle, socket, request_id, payload.data_ptr(), payload.numel(), flags)
+        experts, counts = array("q", message.experts), array("q", message.counts)
+        x = message.x
+        return self._lib.wire_send_run(self._handle, socket, request_id, message.layer, len(experts), experts.buffer_info()[0],
                                        counts.buffer_info()[0], x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1],
-                                       run.rows.data_ptr(), DTYPE_CODES[run.rows.dtype], run.rows.shape[0], run.weights.data_ptr(), flags)
+                                       message.rows.data_ptr(), DTYPE_CODES[message.rows.dtype], message.rows.shape[0],
+                                       message.weights.data_ptr(), flags)
 
-    def receive(self, socket: int, timeout_ms: int, want_id: int, y: torch.Tensor | None) -> tuple[int, float]:
-        """Wait up to timeout_ms -> (NONE | REPLY | OTHER | DROPPED, compute_us). REPLY: the RUN reply of
-        `want_id` was copied into y [n, D]; OTHER: another message, for `message()`."""
-        status = self._lib.wire_recv_reply(self._handle, socket, timeout_ms, self._spin_s, want_id, None if y is None else y.data_ptr(),
-                                           -1 if y is None else DTYPE_CODES[y.dtype], 0 if y is None else y.shape[0],
-                                           0 if y is None else y.shape[1], ctypes.byref(self._compute_us))
-        return status, self._compute_us.value
+    @staticmethod
+    def reply_buffer(message: P.Message) -> torch.Tensor:
+        """Where `receive` puts the reply's tensor: a RUN's y [n, D] in x's dtype, a PING's payload [N] u8."""
+        like = message.payload if type(message) is P.Ping else message.x
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def receive(self, socket: int, timeout_ms: int, want_id: int, command: int, y: torch.Tensor | None) -> tuple[int, P.Message | None]:
+        """Wait up to timeout_ms -> (NONE | REPLY | OTHER | DROPPED, the reply if REPLY). REPLY: the reply to request
+        `want_id` of `command`, its tensor copied into y; OTHER: another message, for `message()`."""
+        if y is None:
+            status = self._lib.wire_recv_reply(self._handle, socket, timeout_ms, self._spin_s, 0, 0, None, -1, 0, 0, 0,
+                                               ctypes.byref(self._compute_us))
+            return status, None
+        status = self._lib.wire_recv_reply(self._handle, socket, timeout_ms, self._spin_s, want_id, command, y.data_ptr(),
+                                           DTYPE_CODES[y.dtype], y.dim(), y.shape[0], y.shape[-1], ctypes.byref(self._compute_us))
+        if status != REPLY:
+            return status, None
+        return status, P.RunReply(y, self._compute_us.value) if command == P.Command.RUN else P.PingReply(y)
 
     def message(self) -> list[bytearray]:
         return _inbox_message(self._lib, self._inbox)
@@ -197,13 +222,13 @@ class FastWorker:
         return runs.value, active.value
 
     def counts(self) -> dict[str, int]:
-        out = (ctypes.c_int64 * 3)()
+        out = (ctypes.c_int64 * 4)()
         self._lib.wire_worker_counts(self._handle, out)
-        return {"messages": out[0], "fast_runs": out[1], "dropped_many_parts": out[2]}
+        return {"messages": out[0], "fast_runs": out[1], "fast_pings": out[2], "dropped_many_parts": out[3]}
 
     def serve(self, socket: int) -> int:
-        """Receive and serve on the libzmq ROUTER `socket` -> IDLE (its receive timeout passed), PYTHON (`message()`
-        waits), or BATCH."""
+        """Receive and serve (PINGs, decode RUNs) on the libzmq ROUTER `socket` -> IDLE (its receive timeout
+        passed), PYTHON (`message()` waits), or BATCH."""
         return self._lib.wire_serve(self._handle, socket, self.BATCH)
 
     def message(self) -> tuple[bytes, list[bytearray], str]:

@@ -6,9 +6,9 @@ answers each RUN with the gate-weighted partial sum its backend computes. It
 serves any number of clients, one message at a time; each must HELLO (same
 protocol version, same model fingerprint) before LOAD, RUN, STATS or BYE.
 When the backend decodes with the native kernel (the torch backend on the
-CPU, one lane), `serve` receives in C (transport/fast.py): a decode RUN of an
-admitted session is answered there, bit for bit as this module would, and
-every other message comes here.
+CPU, one lane), `serve` receives in C (transport/fast.py): a PING, and a
+decode RUN of an admitted session, are answered there, bit for bit as this
+module would, and every other message comes here.
 Invariants: no message can crash it — a bad one gets an ERROR reply, or is
 dropped by ZeroMQ when a frame exceeds the size limit; memory is bounded by
 the experts loaded, the message limit times the per-peer queue, and the
@@ -86,7 +86,9 @@ class ExpertWorker:
     def detach(self) -> None:
         if self.fast is not None:
             fast, self.fast = self.fast, None
-            self.counts["Run"] += fast.counts()["fast_runs"]
+            counts = fast.counts()
+            self.counts["Run"] += counts["fast_runs"]
+            self.counts["Ping"] += counts["fast_pings"]
             fast.close()
 
     def requests(self, identity: bytes) -> int:
@@ -242,7 +244,8 @@ class ExpertWorker:
         if self.fast is not None:
             fast = self.fast.counts()
             counts["Run"] = counts.get("Run", 0) + fast["fast_runs"]
-            counts.update(fast_runs=fast["fast_runs"], dropped_many_parts=fast["dropped_many_parts"])
+            counts["Ping"] = counts.get("Ping", 0) + fast["fast_pings"]
+            counts.update(fast_runs=fast["fast_runs"], fast_pings=fast["fast_pings"], dropped_many_parts=fast["dropped_many_parts"])
         return counts
 
 
@@ -295,7 +298,7 @@ def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, sto
         fast = fast_worker(worker) if native else None
         if fast is not None:
             worker.attach(fast)
-        log.info("listening on %s (model %s, fingerprint %s, backend %s, %s; decode RUNs in %s)", endpoint, worker.checkpoint.folder,
+        log.info("listening on %s (model %s, fingerprint %s, backend %s, %s; PINGs and decode RUNs in %s)", endpoint, worker.checkpoint.folder,
                  worker.checkpoint.fingerprint, worker.backend.name, "CurveZMQ, listed clients only" if keys else "plaintext, loopback only",
                  "C" if fast is not None else f"Python, fast path {fast_status() if native else 'not asked for'}")
         if on_ready is not None:

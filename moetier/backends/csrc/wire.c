@@ -33,6 +33,7 @@
 typedef struct { unsigned char _[64]; } zmq_msg_t;
 int zmq_msg_init(zmq_msg_t *msg);
 int zmq_msg_recv(zmq_msg_t *msg, void *socket, int flags);
+int zmq_msg_send(zmq_msg_t *msg, void *socket, int flags);
 int zmq_msg_close(zmq_msg_t *msg);
 int zmq_msg_more(const zmq_msg_t *msg);
 void *zmq_msg_data(zmq_msg_t *msg);
@@ -292,16 +293,18 @@ static int open_frame(const uint8_t *frame, int64_t size, cursor *header) {
     return 1;
 }
 
-/* A tensor's descriptor, read: [dtype, [d0, ...]] with `ndim` sizes; its bytes, or -1 past `limit`. */
-typedef struct { int dtype; int64_t dims[2]; int64_t nbytes; } tensor_desc;
+/* A tensor's descriptor, read: [dtype, [d0] or [d0, d1]]; 0 if it is anything else, or its bytes reach
+ * `limit` or INLINE_MAX_BYTES (such a tensor is not the fast path's). */
+typedef struct { int dtype, ndim; int64_t dims[2]; int64_t nbytes; } tensor_desc;
 
-static int read_descriptor(cursor *c, int ndim, int64_t limit, tensor_desc *t) {
-    uint32_t n, got;
+static int read_descriptor(cursor *c, int64_t limit, tensor_desc *t) {
+    uint32_t n, ndim;
     if (!read_array(c, &n) || n != 2 || !read_dtype(c, &t->dtype)) return 0;
-    if (!read_ints(c, t->dims, (uint32_t)ndim, &got) || got != (uint32_t)ndim) return 0;
+    if (!read_ints(c, t->dims, 2, &ndim) || ndim == 0) return 0;
+    t->ndim = (int)ndim;
     t->nbytes = ITEMSIZE[t->dtype];
-    for (int i = 0; i < ndim; i++) {
-        if (t->dims[i] && t->nbytes > limit / t->dims[i]) return 0; /* too big for the fast path (and maybe at all) */
+    for (uint32_t i = 0; i < ndim; i++) {
+        if (t->dims[i] && t->nbytes > limit / t->dims[i]) return 0;
         t->nbytes *= t->dims[i];
     }
     return t->nbytes < INLINE_MAX_BYTES;
@@ -316,6 +319,83 @@ static int lay_out(int64_t header_end, const tensor_desc *t, int n, int64_t *off
         at += t[i].nbytes;
     }
     return at == frame_size;
+}
+
+/* A header as the fast path reads it: every key it knows, which ones it saw, and where each tensor sits.
+ * Anything else — an unknown key, a key twice, a value of another kind, a tensor not inline, a frame
+ * whose length is not exactly header + tensors — and the message is Python's. */
+enum { K_V = 1, K_C = 2, K_ID = 4, K_LAYER = 8, K_EXPERTS = 16, K_COUNTS = 32, K_COMPUTE = 64, K_T = 128 };
+#define RUN_KEYS (K_V | K_C | K_ID | K_LAYER | K_EXPERTS | K_COUNTS | K_T)
+#define RUN_REPLY_KEYS (K_V | K_C | K_ID | K_COMPUTE | K_T)
+#define PING_KEYS (K_V | K_C | K_ID | K_T)
+#define CMD_PING 4
+
+typedef struct {
+    uint32_t seen;
+    int64_t version, command, layer, m, ncounts;
+    uint64_t id;
+    double compute_us;
+    int64_t experts[MAX_PICKS], counts[MAX_PICKS];
+    int64_t nt;
+    tensor_desc t[3];
+    int64_t offset[3];
+} header;
+
+int64_t wire_parse_header(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
+    cursor c;
+    uint32_t keys, n;
+    h->seen = 0;
+    h->nt = 0;
+    if (!open_frame(frame, size, &c) || !read_map(&c, &keys) || keys > 8) return 0;
+    for (uint32_t k = 0; k < keys; k++) {
+        const char *key;
+        uint32_t len, bit;
+        int ok;
+        if (!read_str(&c, &key, &len)) return 0;
+        if (is(key, len, "v")) { bit = K_V; ok = read_int(&c, MAX_DIM, &h->version); }
+        else if (is(key, len, "c")) { bit = K_C; ok = read_int(&c, MAX_DIM, &h->command); }
+        else if (is(key, len, "id")) { bit = K_ID; ok = read_uint(&c, &h->id); }
+        else if (is(key, len, "layer")) { bit = K_LAYER; ok = read_int(&c, MAX_DIM, &h->layer); }
+        else if (is(key, len, "experts")) { bit = K_EXPERTS; ok = read_ints(&c, h->experts, MAX_PICKS, &n); h->m = n; }
+        else if (is(key, len, "counts")) { bit = K_COUNTS; ok = read_ints(&c, h->counts, MAX_PICKS, &n); h->ncounts = n; }
+        else if (is(key, len, "compute_us")) { bit = K_COMPUTE; ok = read_number(&c, &h->compute_us); }
+        else if (is(key, len, "t")) {
+            bit = K_T;
+            ok = read_array(&c, &n) && n >= 1 && n <= 3;
+            int64_t total = 0;
+            for (uint32_t i = 0; ok && i < n; i++) {
+                ok = read_descriptor(&c, limit, &h->t[i]);
+                total += h->t[i].nbytes;
+            }
+            ok = ok && total <= limit;
+            h->nt = n;
+        } else {
+            return 0; /* a key the fast path does not know */
+        }
+        if (!ok || (h->seen & bit)) return 0;
+        h->seen |= bit;
+    }
+    if (c.p != c.end || h->version != PROTOCOL_VERSION || !(h->seen & K_T)) return 0;
+    return lay_out(c.end - frame, h->t, (int)h->nt, h->offset, size);
+}
+
+static int is_tensor(const header *h, int i, int dtype, int ndim) { return h->t[i].dtype == dtype && h->t[i].ndim == ndim; }
+
+/* Frame 0 of a RUN that protocol.decode_request accepts with these fields, all three tensors inline.
+ * -> 1 parsed, 0 defer (not necessarily bad: Python decides). */
+int64_t wire_parse_run(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
+    if (!wire_parse_header(frame, size, limit, h) || h->seen != RUN_KEYS || h->command != CMD_RUN || h->nt != 3) return 0;
+    if (h->ncounts != h->m || h->t[0].ndim != 2 || h->t[0].dtype > F16) return 0;
+    if (!(is_tensor(h, 1, I32, 1) || is_tensor(h, 1, I64, 1)) || !is_tensor(h, 2, F32, 1)) return 0;
+    int64_t total = 0;
+    for (int64_t i = 0; i < h->m; i++) total += h->counts[i];
+    return total == h->t[1].dims[0] && total == h->t[2].dims[0];
+}
+
+/* Frame 0 of a PING (request or reply: the same message) with its payload inline. */
+int64_t wire_parse_ping(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
+    return wire_parse_header(frame, size, limit, h) && h->seen == PING_KEYS && h->command == CMD_PING && h->nt == 1 &&
+           is_tensor(h, 0, U8, 1);
 }
 
 /* Frame 0 is built in a buffer: the length prefix, the header (writer from byte 4), then tensors. */
@@ -375,7 +455,7 @@ typedef struct {
     int64_t stamp;
     session *sessions;
     int64_t n_sessions, max_sessions;
-    int64_t messages, fast_runs, dropped;
+    int64_t messages, fast_runs, pings, dropped;
     buffer reply;
     float *scratch;  /* x [D], out [D], kernel scratch [3I + D] */
     int64_t scratch_floats;
@@ -449,71 +529,16 @@ void wire_session_activity(worker *w, const uint8_t *identity, int64_t size, int
     *active = s ? s->active : -1;
 }
 
-/* worker counters: messages received, RUNs served here, messages dropped (too many parts) */
+/* worker counters: messages received, RUNs and PINGs served here, messages dropped (too many parts) */
 void wire_worker_counts(const worker *w, int64_t *out) {
     out[0] = w->messages;
     out[1] = w->fast_runs;
-    out[2] = w->dropped;
-}
-
-/* A fast RUN, parsed from frame 0. */
-typedef struct {
-    uint64_t id;
-    int64_t layer, m;
-    int64_t experts[MAX_PICKS], counts[MAX_PICKS];
-    tensor_desc t[3];  /* x [n, D], rows [r], weights [r] */
-    int64_t offset[3];
-} run_request;
-
-/* Frame 0 of a RUN that protocol.decode_request accepts with these fields, all three tensors inline.
- * -> 1 parsed, 0 defer (not necessarily bad: Python decides). */
-int64_t wire_parse_run(const uint8_t *frame, int64_t size, int64_t max_message_bytes, run_request *r) {
-    cursor c;
-    uint32_t keys, n, seen = 0;
-    int64_t version = -1, command = -1, ncounts = -1;
-    if (!open_frame(frame, size, &c) || !read_map(&c, &keys) || keys != 7) return 0;
-    for (uint32_t k = 0; k < keys; k++) {
-        const char *key;
-        uint32_t len, bit;
-        if (!read_str(&c, &key, &len)) return 0;
-        if (is(key, len, "v")) { bit = 1; if (!read_int(&c, MAX_DIM, &version)) return 0; }
-        else if (is(key, len, "c")) { bit = 2; if (!read_int(&c, MAX_DIM, &command)) return 0; }
-        else if (is(key, len, "id")) { bit = 4; if (!read_uint(&c, &r->id)) return 0; }
-        else if (is(key, len, "layer")) { bit = 8; if (!read_int(&c, MAX_DIM, &r->layer)) return 0; }
-        else if (is(key, len, "experts")) {
-            bit = 16;
-            if (!read_ints(&c, r->experts, MAX_PICKS, &n)) return 0;
-            r->m = n;
-        } else if (is(key, len, "counts")) {
-            bit = 32;
-            if (!read_ints(&c, r->counts, MAX_PICKS, &n)) return 0;
-            ncounts = n;
-        } else if (is(key, len, "t")) {
-            bit = 64;
-            if (!read_array(&c, &n) || n != 3) return 0;
-            int64_t total = 0;
-            for (int i = 0; i < 3; i++) {
-                if (!read_descriptor(&c, i == 0 ? 2 : 1, max_message_bytes, &r->t[i])) return 0;
-                total += r->t[i].nbytes;
-            }
-            if (total > max_message_bytes) return 0;
-        } else {
-            return 0; /* a key the fast path does not know */
-        }
-        if (seen & bit) return 0; /* the same key twice */
-        seen |= bit;
-    }
-    if (c.p != c.end || version != PROTOCOL_VERSION || command != CMD_RUN || ncounts != r->m) return 0;
-    const int x = r->t[0].dtype, rows = r->t[1].dtype, weights = r->t[2].dtype;
-    if (x > F16 || (rows != I32 && rows != I64) || weights != F32) return 0;
-    int64_t total = 0;
-    for (int64_t i = 0; i < r->m; i++) total += r->counts[i];
-    if (total != r->t[1].dims[0] || total != r->t[2].dims[0]) return 0;
-    return lay_out(c.end - frame, r->t, 3, r->offset, size);
+    out[2] = w->pings;
+    out[3] = w->dropped;
 }
 
 /* Serve a parsed RUN if it has the decode shape and every expert is held in native form; -> 1 replied, 0 defer. */
-static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const uint8_t *frame, const run_request *r) {
+static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const uint8_t *frame, const header *r) {
     const tensor_desc *x = &r->t[0];
     if (x->dims[0] != 1 || x->dims[1] != w->hidden || x->dtype == F16 || r->layer >= w->layers || r->m == 0) return 0;
     const int64_t D = w->hidden, k = r->m;
@@ -570,31 +595,38 @@ static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const u
 }
 
 /* Receive and serve on `router` (its receive timeout set by the caller) until a message needs Python
- * (-> 1: identity, frames in the inbox), nothing came within the timeout (-> 0), or `batch` RUNs were
- * served (-> 2, so the caller can look at its stop flag and socket events now and then). */
+ * (-> 1: identity, frames in the inbox), nothing came within the timeout (-> 0), or `batch` messages were
+ * served (-> 2, so the caller can look at its stop flag and socket events now and then). Served here: a
+ * PING from anyone (echoed: the reply is the same message), a decode RUN of an admitted session. */
 int64_t wire_serve(worker *w, void *router, int64_t batch) {
-    run_request *r = malloc(sizeof *r);
-    if (!r) return 0;
+    header *h = malloc(sizeof *h);
+    if (!h) return 0;
     int64_t served = 0, status = 2;
     while (served < batch) {
         const int64_t parts = inbox_recv(&w->in, router, 0);
         if (parts == 0) { status = 0; break; }
         w->messages++;
         if (parts < 0) { w->dropped++; continue; }
-        session *s = parts >= 2 ? find_session(w, zmq_msg_data(&w->in.parts[0]), (int64_t)zmq_msg_size(&w->in.parts[0])) : NULL;
+        zmq_msg_t *identity = &w->in.parts[0];
+        session *s = parts >= 2 ? find_session(w, zmq_msg_data(identity), (int64_t)zmq_msg_size(identity)) : NULL;
         if (s) s->active = w->messages;
         const uint8_t *frame = parts == 2 ? zmq_msg_data(&w->in.parts[1]) : NULL;
-        if (!s || !frame || !wire_parse_run(frame, (int64_t)zmq_msg_size(&w->in.parts[1]), w->max_message_bytes, r) ||
-            !serve_run(w, router, &w->in.parts[0], frame, r)) {
+        const int64_t size = frame ? (int64_t)zmq_msg_size(&w->in.parts[1]) : 0;
+        if (frame && wire_parse_ping(frame, size, w->max_message_bytes, h)) {
+            zmq_msg_send(identity, router, ZMQ_SNDMORE); /* both parts go back as they came (a sent part is left */
+            zmq_msg_send(&w->in.parts[1], router, 0);   /* empty, so the inbox's close is harmless) */
+            w->pings++;
+        } else if (s && frame && wire_parse_run(frame, size, w->max_message_bytes, h) && serve_run(w, router, identity, frame, h)) {
+            s->runs++;
+            w->fast_runs++;
+        } else {
             status = 1; /* Python's */
             break;
         }
-        s->runs++;
-        w->fast_runs++;
         served++;
         inbox_clear(&w->in);
     }
-    free(r);
+    free(h);
     return status;
 }
 
@@ -658,12 +690,26 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* Encode and send a PING of an inline payload [n] u8. -> 0 sent, else zmq's errno. */
+int64_t wire_send_ping(client *c, void *socket, uint64_t id, const void *payload, int64_t n, int64_t flags) {
+    const int64_t dims[1] = {n};
+    if (!reserve(&c->out, 4 + 64 + 8 + n)) return 12; /* ENOMEM */
+    writer h = header_writer(&c->out);
+    put_map(&h, 4);
+    put_str(&h, "v"); put_uint(&h, PROTOCOL_VERSION);
+    put_str(&h, "c"); put_uint(&h, CMD_PING);
+    put_str(&h, "id"); put_uint(&h, id);
+    put_str(&h, "t"); put_array(&h, 1); put_descriptor(&h, U8, dims, 1);
+    const int64_t end = put_tensor(&c->out, end_header(&c->out, h), payload, n);
+    return zmq_send(socket, c->out.data, (size_t)end, (int)flags) < 0 ? zmq_errno() : 0;
+}
+
 /* Wait up to timeout_ms for a message, polling the first spin_s of it before sleeping (a reply due in
- * microseconds then costs no wake-up). -> 0 none; 1 the RUN reply of `want_id`, y [n, D] of `y_dtype` copied
- * to y and its compute time in *compute_us; 2 another message, in the inbox for Python; 3 one dropped (too
- * many parts). */
-int64_t wire_recv_reply(client *c, void *socket, int64_t timeout_ms, double spin_s, uint64_t want_id, void *y,
-                        int64_t y_dtype, int64_t n, int64_t D, double *compute_us) {
+ * microseconds then costs no wake-up). -> 0 none; 1 the reply of `want_id` to command `want` (RUN or PING)
+ * with its one tensor of `y_dtype` and y_dims (ndim 2: [n, D], ndim 1: [n]) copied to y, a RUN's compute
+ * time in *compute_us; 2 another message, in the inbox for Python; 3 one dropped (too many parts). */
+int64_t wire_recv_reply(client *c, void *socket, int64_t timeout_ms, double spin_s, uint64_t want_id, int64_t want, void *y,
+                        int64_t y_dtype, int64_t ndim, int64_t n, int64_t D, double *compute_us) {
     zmq_pollitem_t item = {socket, 0, ZMQ_POLLIN, 0};
     int ready = zmq_poll(&item, 1, 0);
     if (ready == 0 && spin_s > 0) {
@@ -677,35 +723,14 @@ int64_t wire_recv_reply(client *c, void *socket, int64_t timeout_ms, double spin
     if (parts < 0) return 3;
     if (parts != 1 || !y) return 2;
     const uint8_t *frame = zmq_msg_data(&c->in.parts[0]);
-    const int64_t size = (int64_t)zmq_msg_size(&c->in.parts[0]);
-    cursor h;
-    uint32_t keys, count, seen = 0;
-    uint64_t id = 0;
-    int64_t version = -1, command = -1;
-    tensor_desc t = {0};
-    if (!open_frame(frame, size, &h) || !read_map(&h, &keys) || keys != 5) return 2;
-    for (uint32_t k = 0; k < keys; k++) {
-        const char *key;
-        uint32_t len, bit;
-        if (!read_str(&h, &key, &len)) return 2;
-        if (is(key, len, "v")) { bit = 1; if (!read_int(&h, MAX_DIM, &version)) return 2; }
-        else if (is(key, len, "c")) { bit = 2; if (!read_int(&h, MAX_DIM, &command)) return 2; }
-        else if (is(key, len, "id")) { bit = 4; if (!read_uint(&h, &id)) return 2; }
-        else if (is(key, len, "compute_us")) { bit = 8; if (!read_number(&h, compute_us)) return 2; }
-        else if (is(key, len, "t")) {
-            bit = 16;
-            if (!read_array(&h, &count) || count != 1 || !read_descriptor(&h, 2, c->max_message_bytes, &t)) return 2;
-        } else {
-            return 2;
-        }
-        if (seen & bit) return 2;
-        seen |= bit;
-    }
-    int64_t offset;
-    if (h.p != h.end || version != PROTOCOL_VERSION || command != CMD_RUN || id != want_id || t.dtype != y_dtype ||
-        t.dims[0] != n || t.dims[1] != D || !lay_out(h.end - frame, &t, 1, &offset, size))
+    header h;
+    if (!wire_parse_header(frame, (int64_t)zmq_msg_size(&c->in.parts[0]), c->max_message_bytes, &h)) return 2;
+    const tensor_desc *t = &h.t[0];
+    if (h.seen != (want == CMD_RUN ? RUN_REPLY_KEYS : PING_KEYS) || h.command != want || h.id != want_id || h.nt != 1 ||
+        t->dtype != y_dtype || t->ndim != ndim || t->dims[0] != n || (ndim == 2 && t->dims[1] != D))
         return 2;
-    memcpy(y, frame + offset, (size_t)t.nbytes);
+    memcpy(y, frame + h.offset[0], (size_t)t->nbytes);
+    *compute_us = want == CMD_RUN ? h.compute_us : 0.0;
     inbox_clear(&c->in);
     return 1;
 }
