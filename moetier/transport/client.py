@@ -24,7 +24,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -37,6 +36,7 @@ from zmq.backend import zmq_poll
 from zmq.utils.monitor import recv_monitor_message
 
 from moetier.transport.fast import DROPPED, OTHER, REPLY, FastClient, wire
+from moetier.transport.fast import spin_us as fast_spin_us
 from moetier.transport.keys import make_client
 from moetier.transport.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, decode_reply, encode, send,
@@ -98,8 +98,7 @@ class WorkerClient:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, native: bool = True, spin_us: float | None = None):
         """native=False keeps every message in Python (otherwise decode RUNs go through the C fast path when it is
         here); spin_us: how long a thread waiting for a reply polls before it sleeps, in the C path (default
-        $MOETIER_REMOTE_SPIN_US, else 1000: longer than a LAN round trip's tail, so a late reply costs no
-        wake-up; 0 sleeps at once)."""
+        fast.spin_us(); 0 sleeps at once)."""
         self.address, self.fingerprint, self.keys, self.client, self.name = address, fingerprint, keys, client, name
         self.setup = setup or (lambda: [])
         self.connect_timeout_s, self.setup_timeout_s = connect_timeout_s, setup_timeout_s
@@ -118,9 +117,7 @@ class WorkerClient:
         self._handle = 0  # the socket's libzmq handle, for the fast path
         self._monitor: zmq.Socket | None = None
         lib = wire() if native else None
-        if spin_us is None:
-            spin_us = float(os.environ.get("MOETIER_REMOTE_SPIN_US", "1000"))
-        self._fast = FastClient(lib, max_message_bytes, spin_us) if lib is not None else None
+        self._fast = FastClient(lib, max_message_bytes, fast_spin_us() if spin_us is None else spin_us) if lib is not None else None
         self._backoff_s = self.backoff_min_s
         self._next_attempt_s = 0.0
         self._attempt: tuple[float, list[ReplyFuture]] | None = None  # (started, [hello, setup...]) while connecting

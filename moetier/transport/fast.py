@@ -34,6 +34,12 @@ from moetier.transport import protocol as P
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4, torch.uint8: 5}
 MAX_PICKS = 1024  # experts in one fast RUN (wire.c)
 IDLE, PYTHON, BATCH = 0, 1, 2  # wire_serve: nothing came, a message for Python, a batch served
+
+
+def spin_us() -> float:
+    """How long a client waiting for a reply polls before it sleeps: $MOETIER_REMOTE_SPIN_US, else 1000 — longer
+    than a LAN round trip's tail, so a reply due soon costs no wake-up."""
+    return float(os.environ.get("MOETIER_REMOTE_SPIN_US", "1000"))
 NONE, REPLY, OTHER, DROPPED = 0, 1, 2, 3  # wire_recv_reply
 
 
@@ -70,7 +76,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "wire_session_close": (None, [p, ctypes.c_char_p, i64]),
         "wire_session_activity": (None, [p, ctypes.c_char_p, i64, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "wire_worker_counts": (None, [p, p]),
-        "wire_serve": (i64, [p, p, i64]),
+        "wire_serve": (i64, [p, p, i64, i64]),
         "wire_client_open": (p, [i64]),
         "wire_client_close": (None, [p]),
         "wire_client_inbox": (p, [p]),
@@ -226,10 +232,10 @@ class FastWorker:
         self._lib.wire_worker_counts(self._handle, out)
         return {"messages": out[0], "fast_runs": out[1], "fast_pings": out[2], "dropped_many_parts": out[3]}
 
-    def serve(self, socket: int) -> int:
-        """Receive and serve (PINGs, decode RUNs) on the libzmq ROUTER `socket` -> IDLE (its receive timeout
-        passed), PYTHON (`message()` waits), or BATCH."""
-        return self._lib.wire_serve(self._handle, socket, self.BATCH)
+    def serve(self, socket: int, timeout_ms: int) -> int:
+        """Receive and serve (PINGs, decode RUNs) on the libzmq ROUTER `socket` -> IDLE (nothing within
+        timeout_ms), PYTHON (`message()` waits), or BATCH."""
+        return self._lib.wire_serve(self._handle, socket, self.BATCH, timeout_ms)
 
     def message(self) -> tuple[bytes, list[bytearray], str]:
         """The message waiting for Python: (identity, frames, the peer's address or "?")."""

@@ -278,7 +278,7 @@ def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, sto
 
     `queue_messages` bounds the messages ZeroMQ queues per peer (its receive
     high-water mark), so queued input is at most that many times the message limit per connection.
-    `native=False` keeps every message in Python (otherwise the C loop serves decode RUNs when it can).
+    `native=False` keeps every message in Python (otherwise the C loop serves PINGs and decode RUNs when it can).
     """
     check_listen(listen, keys)
     stop = stop or threading.Event()
@@ -307,7 +307,7 @@ def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, sto
         handled = 0
         while not stop.is_set():
             if fast is not None:
-                status = fast.serve(router.underlying)  # decode RUNs are answered in there
+                status = fast.serve(router.underlying, 100)  # PINGs and decode RUNs are answered in there
                 if status != PYTHON:
                     _log_events(monitor)
                     continue
