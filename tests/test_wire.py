@@ -132,7 +132,8 @@ def test_c_parser_accepts_only_what_python_accepts_with_the_same_fields(message)
 
 def test_constants_and_a_large_run_defers():
     lib = fast.wire()
-    assert [lib.wire_constant(i) for i in range(5)] == [P.PROTOCOL_VERSION, P.MAX_HEADER_BYTES, P.INLINE_MAX_BYTES, P.MAX_DIM, int(P.Command.RUN)]
+    assert [lib.wire_constant(i) for i in range(7)] == [P.PROTOCOL_VERSION, P.MAX_HEADER_BYTES, P.INLINE_MAX_BYTES, P.MAX_DIM,
+                                                        int(P.Command.RUN), int(P.Command.PING), fast.MAX_PICKS]
     big = P.Run(0, (1,), (1,), torch.zeros(1, P.INLINE_MAX_BYTES // 4), torch.zeros(1, dtype=torch.int32), torch.ones(1))
     frames = P.encode(3, big)
     assert len(frames) == 2 and c_parse(frames[0], P.Run, 2**24) is None and py_decode(frames, 2**24) is not None

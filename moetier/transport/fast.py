@@ -5,11 +5,12 @@ the client's own pyzmq socket; `FastWorker` is the worker's receive loop in
 C, which echoes a PING, serves a decode RUN (one row, all tensors in the
 header frame, every expert held as float32) with the worker backend's native
 decode kernel, and hands every other message to Python. A PING so measures
-the same path a decode RUN takes (`moetier ping`, RemoteTier's cost model). Python's protocol module stays the only
-judge: the C code accepts just messages that `protocol.decode_*` accepts with
-the same fields, and defers everything else, errors included, to it. The
-worker's reply is bit for bit what the Python path sends for the same RUN:
-the same kernel on the same arguments, and bf16 rounded as torch rounds it.
+the same path a decode RUN takes (`moetier ping`, RemoteTier's cost model).
+Python's protocol module stays the only judge: the C code accepts just
+messages that `protocol.decode_*` accepts with the same fields, and defers
+everything else, errors included, to it. The worker's reply is bit for bit
+what the Python path sends for the same RUN: the same kernel on the same
+arguments, and bf16 rounded as torch rounds it.
 
 wire.c links the libzmq that pyzmq loaded (found in /proc/self/maps), so the
 socket handles are shared. `wire()` is None — and both ends run in Python —
@@ -34,13 +35,13 @@ from moetier.transport import protocol as P
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4, torch.uint8: 5}
 MAX_PICKS = 1024  # experts in one fast RUN (wire.c)
 IDLE, PYTHON, BATCH = 0, 1, 2  # wire_serve: nothing came, a message for Python, a batch served
+NONE, REPLY, OTHER, DROPPED = 0, 1, 2, 3  # wire_recv_reply
 
 
 def spin_us() -> float:
     """How long a client waiting for a reply polls before it sleeps: $MOETIER_REMOTE_SPIN_US, else 1000 — longer
     than a LAN round trip's tail, so a reply due soon costs no wake-up."""
     return float(os.environ.get("MOETIER_REMOTE_SPIN_US", "1000"))
-NONE, REPLY, OTHER, DROPPED = 0, 1, 2, 3  # wire_recv_reply
 
 
 def _libzmq() -> str | None:
@@ -98,7 +99,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         return None, f"{why}: Python transport"
     _declare(lib)
-    expected = (P.PROTOCOL_VERSION, P.MAX_HEADER_BYTES, P.INLINE_MAX_BYTES, P.MAX_DIM, int(P.Command.RUN))
+    expected = (P.PROTOCOL_VERSION, P.MAX_HEADER_BYTES, P.INLINE_MAX_BYTES, P.MAX_DIM, int(P.Command.RUN), int(P.Command.PING), MAX_PICKS)
     got = tuple(lib.wire_constant(i) for i in range(len(expected)))
     if got != expected:  # wire.c and protocol.py drifted apart: never speak a different format
         return None, f"off: {path} has protocol constants {got}, protocol.py {expected}"

@@ -54,6 +54,7 @@ int zmq_poll(zmq_pollitem_t *items, int nitems, long timeout_ms);
 #define INLINE_MAX_BYTES 65536 /* tensors smaller than this ride in frame 0 */
 #define MAX_DIM 2147483647LL
 #define CMD_RUN 3
+#define CMD_PING 4
 #define MAX_FRAMES 64   /* a message with more parts is dropped */
 #define MAX_PICKS 1024  /* experts of one fast RUN */
 
@@ -62,7 +63,7 @@ static const char *const DTYPE_NAME[N_DTYPES] = {"f32", "bf16", "f16", "i32", "i
 static const int64_t ITEMSIZE[N_DTYPES] = {4, 2, 2, 4, 8, 1};
 
 int64_t wire_constant(int64_t which) {
-    const int64_t values[] = {PROTOCOL_VERSION, MAX_HEADER_BYTES, INLINE_MAX_BYTES, MAX_DIM, CMD_RUN, MAX_FRAMES};
+    const int64_t values[] = {PROTOCOL_VERSION, MAX_HEADER_BYTES, INLINE_MAX_BYTES, MAX_DIM, CMD_RUN, CMD_PING, MAX_PICKS};
     return which >= 0 && which < (int64_t)(sizeof values / sizeof *values) ? values[which] : -1;
 }
 
@@ -347,7 +348,6 @@ enum { K_V = 1, K_C = 2, K_ID = 4, K_LAYER = 8, K_EXPERTS = 16, K_COUNTS = 32, K
 #define RUN_KEYS (K_V | K_C | K_ID | K_LAYER | K_EXPERTS | K_COUNTS | K_T)
 #define RUN_REPLY_KEYS (K_V | K_C | K_ID | K_COMPUTE | K_T)
 #define PING_KEYS (K_V | K_C | K_ID | K_T)
-#define CMD_PING 4
 
 typedef struct {
     uint32_t seen;
