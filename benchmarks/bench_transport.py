@@ -4,16 +4,25 @@ Regime: decode. One hidden state [1, D] in bf16 goes to another process and
 [1, D] comes back, D in 2048 / 4096 / 5120 (4-10 KiB each way). Peers, each
 in its own process, one CPU thread each:
   raw     pyzmq DEALER -> ROUTER echo of the same bytes (the floor for Python + ZeroMQ)
-  run     WorkerClient.call(RUN) -> an ExpertWorker whose expert is a no-op
-          (returns x): the whole protocol — msgpack header, x/rows/weights
-          frames, validation, dispatch, reply decode — minus expert math
+  run     WorkerClient.call(RUN) -> an ExpertWorker (torch backend) whose one
+          expert has zero width (I = 0: y = 0 after no arithmetic): the whole
+          protocol — header, x/rows/weights, validation, sessions, dispatch to
+          the native kernel, reply — minus expert math. Both ends take the C
+          fast path (transport/fast.py), as a decode step does
+  run-py  the same with native=False at both ends: every message in Python
   tier    RemoteTier.submit(...).result() on the same worker: run + the tier's
           packing of jobs and its future (what the engine pays)
   gloo    torch.distributed send + recv of the same tensor (gloo over lo)
   *-curve the same over CurveZMQ (raw: encryption only; run: + ZAP-admitted client)
 Samples of the zmq peers are interleaved in rounds so machine noise hits all
-alike; gloo runs after them. perf_counter around each round trip (CPU only:
-nothing to synchronise). Prints a table, then one JSON line.
+alike; gloo runs after them. Each block starts with count/10 unrecorded calls:
+its processes idled about a second behind the other blocks, and its first
+~200 calls ran slow, whichever peer came after the heaviest ones. The
+clients' heartbeats are off (HEARTBEAT_S): an idle peer's PING would land in
+the same other peer's block every round (a decoding client is never idle, so
+it never sends one). The C client polls up to 1 ms for its reply before it
+sleeps (MOETIER_REMOTE_SPIN_US); raw and gloo block. perf_counter around each
+round trip (CPU only: nothing to synchronise). Prints a table, then one JSON line.
 Targets (issue 4): run median <= raw median + 30 us; run p99 <= 2 x raw
 median; run faster than gloo; CurveZMQ adds <= 10% to run.
 """
@@ -37,34 +46,22 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moetier.backends.base import BackendCaps  # noqa: E402
+from moetier.model.checkpoint import ExpertWeights  # noqa: E402
 from moetier.tiers.base import ExpertJob  # noqa: E402
 from moetier.transport import protocol as P  # noqa: E402
 from moetier.transport.client import WorkerClient  # noqa: E402
 from moetier.transport.keys import generate, make_client, make_server  # noqa: E402
 
 SIZES = (2048, 4096, 5120)
+HEARTBEAT_S = 3600.0
 
 
 # -- peers (each runs in its own process) -----------------------------------------------------------
 
 
-class NoopBackend:
-    """The expert returns its input: the reply is x itself, so only transport is timed."""
-
-    name = "noop"
-    caps = BackendCaps(device_kind="cpu", dtypes=("float32", "bfloat16", "float16"))
-
-    def place(self, weights):
-        return None
-
-    def run_experts(self, x, work):
-        return x  # [n, D]
-
-
 @dataclass(frozen=True)
 class NoopModel:
-    """Just enough of a Checkpoint for a worker: one MoE layer of one expert, hidden size D."""
+    """Just enough of a Checkpoint for a worker: one MoE layer of one zero-width expert, hidden size D."""
 
     hidden: int
 
@@ -79,14 +76,14 @@ class NoopModel:
     folder = "(no-op model)"
 
     def expert(self, layer, expert):
-        return SimpleNamespace(nbytes=0)
+        return ExpertWeights(torch.empty(0, self.hidden), torch.empty(self.hidden, 0))  # gate_up [0, D], down [D, 0]
 
 
-def serve_noop(hidden: int, keys: str | None, ready) -> None:
+def serve_noop(hidden: int, keys: str | None, native: bool, ready) -> None:
     from moetier.transport.worker import ExpertWorker, serve
 
     torch.set_num_threads(1)
-    serve(ExpertWorker(NoopModel(hidden), NoopBackend()), "tcp://127.0.0.1:0", keys, on_ready=ready.put)
+    serve(ExpertWorker(NoopModel(hidden), "torch"), "tcp://127.0.0.1:0", keys, on_ready=ready.put, native=native)
 
 
 def serve_echo(keys: str | None, ready) -> None:
@@ -148,8 +145,9 @@ def raw_caller(endpoint: str, payload: bytes, keys: str | None):
     return call, socket.close
 
 
-def run_caller(endpoint: str, hidden: int, keys: str | None):
-    client = WorkerClient(endpoint, f"noop-{hidden}", keys, name="bench", setup=lambda: [P.Load(torch.zeros(1, 2, dtype=torch.int32))])
+def run_caller(endpoint: str, hidden: int, keys: str | None, native: bool = True):
+    client = WorkerClient(endpoint, f"noop-{hidden}", keys, name="bench", setup=lambda: [P.Load(torch.zeros(1, 2, dtype=torch.int32))],
+                          native=native, heartbeat_s=HEARTBEAT_S)
     x = torch.randn(1, hidden).to(torch.bfloat16)  # [1, D]
     run = P.Run(0, (0,), (1,), x, torch.zeros(1, dtype=torch.int32), torch.ones(1))
 
@@ -163,7 +161,8 @@ def tier_caller(endpoint: str, hidden: int):
     from moetier.tiers.remote import RemoteTier
 
     lane = SimpleNamespace(name="lane", holds=lambda layer: frozenset({0}))
-    tier = RemoteTier("bench", endpoint, NoopModel(hidden), {0: [0]}, lane, layer_budget_us=5e6, wire_dtype=torch.bfloat16)
+    tier = RemoteTier("bench", endpoint, NoopModel(hidden), {0: [0]}, lane, layer_budget_us=5e6, wire_dtype=torch.bfloat16,
+                      heartbeat_s=HEARTBEAT_S)
     x = torch.randn(1, hidden).to(torch.bfloat16)  # [1, D]: the tier sends it as is
     jobs = [ExpertJob(0, torch.zeros(1, dtype=torch.int64), torch.ones(1))]
 
@@ -217,29 +216,36 @@ def main() -> None:
     def last_pid() -> int:
         return processes[-1].pid
 
+    def stop_all() -> None:
+        while closers:
+            closers.pop()()
+        while processes:
+            processes.pop().kill()
+
     results: dict[int, dict[str, list[float]]] = {}
     cpu_us: dict[int, dict[str, float]] = {}
     try:
-        for hidden in sizes:
+        for hidden in sizes:  # one size's peers at a time: idle ones would wake and heartbeat beside the measured pair
             payload = torch.randn(1, hidden).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
             callers, pids = {}, {}
             for name, make in [("raw", lambda: raw_caller(start(serve_echo, None), payload, None)),
                                ("raw-curve", lambda: raw_caller(start(serve_echo, keys), payload, keys)),
-                               ("run", lambda: run_caller(start(serve_noop, hidden, None), hidden, None)),
-                               ("run-curve", lambda: run_caller(start(serve_noop, hidden, keys), hidden, keys)),
-                               ("tier", lambda: tier_caller(start(serve_noop, hidden, None), hidden))]:
+                               ("run", lambda: run_caller(start(serve_noop, hidden, None, True), hidden, None)),
+                               ("run-py", lambda: run_caller(start(serve_noop, hidden, None, False), hidden, None, False)),
+                               ("run-curve", lambda: run_caller(start(serve_noop, hidden, keys, True), hidden, keys)),
+                               ("tier", lambda: tier_caller(start(serve_noop, hidden, None, True), hidden))]:
                 callers[name] = make()
+                closers.append(callers[name][1])
                 pids[name] = last_pid()
-            closers.extend(close for _, close in callers.values())
             samples: dict[str, list[float]] = {name: [] for name in callers}
             cpu: dict[str, list] = {name: [] for name in callers}
-            for name, (call, _) in callers.items():
-                time_calls(call, args.count // 5)  # warm-up
             for _ in range(args.rounds):
                 for name, (call, _) in callers.items():
+                    time_calls(call, args.count // 10)  # unrecorded: each block starts after ~1 s idle behind the others
                     samples[name].extend(time_calls(call, args.count, pids[name], cpu[name]))
             results[hidden] = samples
             cpu_us[hidden] = {name: 1e6 * sum(c for _, c in v) / sum(n for n, _ in v) for name, v in cpu.items()}
+            stop_all()
             print(f"D={hidden}: done", file=sys.stderr)
         store = tempfile.mktemp(prefix="moetier-bench-gloo-")
         out = spawn.Queue()
@@ -255,15 +261,12 @@ def main() -> None:
         for peer in peers:
             peer.join(timeout=60)
     finally:
-        for close in closers:
-            close()
-        for process in processes:
-            process.kill()
+        stop_all()
     report_results(results, cpu_us)
 
 
 def report_results(results: dict[int, dict[str, list[float]]], cpu_us: dict[int, dict[str, float]]) -> None:
-    names = ["raw", "run", "tier", "gloo", "raw-curve", "run-curve"]
+    names = ["raw", "run", "run-py", "tier", "gloo", "raw-curve", "run-curve"]
     print(f"{'D':>5} {'bytes':>6} " + " ".join(f"{n + ' med/p99 us':>22}" for n in names))
     report: dict = {"regime": "loopback, cross-process, [1, D] bf16 each way, 1 CPU thread per process",
                     "cpus": os.cpu_count(), "loadavg_1min": float(Path("/proc/loadavg").read_text().split()[0]),
