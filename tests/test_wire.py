@@ -242,3 +242,13 @@ def test_runs_served_in_c_count_as_activity_when_a_session_is_evicted(checkpoint
     assert worker.counts["Run"] + worker.fast.counts()["fast_runs"] >= 2 and worker.fast.counts()["fast_runs"] >= 2
     for socket in (a, b, c):
         socket.close()
+
+
+def test_a_message_of_too_many_parts_is_dropped_and_the_worker_serves_on(checkpoint, workers):
+    endpoint, worker = workers(True)
+    socket = _dealer(endpoint)
+    socket.send_multipart([b"x"] * 70)  # more parts than the C loop keeps
+    payload = torch.arange(7, dtype=torch.uint8)
+    assert torch.equal(_ask(socket, P.Ping(payload)).payload, payload)
+    assert worker.fast.counts()["dropped_many_parts"] == 1
+    socket.close()

@@ -10,7 +10,8 @@ CPU, one lane), `serve` receives in C (transport/fast.py): a PING, and a
 decode RUN of an admitted session, are answered there, bit for bit as this
 module would, and every other message comes here.
 Invariants: no message can crash it — a bad one gets an ERROR reply, or is
-dropped by ZeroMQ when a frame exceeds the size limit; memory is bounded by
+dropped by ZeroMQ when a frame exceeds the size limit (or by the C loop when
+it has more than 64 parts, counted in STATS); memory is bounded by
 the experts loaded, the message limit times the per-peer queue, and the
 session table; SIGTERM (via `stop`) ends the loop and closes every socket.
 """

@@ -627,7 +627,7 @@ int64_t wire_serve(worker *w, void *router, int64_t batch, int64_t timeout_ms) {
         const int64_t parts = wait_readable(router, 0, (long)timeout_ms) > 0 ? inbox_recv(&w->in, router, ZMQ_DONTWAIT) : 0;
         if (parts == 0) { status = 0; break; }
         w->messages++;
-        if (parts < 0) { w->dropped++; continue; }
+        if (parts < 0) { w->dropped++; served++; continue; } /* counted: a flood of them still lets the caller look at its stop flag */
         zmq_msg_t *identity = &w->in.parts[0];
         session *s = parts >= 2 ? find_session(w, zmq_msg_data(identity), (int64_t)zmq_msg_size(identity)) : NULL;
         if (s) s->active = w->messages;
