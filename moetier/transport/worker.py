@@ -42,6 +42,7 @@ from moetier.transport.protocol import (
 )
 
 log = logging.getLogger("moetier.worker")
+IDLE_MS = 100  # an idle receive returns this often, so `stop` is seen
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
@@ -85,17 +86,17 @@ class ExpertWorker:
         self.fast = fast
 
     def detach(self) -> None:
+        """Stop mirroring into the C loop; what it served stays in `counts`."""
         if self.fast is not None:
             fast, self.fast = self.fast, None
-            counts = fast.counts()
-            self.counts["Run"] += counts["fast_runs"]
-            self.counts["Ping"] += counts["fast_pings"]
+            _add_fast_counts(self.counts, fast.counts())
             fast.close()
 
     def requests(self, identity: bytes) -> int:
         """Requests a session made (those the C loop served included)."""
         session = self.sessions[identity]
         return session.requests + (max(self.fast.activity(identity)[0], 0) if self.fast is not None else 0)
+
     @property
     def held(self) -> int:
         return sum(len(experts) for experts in self.placed.values())
@@ -241,13 +242,18 @@ class ExpertWorker:
                 "placed_bytes": self.placed_bytes, "rss_bytes": rss_bytes, **self._counts()}
 
     def _counts(self) -> dict:
-        counts = dict(self.counts)
+        counts = Counter(self.counts)
         if self.fast is not None:
-            fast = self.fast.counts()
-            counts["Run"] = counts.get("Run", 0) + fast["fast_runs"]
-            counts["Ping"] = counts.get("Ping", 0) + fast["fast_pings"]
-            counts.update(fast_runs=fast["fast_runs"], fast_pings=fast["fast_pings"], dropped_many_parts=fast["dropped_many_parts"])
-        return counts
+            _add_fast_counts(counts, self.fast.counts())
+        return dict(counts)
+
+
+def _add_fast_counts(counts: Counter, fast: dict[str, int]) -> None:
+    """The C loop's RUNs and PINGs counted with the rest, and its own counters beside them."""
+    counts["Run"] += fast["fast_runs"]
+    counts["Ping"] += fast["fast_pings"]
+    for name in ("fast_runs", "fast_pings", "dropped_many_parts"):
+        counts[name] += fast[name]
 
 
 def _min_max(rows: torch.Tensor) -> tuple[int, int]:
@@ -304,11 +310,11 @@ def serve(worker: ExpertWorker, listen: str, keys: str | Path | None = None, sto
                  "C" if fast is not None else f"Python, fast path {fast_status() if native else 'not asked for'}")
         if on_ready is not None:
             on_ready(endpoint)
-        router.rcvtimeo = 100  # a blocking receive (the cheapest wake-up) that still lets `stop` be seen
+        router.rcvtimeo = IDLE_MS  # a blocking receive (the cheapest wake-up) that still lets `stop` be seen
         handled = 0
         while not stop.is_set():
             if fast is not None:
-                status = fast.serve(router.underlying, 100)  # PINGs and decode RUNs are answered in there
+                status = fast.serve(router.underlying, IDLE_MS)  # PINGs and decode RUNs are answered in there
                 if status != PYTHON:
                     _log_events(monitor)
                     continue
