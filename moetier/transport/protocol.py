@@ -401,7 +401,7 @@ def _tensors(header: dict, raw: memoryview, at: int, frames: list, cls: type[Mes
     name = cls.__name__
     if not isinstance(descriptors, list) or len(descriptors) != len(specs):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"{name}: descriptors {_show(descriptors)} (expected {len(specs)})")
-    places, total, large = [], 0, 0  # (dtype, shape, frame index, offset)
+    places, total, large = [], 0, 0  # (dtype, shape, bytes, frame index, offset)
     for (field_name, allowed, ndim), descriptor in zip(specs, descriptors):
         if not (isinstance(descriptor, list) and len(descriptor) == 2 and descriptor[0] in allowed and isinstance(descriptor[1], list)):
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{name}.{field_name}: descriptor {_show(descriptor)} (expected [dtype in {allowed}, shape])")
@@ -415,22 +415,22 @@ def _tensors(header: dict, raw: memoryview, at: int, frames: list, cls: type[Mes
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{name}: tensors of more than {max_message_bytes} bytes (the limit)")
         if nbytes < INLINE_MAX_BYTES:
             at += -at % 8
-            places.append((dtype, shape, 0, at))
+            places.append((dtype, shape, nbytes, 0, at))
             at += nbytes
         else:
             large += 1
-            places.append((dtype, shape, large, 0))
+            places.append((dtype, shape, nbytes, large, 0))
     if len(frames) != large:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"{name}: {len(frames)} tensor frames after the header frame (expected {large})")
     if raw.nbytes != at:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{name}: header frame of {raw.nbytes} bytes (its header and small tensors make {at})")
     buffers = [raw, *(_buffer(frame) for frame in frames)]
-    for (field_name, _, _), (dtype, shape, index, _) in zip(specs, places):
-        if index and buffers[index].nbytes != math.prod(shape) * dtype.itemsize:
+    for (field_name, _, _), (dtype, shape, nbytes, index, _) in zip(specs, places):
+        if index and buffers[index].nbytes != nbytes:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{name}.{field_name}: frame of {buffers[index].nbytes} bytes for "
-                                f"{DTYPE_NAMES[dtype]} {shape} ({math.prod(shape) * dtype.itemsize} bytes)")
-    return [_view(buffers[index][offset : offset + math.prod(shape) * dtype.itemsize] if index == 0 else buffers[index], dtype, shape)
-            for dtype, shape, index, offset in places]
+                                f"{DTYPE_NAMES[dtype]} {shape} ({nbytes} bytes)")
+    return [_view(buffers[index][offset : offset + nbytes] if index == 0 else buffers[index], dtype, shape)
+            for dtype, shape, nbytes, index, offset in places]
 
 
 def _view(buffer: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
