@@ -66,7 +66,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         "wire_inbox_count": (i64, [p]),
         "wire_inbox_part": (p, [p, i64, ctypes.POINTER(i64)]),
         "wire_inbox_peer": (ctypes.c_char_p, [p, i64]),
-        "wire_parse_header": (i64, [p, i64, i64, p]),
         "wire_parse_run": (i64, [p, i64, i64, p]),
         "wire_parse_ping": (i64, [p, i64, i64, p]),
         "wire_worker_open": (p, [i64, i64, i64, i64, i64, p]),
@@ -176,12 +175,10 @@ class FastClient:
     def receive(self, socket: int, timeout_ms: int, want_id: int, command: int, y: torch.Tensor | None) -> tuple[int, P.Message | None]:
         """Wait up to timeout_ms -> (NONE | REPLY | OTHER | DROPPED, the reply if REPLY). REPLY: the reply to request
         `want_id` of `command`, its tensor copied into y; OTHER: another message, for `message()`."""
-        if y is None:
-            status = self._lib.wire_recv_reply(self._handle, socket, timeout_ms, self._spin_s, 0, 0, None, -1, 0, 0, 0,
-                                               ctypes.byref(self._compute_us))
-            return status, None
-        status = self._lib.wire_recv_reply(self._handle, socket, timeout_ms, self._spin_s, want_id, command, y.data_ptr(),
-                                           DTYPE_CODES[y.dtype], y.dim(), y.shape[0], y.shape[-1], ctypes.byref(self._compute_us))
+        expected = (0, 0, None, -1, 0, 0, 0)  # nothing awaited: every message is OTHER
+        if y is not None:
+            expected = (want_id, command, y.data_ptr(), DTYPE_CODES[y.dtype], y.dim(), y.shape[0], y.shape[-1])
+        status = self._lib.wire_recv_reply(self._handle, socket, timeout_ms, self._spin_s, *expected, ctypes.byref(self._compute_us))
         if status != REPLY:
             return status, None
         return status, P.RunReply(y, self._compute_us.value) if command == P.Command.RUN else P.PingReply(y)

@@ -360,7 +360,7 @@ typedef struct {
     int64_t offset[3];
 } header;
 
-int64_t wire_parse_header(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
+static int parse_header(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
     cursor c;
     uint32_t keys, n;
     h->seen = 0;
@@ -403,7 +403,7 @@ static int is_tensor(const header *h, int i, int dtype, int ndim) { return h->t[
 /* Frame 0 of a RUN that protocol.decode_request accepts with these fields, all three tensors inline.
  * -> 1 parsed, 0 defer (not necessarily bad: Python decides). */
 int64_t wire_parse_run(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
-    if (!wire_parse_header(frame, size, limit, h) || h->seen != RUN_KEYS || h->command != CMD_RUN || h->nt != 3) return 0;
+    if (!parse_header(frame, size, limit, h) || h->seen != RUN_KEYS || h->command != CMD_RUN || h->nt != 3) return 0;
     if (h->ncounts != h->m || h->t[0].ndim != 2 || h->t[0].dtype > F16) return 0;
     if (!(is_tensor(h, 1, I32, 1) || is_tensor(h, 1, I64, 1)) || !is_tensor(h, 2, F32, 1)) return 0;
     int64_t total = 0;
@@ -413,7 +413,7 @@ int64_t wire_parse_run(const uint8_t *frame, int64_t size, int64_t limit, header
 
 /* Frame 0 of a PING (request or reply: the same message) with its payload inline. */
 int64_t wire_parse_ping(const uint8_t *frame, int64_t size, int64_t limit, header *h) {
-    return wire_parse_header(frame, size, limit, h) && h->seen == PING_KEYS && h->command == CMD_PING && h->nt == 1 &&
+    return parse_header(frame, size, limit, h) && h->seen == PING_KEYS && h->command == CMD_PING && h->nt == 1 &&
            is_tensor(h, 0, U8, 1);
 }
 
@@ -730,7 +730,7 @@ int64_t wire_recv_reply(client *c, void *socket, int64_t timeout_ms, double spin
     if (parts != 1 || !y) return 2;
     const uint8_t *frame = zmq_msg_data(&c->in.parts[0]);
     header h;
-    if (!wire_parse_header(frame, (int64_t)zmq_msg_size(&c->in.parts[0]), c->max_message_bytes, &h)) return 2;
+    if (!parse_header(frame, (int64_t)zmq_msg_size(&c->in.parts[0]), c->max_message_bytes, &h)) return 2;
     const tensor_desc *t = &h.t[0];
     if (h.seen != (want == CMD_RUN ? RUN_REPLY_KEYS : PING_KEYS) || h.command != want || h.id != want_id || h.nt != 1 ||
         t->dtype != y_dtype || t->ndim != ndim || t->dims[0] != n || (ndim == 2 && t->dims[1] != D))
