@@ -1,11 +1,12 @@
 """Prediction against measurement on this machine: calibrate, simulate, run, compare, for several layouts.
 
 For each layout (all experts resident; CPU-lane heavy; two parts with DEFER_CPU off and on;
-a remote worker on loopback): `moetier calibrate --layout`
-writes the rates, `moetier run --layout --json --trace` measures decode (median of
---repeats runs), and the simulator predicts the same run from that calibration and the run's
-own routing trace replayed through the same policy. Pass: decode tok/s within 15%, hit rate
-within 1 percentage point. `calibrate --layout` times its own decode over the layout (trunk,
+a remote worker on loopback), --repeats times, layouts interleaved: `moetier calibrate
+--layout` writes the rates, `moetier run --layout --json --trace` measures a decode right
+after, and the simulator predicts that run from that calibration and the run's own routing
+trace replayed through the same policy. Each side keeps its median, so prediction and
+measurement sample the same minutes of a machine whose speed drifts. Pass: decode tok/s
+within 15%, hit rate within 1 percentage point (the median run's). `calibrate --layout` times its own decode over the layout (trunk,
 head, GPU rate, dispatch, the CPU lane's call cost, a remote call's cost beyond its link); the
 measured run is a separate process, prompt and length. The model is the synthetic `small` (or
 --preset medium); prompts are one token, so the caches start as cold as the replay's. Prints
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,20 +103,21 @@ def start_worker(model: Path, threads: int) -> tuple[subprocess.Popen, int, floa
 
 
 def compare(name: str, path: Path, runs: list, model: Path) -> dict:
+    """runs: (report, trace, calibration) per repeat -> the medians of measured and predicted tok/s, and
+    the median run beside its own prediction (hit rate, categories)."""
     from moetier.config import load_layout
     from moetier.model import open_checkpoint
     from moetier.sched.cost import Calibration
     from moetier.sim.layout_sim import ModelShape, load_trace, simulate
 
-    runs = sorted(runs, key=lambda run: run[0]["decode_tok_per_s"])
-    report, trace = runs[len(runs) // 2]  # the median run, and its own trace
-    layout = load_layout(path)
-    calibration = Calibration.load(layout.relative(layout.scheduler.calibration))
-    shape, routing = ModelShape.from_spec(open_checkpoint(model).spec), load_trace(trace)
-    sim = simulate(layout, shape, calibration, routing)
-    measured = report["decode_tok_per_s"]
-    return {"layout": name, "measured_tok_per_s": measured, "runs_tok_per_s": [r["decode_tok_per_s"] for r, _ in runs],
-            "predicted_tok_per_s": sim.tok_per_s, "tok_per_s_error": sim.tok_per_s / measured - 1,
+    layout, shape = load_layout(path), ModelShape.from_spec(open_checkpoint(model).spec)
+    sims = [simulate(layout, shape, Calibration.load(calibration), load_trace(trace)) for _, trace, calibration in runs]
+    measured_runs, predicted_runs = [r["decode_tok_per_s"] for r, _, _ in runs], [sim.tok_per_s for sim in sims]
+    middle = int(np.argsort(measured_runs)[len(runs) // 2])
+    report, sim = runs[middle][0], sims[middle]  # the median run and the prediction from its own calibration and trace
+    measured, predicted = float(np.median(measured_runs)), float(np.median(predicted_runs))
+    return {"layout": name, "measured_tok_per_s": measured, "runs_tok_per_s": measured_runs, "predicted_runs_tok_per_s": predicted_runs,
+            "predicted_tok_per_s": predicted, "tok_per_s_error": predicted / measured - 1,
             "measured_hit_rate": report["hit_rate"], "predicted_hit_rate": sim.hit_rate, "hit_rate_pp": 100 * (sim.hit_rate - report["hit_rate"]),
             "measured_ms_per_token": report["ms_per_token"], "predicted_ms_per_token": sim.prediction.ms_per_token}
 
@@ -123,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", choices=["small", "medium"])
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5, help="measured runs per layout (interleaved); the median is kept")
+    parser.add_argument("--repeats", type=int, default=5, help="calibrations and measured runs per layout (interleaved); medians are kept")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "predict_vs_measure")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for calibrate and run alike")
     args = parser.parse_args()
@@ -131,6 +134,7 @@ def main() -> None:
     import torch
 
     from moetier.cli import cached_synthetic
+    from moetier.config import load_layout
     from moetier.model import open_checkpoint
 
     model = cached_synthetic("qwen3_moe", args.preset)
@@ -145,14 +149,17 @@ def main() -> None:
             paths[name].write_text(text)
             moetier("calibrate", "--layout", paths[name], "--model", model, "--threads", args.threads)
         runs: dict[str, list] = {name: [] for name in paths}
+        written = {name: load_layout(path).relative(load_layout(path).scheduler.calibration) for name, path in paths.items()}
         run = lambda path, trace: json.loads(moetier("run", "--layout", path, "--model", model, "--json", "--trace", trace,  # noqa: E731
                                                      "--max-new-tokens", args.tokens, "--prompt-ids", "1", "--threads", args.threads))
         for name, path in paths.items():  # warm-up: page cache, worker
             run(path, args.out / "warmup.npz")
         for index in range(args.repeats):  # layouts interleaved, so a busy spell hits all of them
             for name, path in paths.items():
-                trace = args.out / f"{path.stem}.{index}.npz"
-                runs[name].append((run(path, trace), trace))
+                trace, calibration = args.out / f"{path.stem}.{index}.npz", args.out / f"{path.stem}.{index}.calibration.json"
+                moetier("calibrate", "--layout", path, "--model", model, "--threads", args.threads)  # the run plans with it too
+                shutil.copyfile(written[name], calibration)
+                runs[name].append((run(path, trace), trace, calibration))
     finally:
         worker.terminate()
         worker.wait()
