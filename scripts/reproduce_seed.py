@@ -234,15 +234,20 @@ STEPS = {"tokens_per_pass": 0.05, "cpu_efficiency": 0.03, "attention_us_per_laye
 BOUNDS = {"tokens_per_pass": (1.0, ROWS_PER_PASS), "cpu_efficiency": (0.05, 1.0), "affinity_hit_rate": (HIT_BIAS, 0.999)}
 
 
+def errors(model: dict) -> dict[str, float]:
+    """Each figure's relative error against the seed: model / seed - 1."""
+    return {key: model[key] / seed - 1 for key, _, seed, _ in SEED}
+
+
 def misfit(f: dict, passes: int = 300) -> tuple[float, dict]:
     """The largest |log(model / seed)| over the table, smoothed as a 16-norm (what the fit minimises), and the errors."""
-    model, _ = predict(f, passes)
-    errors = {key: model[key] / seed - 1 for key, _, seed, _ in SEED}
-    return float((np.abs(np.log1p(list(errors.values()))) ** 16).sum() ** (1 / 16)), errors
+    error = errors(predict(f, passes)[0])
+    return float((np.abs(np.log1p(list(error.values()))) ** 16).sum() ** (1 / 16)), error
 
 
-def fit(start: dict, iterations: int) -> tuple[dict, float, dict]:
-    """Nelder-Mead from `start` over its keys (positive, within BOUNDS); returns the best set, its misfit, its errors."""
+def fit(start: dict, iterations: int) -> tuple[dict, float, dict, float]:
+    """Nelder-Mead from `start` over its keys (positive, within BOUNDS) -> the best set, its misfit, its errors, and
+    the start's misfit."""
     keys = list(start)
 
     def cost(x: np.ndarray) -> float:
@@ -254,6 +259,7 @@ def fit(start: dict, iterations: int) -> tuple[dict, float, dict]:
     simplex = [np.array([start[k] for k in keys], float)]
     simplex += [simplex[0] + STEPS[k] * np.eye(len(keys))[i] for i, k in enumerate(keys)]
     values = [cost(x) for x in simplex]
+    start_misfit = values[0]
     for iteration in range(iterations):
         order = np.argsort(values)
         simplex, values = [simplex[i] for i in order], [values[i] for i in order]
@@ -276,8 +282,7 @@ def fit(start: dict, iterations: int) -> tuple[dict, float, dict]:
                 values = [values[0]] + [cost(x) for x in simplex[1:]]
         print(f"iteration {iteration + 1}: misfit {min(values):.4f}", file=sys.stderr, flush=True)
     best = dict(zip(keys, simplex[int(np.argmin(values))].tolist()))
-    value, errors = misfit(best)
-    return best, value, errors
+    return best, *misfit(best), start_misfit
 
 
 def _save(fig, path: Path) -> str:
@@ -295,10 +300,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=150, help="with --fit: Nelder-Mead iterations (default 150)")
     args = parser.parse_args()
     if args.fit:
-        before = misfit(FITTED)[0]
-        best, value, errors = fit(FITTED, args.iterations)
-        print(json.dumps({"start_misfit": before, "misfit": value, "fitted": best, "errors": errors,
-                          "within_10_percent": sum(abs(e) <= 0.10 for e in errors.values())}))
+        best, value, error, before = fit(FITTED, args.iterations)
+        print(json.dumps({"start_misfit": before, "misfit": value, "fitted": best, "errors": error,
+                          "within_10_percent": sum(abs(e) <= 0.10 for e in error.values())}))
         return
     target = LAYOUT.parent / "i7-i5.calibration.json"
     if args.write_calibration:
@@ -309,8 +313,8 @@ def main() -> None:
         raise SystemExit(f"{LAYOUT}: [scheduler].budget_us differs from FITTED['skip_budget_us']")
     started = time.perf_counter()
     model, extra = predict()
-    rows = [{"key": key, "what": what, "unit": unit, "seed": seed, "model": model[key], "error": model[key] / seed - 1}
-            for key, what, seed, unit in SEED]
+    error = errors(model)
+    rows = [{"key": key, "what": what, "unit": unit, "seed": seed, "model": model[key], "error": error[key]} for key, what, seed, unit in SEED]
     summary = {"rows": rows, "figures": len(rows), "free_parameters": len(FITTED), "fitted": FITTED,
                "inputs": {"hit_rate_bias": HIT_BIAS, "hit_rate_plain": HIT_PLAIN, "hit_rate_helper_cache": HIT_HELPER},
                "checks": extra, "within_10_percent": sum(abs(r["error"]) <= 0.10 for r in rows),
