@@ -143,13 +143,14 @@ def main() -> None:
     np.save(args.out / "flat.npy", np.ones((len(spec.moe_layers), spec.num_experts)))
     worker, port, rtt_us = start_worker(model, 1)
     try:
-        paths = {}
+        paths, written = {}, {}  # layout name -> its toml, the calibration file calibrate writes for it
         for name, text in layouts(spec.num_experts, spec.num_layers, port, rtt_us).items():
             paths[name] = args.out / f"{text.splitlines()[0].split(chr(34))[1]}.toml"
             paths[name].write_text(text)
+            layout = load_layout(paths[name])
+            written[name] = layout.relative(layout.scheduler.calibration)
             moetier("calibrate", "--layout", paths[name], "--model", model, "--threads", args.threads)
         runs: dict[str, list] = {name: [] for name in paths}
-        written = {name: load_layout(path).relative(load_layout(path).scheduler.calibration) for name, path in paths.items()}
         run = lambda path, trace: json.loads(moetier("run", "--layout", path, "--model", model, "--json", "--trace", trace,  # noqa: E731
                                                      "--max-new-tokens", args.tokens, "--prompt-ids", "1", "--threads", args.threads))
         for name, path in paths.items():  # warm-up: page cache, worker

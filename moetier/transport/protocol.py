@@ -429,8 +429,7 @@ def _tensors(header: dict, raw: memoryview, at: int, frames: list, cls: type[Mes
         if index and buffers[index].nbytes != nbytes:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{name}.{field_name}: frame of {buffers[index].nbytes} bytes for "
                                 f"{DTYPE_NAMES[dtype]} {shape} ({nbytes} bytes)")
-    return [_view(buffers[index][offset : offset + nbytes] if index == 0 else buffers[index], dtype, shape)
-            for dtype, shape, nbytes, index, offset in places]
+    return [_view(buffers[index][offset : offset + nbytes], dtype, shape) for dtype, shape, nbytes, index, offset in places]
 
 
 def _view(buffer: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
