@@ -44,9 +44,10 @@ def spin_us() -> float:
     return float(os.environ.get("MOETIER_REMOTE_SPIN_US", "1000"))
 
 
-def _libzmq() -> str | None:
-    """The file of the libzmq this process loaded for pyzmq, or None (linked statically, or not Linux)."""
-    import zmq.backend  # noqa: F401  (loads libzmq)
+def loaded_library(prefix: str = "libzmq") -> str | None:
+    """The file of the library named prefix* that this process loaded for pyzmq (libzmq; libsodium, which its
+    CURVE calls), or None (linked statically, or not Linux)."""
+    import zmq.backend  # noqa: F401  (loads libzmq, and libsodium with it)
 
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -54,7 +55,7 @@ def _libzmq() -> str | None:
         return None
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and os.path.basename(fields[5]).startswith("libzmq"):
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith(prefix):
             return fields[5]
     return None
 
@@ -91,7 +92,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    libzmq = _libzmq()
+    libzmq = loaded_library()
     if libzmq is None:
         return None, "off: pyzmq's libzmq is not a shared library in this process (Python transport)"
     lib, path, why = native.library("wire", native.STRICT_FLAGS, (libzmq, f"-Wl,-rpath,{os.path.dirname(libzmq)}"))
