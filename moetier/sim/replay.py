@@ -23,7 +23,7 @@ import numpy as np
 
 from moetier.sim.traces import RoutingTrace
 from moetier.tiers.policies import ResidencyPolicy, make_policy
-from moetier.tiers.residency import _cache_state, _library
+from moetier.tiers.residency import cache_state, residency_library
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,7 +241,7 @@ class _BeladyOracle(ResidencyPolicy):
         self._t = 0
         super().__init__(L, num_experts, slots)
         self.admit_all = not bypass
-        self.native = native and _library() is not None
+        self.native = native and residency_library() is not None
         self._key[:, : first.shape[1]] = -first  # never-used experts keep _NEVER (< -T)
         if prefilled:  # start from the best possible content: the experts needed first
             for layer in range(L):
@@ -260,12 +260,12 @@ class _BeladyOracle(ResidencyPolicy):
         """In C (csrc/residency.c, belady_block) where it builds, with the same hits: one call per block."""
         if not self.native:
             return super().access_block(picks)
-        lib = _library()
+        lib = residency_library()
         picks = np.ascontiguousarray(picks, dtype=np.int64)
         n, _, k = picks.shape
         nxt = np.ascontiguousarray(self._next[self._t : self._t + n], dtype=np.int64)
         hit = np.empty(picks.shape, np.bool_)
-        state = _cache_state(self)
+        state = cache_state(self)
         if lib.belady_block(ctypes.addressof(state), n, picks.ctypes.data, nxt.ctypes.data, k, int(not self.admit_all),
                             hit.ctypes.data) < 0:
             raise ValueError(f"belady: picks must be expert ids in [0, {self.num_experts}), k <= 256")

@@ -30,7 +30,7 @@ _NEVER = -(1 << 62)  # int key of an expert never accessed
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def residency_library() -> ctypes.CDLL | None:
     """csrc/residency.c, built with IEEE arithmetic as written (its decisions equal the numpy paths'), or None."""
     lib = library("residency", STRICT_FLAGS)[0]
     if lib is not None:
@@ -259,7 +259,7 @@ class ResidencyPolicy:
         """
         m, width = cand.shape[1], victim_key.shape[1]
         lr = np.arange(len(rows))[:, None]  # [R, 1] local row index
-        vslot, vkey = _lowest(victim_key, min(m, width), lr, self._hi)  # [R, n] ascending
+        vslot, vkey = lowest_keys(victim_key, min(m, width), lr, self._hi)  # [R, n] ascending
         n = min(m, width)
         corder = np.argsort(cand_key, axis=1, kind="stable")[:, ::-1][:, :n]  # [R, n] best first
         ckey, cexp = cand_key[lr, corder], cand[lr, corder]
@@ -276,7 +276,7 @@ class ResidencyPolicy:
         self.uploads += np.bincount(rr, minlength=self.num_layers)
 
 
-def _lowest(key: np.ndarray, n: int, lr: np.ndarray, hi, scratch: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def lowest_keys(key: np.ndarray, n: int, lr: np.ndarray, hi, scratch: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(columns, keys) [R, n] of the n lowest keys per row of key [R, W], ascending; equal keys: the
     lower column first (as csrc/residency.c breaks them, so Belady's ties fall alike in both).
 
@@ -295,7 +295,7 @@ def _lowest(key: np.ndarray, n: int, lr: np.ndarray, hi, scratch: bool = False) 
     return col, key[lr, col]
 
 
-def _add_counts(table: np.ndarray, cells: np.ndarray) -> None:
+def add_counts(table: np.ndarray, cells: np.ndarray) -> None:
     """table[cells] += 1 for every occurrence (bincount when the table is small: ufunc.at is ~60 ns a cell)."""
     if table.size <= 4 * len(cells) or table.size <= 1 << 20:
         table += np.bincount(cells, minlength=table.size)
@@ -328,7 +328,7 @@ class _CacheState(ctypes.Structure):
         (name, ctypes.c_void_p) for name in ("slots", "slot_of", "key", "clock", "uploads")]
 
 
-def _cache_state(policy: ResidencyPolicy) -> _CacheState:
+def cache_state(policy: ResidencyPolicy) -> _CacheState:
     """The C view of a policy with int64 keys (its arrays are only ever updated in place)."""
     assert policy._key.dtype == np.int64
     return _CacheState(policy.num_layers, policy.num_experts, policy._slots.shape[1], *(a.ctypes.data for a in (
@@ -348,11 +348,11 @@ class _ScalarAccess(ResidencyPolicy):
 
     def __init__(self, num_layers, num_experts, capacity, profile=None, native: bool = True):
         super().__init__(num_layers, num_experts, capacity, profile)
-        lib = _library() if native else None
+        lib = residency_library() if native else None
         self.native_touch = lib is not None
         if lib is not None:
             E = self.num_experts
-            self._state = _cache_state(self)
+            self._state = cache_state(self)
             self._touch_c = functools.partial(lib.admit_all_touch, ctypes.addressof(self._state))
             self._picks, self._out = (ctypes.c_int64 * E)(), (ctypes.c_int64 * (3 + 2 * E))()
 

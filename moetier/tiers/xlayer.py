@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from moetier.tiers.residency import ResidencyPolicy, _add_counts, _library, _lowest
+from moetier.tiers.residency import ResidencyPolicy, add_counts, residency_library, lowest_keys
 
 
 class _State(ctypes.Structure):
@@ -82,7 +82,7 @@ class CrossLayerPolicy(ResidencyPolicy):
     # -- the C path (csrc/residency.c): the same decisions, ~50x faster ------------------------
     def _bind(self, context: int | None):
         """The C state over this policy's arrays (they are only ever updated in place), or None without the library."""
-        lib = _library()
+        lib = residency_library()
         if lib is None or self.budget > 256:
             return None
         L, E = self.num_layers, self.num_experts
@@ -220,8 +220,8 @@ class CrossLayerPolicy(ResidencyPolicy):
         if len(pre):  # integer counts: adding them all at once gives the same floats
             E, before, after = self.num_experts, picks[:, pred, self.context], picks[:, sel]  # [n, R, c], [n, R, k]
             cell = ((pre[None, :, None, None] * E + before[..., :, None]) * E + after[..., None, :]).ravel()
-            _add_counts(self._pair.reshape(-1), cell)
-            _add_counts(self._seen.reshape(-1), (pre[None, :, None] * E + before).ravel())
+            add_counts(self._pair.reshape(-1), cell)
+            add_counts(self._seen.reshape(-1), (pre[None, :, None] * E + before).ravel())
         for token in picks:  # the decayed frequencies: same float steps as access_all
             self._count(self._rows, self._ri, token)
 
@@ -272,7 +272,7 @@ class CrossLayerPolicy(ResidencyPolicy):
         col = np.minimum(slots, E)  # [R, W] padding slots read (and write) the empty column
         victim_key = np.where(slots > E, self._hi, score[lr, col])  # [R, W]
         score[lr, col] = self._lo  # residents are not candidates
-        cand, cand_key = _lowest(np.negative(score, out=score), min(self.budget, E), lr, np.inf, scratch=True)  # [R, b] best non-residents
+        cand, cand_key = lowest_keys(np.negative(score, out=score), min(self.budget, E), lr, np.inf, scratch=True)  # [R, b] best non-residents
         cand_key = -cand_key
         cand_key[cand_key <= 0] = self._lo  # no evidence at all: no upload
         self._admit(rows, cand, cand_key, victim_key, forced=False)
