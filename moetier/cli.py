@@ -199,7 +199,7 @@ def score(
     """Teacher-forced logits for every position of a sequence."""
     from moetier.engine import score as score_ids
 
-    token_ids = _load_ids(ids)
+    token_ids = load_ids(ids)
     engine, runtime = _open_engine(model, backend, device, threads, layout)
     try:
         apply_router_options(engine, bias, affinity, bias_mode)
@@ -214,7 +214,8 @@ def score(
     console.print(f"wrote logits {list(logits.shape)} float32 to {out}", highlight=False)
 
 
-def _load_ids(path: Path) -> np.ndarray:
+def load_ids(path: Path) -> np.ndarray:
+    """Token ids [T] int64 from a .npy file ([T] or [1, T], any integer dtype); a bad file is a UsageError naming it."""
     try:
         ids = np.load(path, allow_pickle=False)
     except FileNotFoundError:

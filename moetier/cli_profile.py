@@ -202,14 +202,14 @@ def register(app: typer.Typer) -> None:
            floor: bool = typer.Option(True, help="run the candidate twice for the run-to-run floor"),
            as_json: bool = typer.Option(False, "--json")):
         """Teacher-forced KL(plain || candidate): pooled, per phase and token family, top-1 agreement, floor."""
-        from moetier.cli import _load_ids
+        from moetier.cli import load_ids
         from moetier.profile.kl import Candidate, measure_kl
         from moetier.profile.sessions import requests_from_ids
 
         if (sessions is None) == (ids is None):
             raise UsageError("kl needs exactly one of --sessions S.jsonl or --ids F.npy")
         checkpoint = _model(model)
-        requests = _requests(checkpoint, sessions) if sessions else requests_from_ids(_load_ids(ids), "all", str(ids))
+        requests = _requests(checkpoint, sessions) if sessions else requests_from_ids(load_ids(ids), "all", str(ids))
         candidate = Candidate(bias, affinity, bias_mode, affinity_prefill, layout, stepwise)
         with _progress() as bar:
             task = bar.add_task("scoring", total=len(requests) * (2 if floor else 1))
