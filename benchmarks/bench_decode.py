@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetier.backends.torch_backend import TorchBackend  # noqa: E402
 from moetier.calibrate import copy_bandwidth_bytes_per_s  # noqa: E402
-from moetier.cli import cached_synthetic  # noqa: E402
+from moetier.model.builtin import cached_synthetic  # noqa: E402
 from moetier.engine import Engine, generate  # noqa: E402
 from moetier.model import open_checkpoint  # noqa: E402
 from moetier.model.synth import sample_session  # noqa: E402

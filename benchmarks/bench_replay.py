@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetier.sim import RoutingTrace, belady, from_flame, replay, synthetic_trace  # noqa: E402
-from moetier.tiers.policies import make_policy  # noqa: E402
+from moetier.residency import make_policy  # noqa: E402
 
 TRACES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 FLAME = "flame_moe_290m_prefill_4x512_layers2-9.npz"

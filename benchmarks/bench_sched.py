@@ -36,15 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetier.backends import Backend, BackendCaps  # noqa: E402
 from moetier.calibrate import copy_bandwidth_bytes_per_s  # noqa: E402
-from moetier.cli import cached_synthetic  # noqa: E402
+from moetier.model.builtin import cached_synthetic  # noqa: E402
 from moetier.config import load_layout  # noqa: E402
 from moetier.engine import generate  # noqa: E402
-from moetier.engine.layout_runtime import build_runtime  # noqa: E402
+from moetier.engine.runtime import build_runtime  # noqa: E402
 from moetier.engine.timing import StepTimes  # noqa: E402
 from moetier.model import open_checkpoint  # noqa: E402
 from moetier.tiers.base import ExpertJob  # noqa: E402
 from moetier.tiers.cpu import CpuTier  # noqa: E402
-from moetier.tiers.host import HostExperts  # noqa: E402
+from moetier.tiers.host_experts import HostExperts  # noqa: E402
 
 LAYOUT = """
 [[devices]]

@@ -8,7 +8,7 @@ in its own process, one CPU thread each:
           expert has zero width (I = 0: y = 0 after no arithmetic): the whole
           protocol — header, x/rows/weights, validation, sessions, dispatch to
           the native kernel, reply — minus expert math. Both ends take the C
-          fast path (transport/fast.py), as a decode step does
+          fast path (transport/wire.py), as a decode step does
   run-py  the same with native=False at both ends: every message in Python
   tier    RemoteTier.submit(...).result() on the same worker: run + the tier's
           packing of jobs and its future (what the engine pays)
@@ -56,7 +56,7 @@ from moetier.model.checkpoint import ExpertWeights  # noqa: E402
 from moetier.tiers.base import ExpertJob  # noqa: E402
 from moetier.transport import protocol as P  # noqa: E402
 from moetier.transport.client import WorkerClient  # noqa: E402
-from moetier.transport.fast import loaded_library  # noqa: E402
+from moetier.transport.wire import loaded_library  # noqa: E402
 from moetier.transport.keys import generate, make_client, make_server  # noqa: E402
 
 SIZES = (2048, 4096, 5120)

@@ -159,7 +159,7 @@ def lane_fit(calls: list[tuple[int, float]], streaming_us: float) -> tuple[float
 
 
 def measure(layout_path: Path | None, model: Path | None, out: Path | None, threads: int | None) -> tuple[Calibration, Path]:
-    from moetier.cli import builtin_model
+    from moetier.model.builtin import builtin_model
     from moetier.config import load_layout
 
     if threads is not None:
@@ -189,7 +189,7 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
         # calibrated run will make: planned with the streaming rates first, then again with the
         # rates each decode measured (keeping those a pass had no sample of), until two passes
         # in a row serve the same shares per tier (a fixed point), at most CALIBRATION_PASSES.
-        from moetier.engine.layout_runtime import build_runtime
+        from moetier.engine.runtime import build_runtime
 
         link_rtt_us = {t.name: layout.link(t.link).rtt_us for t in layout.tiers if t.kind == "remote" and t.link}
         calibration, shares = streaming, None

@@ -133,7 +133,7 @@ def main() -> None:
 
     import torch
 
-    from moetier.cli import cached_synthetic
+    from moetier.model.builtin import cached_synthetic
     from moetier.config import load_layout
     from moetier.model import open_checkpoint
 

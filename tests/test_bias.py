@@ -15,13 +15,14 @@ from hypothesis.extra.numpy import arrays
 from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
-from moetier.cli import app
+from moetier.cli.app import app
 from moetier.config import ConfigError, load_layout
 from moetier.engine import Engine, generate, route, score
-from moetier.engine.layout_runtime import build_runtime
+from moetier.engine.runtime import build_runtime
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
-from moetier.profile.bias import BiasError, apply_router_options, build_table, check_hard_mask, load_table, penalties
+from moetier.engine.router_bias import BiasError, apply_router_options, load_table
+from moetier.profile.bias import build_table, check_hard_mask, penalties
 from moetier.profile.brightness import profile_requests
 from moetier.profile.sessions import load_sessions, write_example_sessions
 from layouts import cache_layout

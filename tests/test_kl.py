@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from moetier.cli import app
+from moetier.cli.app import app
 from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from moetier.backends import ExpertWork, native
+from moetier.backends import ExpertWork, cpu_kernels
 from moetier.backends.numpy_backend import NumpyBackend
 from moetier.backends.torch_backend import TorchBackend
 from moetier.model import ExpertWeights
 
-needs_kernel = pytest.mark.skipif(native.decode_kernel() is None, reason=f"native kernel {native.status()}")
+needs_kernel = pytest.mark.skipif(cpu_kernels.decode_kernel() is None, reason=f"native kernel {cpu_kernels.status()}")
 
 
 def experts_of(dim: int, inter: int, count: int, seed: int) -> list[ExpertWeights]:
@@ -70,7 +70,7 @@ def test_lanes_split_the_group_and_sum_the_same():
 
 PROBE = """
 import json, torch
-from moetier.backends import native
+from moetier.backends import cpu_kernels
 from moetier.backends.torch_backend import TorchBackend
 from moetier.backends.numpy_backend import NumpyBackend
 from moetier.backends import ExpertWork
@@ -79,8 +79,8 @@ w = ExpertWeights(torch.ones(6, 4) * 0.1, torch.ones(4, 3) * 0.1)
 row = torch.zeros(1, dtype=torch.int64)
 x = torch.ones(1, 4)
 out = [b.run_experts(x, [ExpertWork(b.place(w), row, torch.tensor([0.5]))]) for b in (TorchBackend("cpu"), NumpyBackend())]
-print(json.dumps({"status": native.status(), "on": native.decode_kernel() is not None,
-                  "path": str(native.decode_kernel().path) if native.decode_kernel() else None,
+print(json.dumps({"status": cpu_kernels.status(), "on": cpu_kernels.decode_kernel() is not None,
+                  "path": str(cpu_kernels.decode_kernel().path) if cpu_kernels.decode_kernel() else None,
                   "diff": (out[0] - out[1]).abs().max().item()}))
 """
 
@@ -125,8 +125,8 @@ def test_native_lane_computes_what_the_kernel_computes(threads):
     identical from call to call whatever the threads' timing."""
     experts = experts_of(37, 13, 7, seed=threads)
     x, scales = torch.randn(1, 37), torch.rand(7).tolist()
-    expected = native.decode_kernel().run(x, experts, scales)
-    lane = native.NativeLane(native.decode_kernel(), threads)
+    expected = cpu_kernels.decode_kernel().run(x, experts, scales)
+    lane = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), threads)
     try:
         addresses, floats = lane_call(experts, scales)
         results = [lane.submit(x, addresses, floats, 13) for _ in range(lane.SLOTS)]
@@ -143,7 +143,7 @@ def test_native_lane_computes_what_the_kernel_computes(threads):
 def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say_so():
     experts = experts_of(16, 8, 3, seed=1)
     x, (addresses, floats) = torch.randn(1, 16), lane_call(experts, [1.0, 0.5, 0.25])
-    lane = native.NativeLane(native.decode_kernel(), 1)
+    lane = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), 1)
     try:
         for _ in range(3 * lane.SLOTS):  # dropped at once: each slot is freed when its call is done
             lane.submit(x, addresses, floats, 8)
@@ -160,7 +160,7 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
     finally:
         lane.close()
         lane.close()  # idempotent
-    forked = native.NativeLane(native.decode_kernel(), 1)
+    forked = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), 1)
     child = os.fork()
     if child == 0:  # the lane's threads stayed in the parent: queuing must refuse, not hang
         try:
@@ -171,7 +171,7 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
     assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
     assert torch.equal(forked.submit(x, addresses, floats, 8).result(), expected)  # the parent's lane still works
     forked.close()
-    other = native.NativeLane(native.decode_kernel(), 1)
+    other = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), 1)
     pending = other.submit(x, addresses, floats, 8)
     other.close()  # finishes the queued call, but its result went with the lane
     with pytest.raises(RuntimeError, match="closed before this call was collected"):
@@ -181,11 +181,11 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
 @needs_kernel
 def test_cpu_lane_decodes_on_the_native_lane_as_its_python_threads_would():
     """A decode call (DecodeJobs or ExpertJobs) takes the native lane; its result is the backend's."""
-    from moetier.engine.router import DecodeJobs, ExpertJob
+    from moetier.tiers.base import DecodeJobs, ExpertJob
     from moetier.model.synth import write_synthetic
     from moetier.model import open_checkpoint
     from moetier.tiers.cpu import CpuTier
-    from moetier.tiers.host import HostExperts
+    from moetier.tiers.host_experts import HostExperts
 
     import tempfile
     from collections import deque

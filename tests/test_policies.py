@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moetier.tiers.policies import POLICIES, make_policy
+from moetier.residency import POLICIES, make_policy
 
 PROFILED = {"static", "lru", "lfu", "xlayer"}
 VARIANTS = [("static", {}), ("lru", {}), ("lfu", {}), ("xlayer", {}), ("xlayer", {"budget": 0}), ("xlayer", {"budget": 3}),
             ("xlayer", {"native": False}), ("xlayer", {"budget": 3, "context": 1, "native": False}),
-            ("lru", {"native": False}), ("lfu", {"native": False})]  # native=False: the paths without csrc/residency.c
+            ("lru", {"native": False}), ("lfu", {"native": False})]  # native=False: the paths without residency.c
 
 
 def distinct_picks(rng: np.random.Generator, tokens: int, layers: int, experts: int, k: int, skew: float = 1.0) -> np.ndarray:
@@ -247,7 +247,7 @@ needs_c = pytest.mark.skipif(not make_policy("xlayer", 1, 2, 1).native, reason="
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=streams(), prefill=st.integers(0, 3))
 def test_xlayer_in_c_makes_the_numpy_decisions(options, stream, prefill):
-    """csrc/residency.c and the numpy path, step for step: a prefill of `prefill` rows, tokens by access,
+    """residency.c and the numpy path, step for step: a prefill of `prefill` rows, tokens by access,
     touch and touch_next in turn, then by access_all -> the same hits, changes, resident sets, uploads and history, bit for bit."""
     picks, *_ = stream
     tokens, layers, _ = picks.shape

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from moetier.cli import app
+from moetier.cli.app import app
 from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
@@ -104,7 +104,7 @@ def test_brightness_gives_each_phase_an_equal_vote(tiny, sessions):
 def test_profile_refuses_a_biased_engine_and_no_votes(tiny):
     import torch
 
-    from moetier.engine.core import RouterBias
+    from moetier.engine.router_bias import RouterBias
 
     engine = Engine(open_checkpoint(tiny))
     with pytest.raises(ProfileError, match="no request votes"):

@@ -13,7 +13,7 @@ import pytest
 
 from moetier.sim import RoutingTrace, belady, from_flame, from_qwen15moe, load_counts, replay, replay_with_affinity, synthetic_trace
 from moetier.sim.replay import next_use, slots_for
-from moetier.tiers.policies import make_policy
+from moetier.residency import make_policy
 
 FLAME = "flame_moe_290m_prefill_4x512_layers2-9.npz"
 QWEN = "qwen15moe_gsm8k_layers_0_8_12_18_23.npz"
@@ -146,7 +146,7 @@ def test_replay_equals_online_real(policy, flame, qwen):
 
 @pytest.mark.parametrize("options", [{}, {"context": 2}])
 def test_xlayer_in_c_replays_the_numpy_hits_on_real_traces(options, flame, qwen):
-    """The whole FLAME trace and 1,000 tokens of Qwen1.5-MoE at 25%: csrc/residency.c gives the numpy path's hits, token by token."""
+    """The whole FLAME trace and 1,000 tokens of Qwen1.5-MoE at 25%: residency.c gives the numpy path's hits, token by token."""
     if not make_policy("xlayer", 1, 2, 1).native:
         pytest.skip("xlayer's C path did not build here")
     for trace in (flame, qwen.tokens(0, 1000)):
@@ -160,9 +160,9 @@ def test_xlayer_in_c_replays_the_numpy_hits_on_real_traces(options, flame, qwen)
 
 @pytest.mark.parametrize("bypass", [False, True])
 def test_belady_in_c_gives_the_numpy_hits_and_uploads(bypass, flame, qwen):
-    """csrc/residency.c's belady_block against the numpy oracle: random traces (ties included) and real ones."""
+    """residency.c's belady_block against the numpy oracle: random traces (ties included) and real ones."""
     if not make_policy("xlayer", 1, 2, 1).native:
-        pytest.skip("csrc/residency.c did not build here")
+        pytest.skip("residency.c did not build here")
     traces = [random_trace(seed, 200, 3, 16, 3, skew=seed / 2) for seed in range(4)] + [flame, qwen.tokens(0, 1500)]
     for trace in traces:
         for capacity in (0.25, 0.5):

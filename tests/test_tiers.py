@@ -9,8 +9,8 @@ import torch
 from moetier.config import load_layout
 from moetier.engine import Engine, generate, score
 from moetier.engine.core import Partials
-from moetier.engine.router import DecodeJobs
-from moetier.engine.layout_runtime import build_runtime
+from moetier.tiers.base import DecodeJobs
+from moetier.engine.runtime import build_runtime
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
 

@@ -32,11 +32,11 @@ from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
 from moetier.tiers.base import ExpertJob
 from moetier.tiers.cpu import CpuTier
-from moetier.tiers.host import HostExperts
+from moetier.tiers.host_experts import HostExperts
 from moetier.tiers.remote import RemoteTier
 from moetier.transport import protocol as P
 from moetier.transport.client import TransportError, WorkerClient
-from moetier.transport.commands import lan_speedup
+from moetier.sim.lan import lan_speedup
 from moetier.transport.keys import KeysError, check_listen, is_loopback
 from moetier.transport.worker import ExpertWorker
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
-from moetier.transport import fast
+from moetier.transport import wire
 from moetier.transport import protocol as P
 
 pytestmark = pytest.mark.slow
@@ -203,7 +203,7 @@ def test_worker_survives_generated_bad_input(tiny, worker):
     prober._fresh()
     prober.send(P.encode(1, P.Hello(checkpoint.fingerprint, "fuzz")), 5000)
     stats = P.decode_reply(prober.send(valid["stats"], 5000))[1].stats  # still serving
-    if fast.wire() is not None:  # the C loop stood in front of the Python decoder for these cases
+    if wire.wire() is not None:  # the C loop stood in front of the Python decoder for these cases
         assert stats.get("fast_runs", 0) >= 1, stats
     print(f"fuzz: {len(cases)} cases, {prober.stats}, RSS {baseline / 2**20:.0f} MiB -> +{grown_mb:.1f} MiB, "
           f"{stats.get('fast_runs', 0)} RUNs served in C")
@@ -216,7 +216,7 @@ CLIENT = textwrap.dedent("""
     from moetier.model import open_checkpoint
     from moetier.tiers.base import ExpertJob
     from moetier.tiers.cpu import CpuTier
-    from moetier.tiers.host import HostExperts
+    from moetier.tiers.host_experts import HostExperts
     from moetier.transport import protocol as P
     from moetier.transport.client import WorkerClient
 

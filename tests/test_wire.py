@@ -1,4 +1,4 @@
-"""The transport's C fast path (csrc/wire.c through transport/fast.py) against protocol.py, its judge.
+"""The transport's C fast path (transport/wire.c through transport/wire.py) against protocol.py, its judge.
 
 Parsing: for generated RUN and PING messages, well-formed and broken, the C
 parser accepts only what `protocol.decode_request` accepts, with the same
@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import threading
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -23,12 +22,12 @@ from hypothesis import strategies as st
 
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
-from moetier.transport import fast
+from moetier.transport import wire
 from moetier.transport import protocol as P
 from moetier.transport.client import WorkerClient
 from moetier.transport.worker import ExpertWorker, serve
 
-pytestmark = pytest.mark.skipif(fast.wire() is None, reason=f"transport fast path {fast.status()}")
+pytestmark = pytest.mark.skipif(wire.wire() is None, reason=f"transport fast path {wire.status()}")
 
 
 class TensorDesc(ctypes.Structure):  # wire.c's tensor_desc
@@ -38,13 +37,13 @@ class TensorDesc(ctypes.Structure):  # wire.c's tensor_desc
 class Header(ctypes.Structure):  # wire.c's header
     _fields_ = [("seen", ctypes.c_uint32), ("version", ctypes.c_int64), ("command", ctypes.c_int64), ("layer", ctypes.c_int64),
                 ("m", ctypes.c_int64), ("ncounts", ctypes.c_int64), ("id", ctypes.c_uint64), ("compute_us", ctypes.c_double),
-                ("experts", ctypes.c_int64 * fast.MAX_PICKS), ("counts", ctypes.c_int64 * fast.MAX_PICKS), ("nt", ctypes.c_int64),
+                ("experts", ctypes.c_int64 * wire.MAX_PICKS), ("counts", ctypes.c_int64 * wire.MAX_PICKS), ("nt", ctypes.c_int64),
                 ("t", TensorDesc * 3), ("offset", ctypes.c_int64 * 3)]
 
 
 def c_parse(frame: bytes, kind: type[P.Message], limit: int = 2**20) -> Header | None:
     out = Header()
-    parse = fast.wire().wire_parse_run if kind is P.Run else fast.wire().wire_parse_ping
+    parse = wire.wire().wire_parse_run if kind is P.Run else wire.wire().wire_parse_ping
     return out if parse(frame, len(frame), limit, ctypes.byref(out)) else None
 
 
@@ -125,15 +124,15 @@ def test_c_parser_accepts_only_what_python_accepts_with_the_same_fields(message)
         assert tuple(c.experts[: c.m]) == request.experts and tuple(c.counts[: c.m]) == request.counts
         tensors = (request.x, request.rows, request.weights)
     for i, tensor in enumerate(tensors):
-        assert fast.DTYPE_CODES[tensor.dtype] == c.t[i].dtype and list(tensor.shape) == list(c.t[i].dims[: c.t[i].ndim])
+        assert wire.DTYPE_CODES[tensor.dtype] == c.t[i].dtype and list(tensor.shape) == list(c.t[i].dims[: c.t[i].ndim])
         start = c.offset[i]
         assert frames[0][start : start + c.t[i].nbytes] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_constants_and_a_large_run_defers():
-    lib = fast.wire()
+    lib = wire.wire()
     assert [lib.wire_constant(i) for i in range(7)] == [P.PROTOCOL_VERSION, P.MAX_HEADER_BYTES, P.INLINE_MAX_BYTES, P.MAX_DIM,
-                                                        int(P.Command.RUN), int(P.Command.PING), fast.MAX_PICKS]
+                                                        int(P.Command.RUN), int(P.Command.PING), wire.MAX_PICKS]
     big = P.Run(0, (1,), (1,), torch.zeros(1, P.INLINE_MAX_BYTES // 4), torch.zeros(1, dtype=torch.int32), torch.ones(1))
     frames = P.encode(3, big)
     assert len(frames) == 2 and c_parse(frames[0], P.Run, 2**24) is None and py_decode(frames, 2**24) is not None

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from moetier.backends import native
+from moetier.backends import cpu_kernels
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.model.checkpoint import ExpertWeights
 
@@ -66,7 +66,7 @@ class TorchBackend(Backend):
         cpu = self.torch_device.type == "cpu"
         self.lanes = max(1, lanes if lanes is not None else 1)
         self._native_asked = native_kernel
-        self._kernel = native.decode_kernel() if cpu and native_kernel else None
+        self._kernel = cpu_kernels.decode_kernel() if cpu and native_kernel else None
         self._decode = _decode_experts if self._kernel is None else self._kernel.run
         self._pool = None
         if cpu and self.lanes > 1:  # the lane threads' kernels are single-threaded (set once per thread)
@@ -103,12 +103,12 @@ class TorchBackend(Backend):
             out += future.result()
         return out
 
-    def decode_kernel(self) -> "native.DecodeKernel | None":
+    def decode_kernel(self) -> "cpu_kernels.DecodeKernel | None":
         return self._kernel if self._pool is None else None  # several lanes sum in another order
 
-    def native_lane(self, threads: int) -> "native.NativeLane | None":
+    def native_lane(self, threads: int) -> "cpu_kernels.NativeLane | None":
         """A native lane of `threads` threads over this backend's kernel (None without the kernel)."""
-        return native.NativeLane(self._kernel, threads) if self._kernel is not None else None
+        return cpu_kernels.NativeLane(self._kernel, threads) if self._kernel is not None else None
 
     def describe(self) -> str:
         if self.torch_device.type != "cpu":
@@ -116,7 +116,7 @@ class TorchBackend(Backend):
         if self._kernel is not None:
             decode = "native kernel"
         else:
-            decode = f"torch ops; native kernel {native.status() if self._native_asked else 'not asked for'}"
+            decode = f"torch ops; native kernel {cpu_kernels.status() if self._native_asked else 'not asked for'}"
         return f"{super().describe()}, decode: {decode}" + (f", {self.lanes} lanes" if self.lanes > 1 else "")
 
     def close(self) -> None:

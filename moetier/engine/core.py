@@ -23,7 +23,9 @@ from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.base import ROW0
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
-from moetier.engine.router import ExpertJob, Route, route_gate
+from moetier.engine.router import Route, route_gate
+from moetier.engine.router_bias import RouterBias
+from moetier.tiers.base import ExpertJob
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
@@ -40,16 +42,6 @@ class Partials(NamedTuple):
 class ExpertExecutor(Protocol):
     def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         """x [T, D] and the layer's routing -> the gate-weighted sum of each token's experts."""
-
-
-@dataclass(frozen=True)
-class RouterBias:
-    """moetier's router nudges: a table [MoE layers, E] (zeros for none) and live-cache affinity."""
-
-    table: torch.Tensor  # [L_moe, E] float32, added to selection scores; -inf = never picked
-    damped: bool = False  # weights from the biased scores too
-    affinity: float = 0.0  # lambda added to the experts resident now
-    affinity_prefill: bool = False  # also during prefill (decode only by default)
 
 
 @dataclass(frozen=True)

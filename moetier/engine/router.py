@@ -14,13 +14,12 @@ products summed in another order) instead of about six torch ops.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from moetier.backends import native
-from moetier.backends.base import ROW0, decode_weights
+from moetier.backends import cpu_kernels
 from moetier.model.spec import ModelSpec
 
 
@@ -29,48 +28,6 @@ class Route(NamedTuple):  # a tuple: one per MoE layer per forward, on the hot p
     probs: torch.Tensor  # [T, E] softmax probabilities, or sigmoid scores for sigmoid routers
     picks: torch.Tensor  # [T, k] int64 expert ids
     weights: torch.Tensor  # [T, k] float32 gate weights applied to each pick
-
-
-class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot path
-    """One picked expert's share of a layer: the rows of x routed to it and their gate weights."""
-
-    expert: int
-    rows: torch.Tensor  # [n] int64 indices into x
-    weights: torch.Tensor  # [n] float32
-
-
-class DecodeJobs(Sequence[ExpertJob]):
-    """One token's jobs for one tier, as plain lists: `experts` and their gate weights `scales`.
-
-    A sequence of ExpertJob(expert, ROW0, weights [1]) like any other job list, but those tensors
-    are made only if a tier iterates it; a tier that reads `experts` and `scales` (the native CPU
-    lane, the remote client) never pays for k one-element tensors.
-    """
-
-    __slots__ = ("experts", "scales", "_jobs")
-
-    def __init__(self, experts: list[int], scales: list[float]):
-        self.experts, self.scales = experts, scales
-        self._jobs: list[ExpertJob] | None = None
-
-    def __len__(self) -> int:
-        return len(self.experts)
-
-    def __getitem__(self, index):
-        return self.jobs()[index]
-
-    def __iter__(self):
-        return iter(self.jobs())
-
-    def jobs(self) -> list[ExpertJob]:
-        if self._jobs is None:
-            self._jobs = list(map(ExpertJob, self.experts, (ROW0,) * len(self.experts), decode_weights(self.scales)))
-        return self._jobs
-
-
-def job_experts(jobs: Sequence[ExpertJob]) -> list[int]:
-    """The experts of a tier's jobs, in order (without making a DecodeJobs' tensors)."""
-    return jobs.experts if isinstance(jobs, DecodeJobs) else [job.expert for job in jobs]
 
 
 def _nudge(bias: torch.Tensor | None, affinity: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,7 +46,7 @@ def route_gate(
 ) -> Route:
     """x [T, D], gate [E, D] -> route(spec, x @ gate.T, ...), natively for one undamped token on the CPU."""
     if x.shape[0] == 1 and not damped and _host_f32(x) and _host_f32(gate) and spec.n_group <= 64:
-        kernel = native.decode_kernel()
+        kernel = cpu_kernels.decode_kernel()
         nudge = _nudge(bias, affinity)
         if kernel is not None and (correction_bias is None or _host_f32(correction_bias)) and (nudge is None or _host_f32(nudge)):
             return Route(*kernel.route(spec, gate, x, correction_bias, nudge))

@@ -96,12 +96,12 @@ def candidate_logits(engine, ids: np.ndarray, decode: bool) -> np.ndarray:
 def open_candidate(checkpoint, candidate: Candidate) -> Iterator[object]:
     """An engine (plain or over the candidate's layout) with the candidate's router options; closed after."""
     from moetier.engine import Engine
-    from moetier.profile.bias import apply_router_options
+    from moetier.engine.router_bias import apply_router_options
 
     runtime = None
     if candidate.layout is not None:
         from moetier.config import load_layout
-        from moetier.engine.layout_runtime import build_runtime
+        from moetier.engine.runtime import build_runtime
 
         runtime = build_runtime(load_layout(candidate.layout), checkpoint)
         engine = runtime.engine

@@ -80,8 +80,8 @@ def _vram_hit_rate(executor) -> float:
 
 def _run_arm(checkpoint, layout, requests, table_path, affinity, on_step) -> tuple[list[np.ndarray], float, float]:
     """(logits per request, VRAM hit rate, decode tok/s) of one arm over a fresh runtime."""
-    from moetier.engine.layout_runtime import build_runtime
-    from moetier.profile.bias import apply_router_options
+    from moetier.engine.runtime import build_runtime
+    from moetier.engine.router_bias import apply_router_options
 
     runtime = build_runtime(layout, checkpoint)
     try:
@@ -101,7 +101,7 @@ def _run_arm(checkpoint, layout, requests, table_path, affinity, on_step) -> tup
 
 def vram_slots(layout, checkpoint) -> int:
     """Expert slots per layer of the layout's first VRAM tier (the natural hot-set size)."""
-    from moetier.engine.layout_runtime import build_runtime
+    from moetier.engine.runtime import build_runtime
 
     runtime = build_runtime(layout, checkpoint)
     try:

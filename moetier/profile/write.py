@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetier.profile.bias import BiasError, load_table
+from moetier.engine.router_bias import BiasError, load_table
 
 CORRECTION = "mlp.gate.e_score_correction_bias"
 

@@ -24,7 +24,7 @@ from moetier.sched.plan import plan_layer
 from moetier.sim.critical_path import PartSpec, PassPrediction, TierLoad, predict_pass
 from moetier.sim.replay import belady, replay, replay_with_affinity
 from moetier.sim.traces import RoutingTrace
-from moetier.tiers.policies import make_policy
+from moetier.residency import make_policy
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Simulation:
                 "skipped_per_token": self.skipped_per_token, "passes": self.passes, "notes": self.notes}
 
 
-# -- what each tier holds (mirrors moetier.engine.layout_runtime) ------------------------
+# -- what each tier holds (mirrors moetier.engine.runtime) ------------------------
 def tier_layers(layout: Layout, shape: ModelShape) -> dict[str, list[int]]:
     """Model MoE layers each tier serves: a VRAM tier its device's parts, every other tier all of them."""
     served = {}

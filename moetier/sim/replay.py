@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from moetier.sim.traces import RoutingTrace
-from moetier.tiers.policies import ResidencyPolicy, make_policy
-from moetier.tiers.residency import cache_state, residency_library
+from moetier.residency import ResidencyPolicy, make_policy
+from moetier.residency.policies import cache_state, residency_library
 
 
 @dataclass(frozen=True, eq=False)
@@ -257,7 +257,7 @@ class _BeladyOracle(ResidencyPolicy):
         return key
 
     def access_block(self, picks):
-        """In C (csrc/residency.c, belady_block) where it builds, with the same hits: one call per block."""
+        """In C (residency.c, belady_block) where it builds, with the same hits: one call per block."""
         if not self.native:
             return super().access_block(picks)
         lib = residency_library()
@@ -278,7 +278,7 @@ def belady(trace: RoutingTrace, capacity: int | float | Sequence[int], bypass: b
     """Offline optimum: demand paging (every miss admitted, evicting the furthest next use among
     residents the token did not pick), or with `bypass` a miss is admitted only if it is needed
     again before some resident; `prefilled` starts from the best content instead of empty.
-    Runs in C where csrc/residency.c builds (`native=False`: numpy), with the same hits."""
+    Runs in C where residency.c builds (`native=False`: numpy), with the same hits."""
     slots = slots_for(capacity, trace.num_layers, trace.num_experts)
     if not bypass and (slots < trace.top_k).any():
         raise ValueError(f"belady without bypass needs capacity >= k = {trace.top_k} (the picks are needed together)")

@@ -12,12 +12,54 @@ engine decides the order of a step.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import torch
 
 from moetier.backends import Backend, ExpertWork
-from moetier.engine.router import DecodeJobs, ExpertJob
+from moetier.backends.base import ROW0, decode_weights
+
+
+class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot path
+    """One picked expert's share of a layer: the rows of x routed to it and their gate weights."""
+
+    expert: int
+    rows: torch.Tensor  # [n] int64 indices into x
+    weights: torch.Tensor  # [n] float32
+
+
+class DecodeJobs(Sequence[ExpertJob]):
+    """One token's jobs for one tier, as plain lists: `experts` and their gate weights `scales`.
+
+    A sequence of ExpertJob(expert, ROW0, weights [1]) like any other job list, but those tensors
+    are made only if a tier iterates it; a tier that reads `experts` and `scales` (the native CPU
+    lane, the remote client) never pays for k one-element tensors.
+    """
+
+    __slots__ = ("experts", "scales", "_jobs")
+
+    def __init__(self, experts: list[int], scales: list[float]):
+        self.experts, self.scales = experts, scales
+        self._jobs: list[ExpertJob] | None = None
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __getitem__(self, index):
+        return self.jobs()[index]
+
+    def __iter__(self):
+        return iter(self.jobs())
+
+    def jobs(self) -> list[ExpertJob]:
+        if self._jobs is None:
+            self._jobs = list(map(ExpertJob, self.experts, (ROW0,) * len(self.experts), decode_weights(self.scales)))
+        return self._jobs
+
+
+def job_experts(jobs: Sequence[ExpertJob]) -> list[int]:
+    """The experts of a tier's jobs, in order (without making a DecodeJobs' tensors)."""
+    return jobs.experts if isinstance(jobs, DecodeJobs) else [job.expert for job in jobs]
 
 
 def run_jobs(backend: Backend, x: torch.Tensor, jobs: Sequence[ExpertJob], placed: Callable[[int], Any]) -> torch.Tensor:

@@ -24,11 +24,10 @@ from typing import Sequence
 import torch
 
 from moetier.backends import Backend, get_backend
-from moetier.backends.native import DecodeKernel
-from moetier.engine.router import DecodeJobs, job_experts
-from moetier.tiers.base import ExpertJob, Tier, run_jobs
-from moetier.tiers.handoff import LaneThreads
-from moetier.tiers.host import HostExperts
+from moetier.backends.cpu_kernels import DecodeKernel
+from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts, run_jobs
+from moetier.tiers.host_experts import HostExperts
+from moetier.tiers.lane_threads import LaneThreads
 
 
 class CpuTier(Tier):

@@ -14,9 +14,8 @@ from typing import Mapping, Sequence
 import torch
 
 from moetier.backends.torch_backend import TorchBackend
-from moetier.engine.router import DecodeJobs
-from moetier.tiers.base import ExpertJob, Tier, run_jobs
-from moetier.tiers.host import HostExperts
+from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, run_jobs
+from moetier.tiers.host_experts import HostExperts
 from moetier.tiers.link import Link
 
 

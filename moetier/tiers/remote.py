@@ -27,9 +27,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from moetier.engine.router import DecodeJobs, job_experts
 from moetier.model.checkpoint import Checkpoint
-from moetier.tiers.base import ExpertJob, Tier
+from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts
 from moetier.tiers.cpu import CpuTier
 from moetier.transport.client import DeadlineError, RemoteError, ReplyFuture, TransportError, WorkerClient
 from moetier.transport.protocol import MAX_HEADER_BYTES, Load, Ping, Run

@@ -24,10 +24,9 @@ from typing import Callable, Sequence
 import torch
 
 from moetier.backends.torch_backend import TorchBackend
-from moetier.engine.router import job_experts
 from moetier.model.checkpoint import ExpertWeights
-from moetier.tiers.base import ExpertJob, Tier, run_jobs
-from moetier.tiers.host import HostExperts
+from moetier.tiers.base import ExpertJob, Tier, job_experts, run_jobs
+from moetier.tiers.host_experts import HostExperts
 from moetier.tiers.link import Link
 
 

@@ -9,7 +9,7 @@ wakes only when something is due, drains replies between calls, expires
 deadlines, PINGs an idle worker (heartbeat), and reconnects a suspect one with
 exponential backoff: a new socket, HELLO, then the session's setup requests
 (e.g. LOAD). A decode RUN is encoded and sent, and its reply read, in C when
-this machine has the fast path (transport/fast.py): the waiting thread makes
+this machine has the fast path (transport/wire.py): the waiting thread makes
 one call for each, and only other messages reach the Python decoder.
 Invariant: every future ends — with the reply, or with
 TransportError at its deadline (a future no thread waits on: by the
@@ -35,8 +35,8 @@ import zmq
 from zmq.backend import zmq_poll
 from zmq.utils.monitor import recv_monitor_message
 
-from moetier.transport.fast import DROPPED, OTHER, REPLY, FastClient, wire
-from moetier.transport.fast import spin_us as fast_spin_us
+from moetier.transport.wire import DROPPED, OTHER, REPLY, FastClient, wire
+from moetier.transport.wire import spin_us as fast_spin_us
 from moetier.transport.keys import make_client
 from moetier.transport.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, decode_reply, encode, send,

@@ -6,7 +6,7 @@ answers each RUN with the gate-weighted partial sum its backend computes. It
 serves any number of clients, one message at a time; each must HELLO (same
 protocol version, same model fingerprint) before LOAD, RUN, STATS or BYE.
 When the backend decodes with the native kernel (the torch backend on the
-CPU, one lane), `serve` receives in C (transport/fast.py): a PING, and a
+CPU, one lane), `serve` receives in C (transport/wire.py): a PING, and a
 decode RUN of an admitted session, are answered there, bit for bit as this
 module would, and every other message comes here.
 Invariants: no message can crash it — a bad one gets an ERROR reply, or is
@@ -32,8 +32,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from moetier.backends import Backend, ExpertWork, get_backend
-from moetier.transport.fast import PYTHON, FastWorker, wire
-from moetier.transport.fast import status as fast_status
+from moetier.transport.wire import PYTHON, FastWorker, wire
+from moetier.transport.wire import status as fast_status
 from moetier.transport.keys import check_listen, make_server, start_authenticator
 from moetier.transport.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES, HIDDEN_DTYPES, MAX_HEADER_BYTES, Bye, ByeReply, ErrorCode, ErrorReply, Hello,

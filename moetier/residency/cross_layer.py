@@ -3,7 +3,7 @@
 Learned online (co-occurrence counts between consecutive layers) and used to prefetch a
 bounded number of experts per layer-token; see CrossLayerPolicy and docs/policies.md for
 why (on real traces the previous layer's picks predict far better than frequency or recency).
-Runs in C (moetier/backends/csrc/residency.c) where that library builds, with the numpy
+Runs in C (moetier/residency/residency.c) where that library builds, with the numpy
 path's decisions bit for bit; `native=False` (or no C compiler) runs the numpy path.
 """
 
@@ -13,11 +13,11 @@ import ctypes
 
 import numpy as np
 
-from moetier.tiers.residency import ResidencyPolicy, add_counts, residency_library, lowest_keys
+from moetier.residency.policies import ResidencyPolicy, add_counts, residency_library, lowest_keys
 
 
 class _State(ctypes.Structure):
-    """csrc/residency.c's xlayer_state: the policy's arrays by address, and the last access."""
+    """residency.c's xlayer_state: the policy's arrays by address, and the last access."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "experts", "width", "group", "budget", "context")] + [
         ("decay", ctypes.c_double), ("smoothing", ctypes.c_double)] + [
@@ -79,7 +79,7 @@ class CrossLayerPolicy(ResidencyPolicy):
         self._c = self._bind(context) if native else None
         self.native = self._c is not None
 
-    # -- the C path (csrc/residency.c): the same decisions, ~50x faster ------------------------
+    # -- the C path (residency.c): the same decisions, ~50x faster ------------------------
     def _bind(self, context: int | None):
         """The C state over this policy's arrays (they are only ever updated in place), or None without the library."""
         lib = residency_library()
@@ -258,7 +258,7 @@ class CrossLayerPolicy(ResidencyPolicy):
         gathered = self._pair[ri, pred]  # [R, c, E] float32 counts
         w = (1.0 / (self._seen[ri, pred] + np.float32(s))).astype(np.float64)  # [R, c] float32 values
         acc, sum_w = np.zeros((len(rows), E)), np.zeros(len(rows))  # [R, E], [R]
-        for j in range(pred.shape[1]):  # in j order, as csrc/residency.c sums (the products are exact)
+        for j in range(pred.shape[1]):  # in j order, as residency.c sums (the products are exact)
             acc += w[:, j, None] * gathered[:, j]
             sum_w += w[:, j]
         rate = self._key[sel, :E] * (self._per_token[sel] / np.maximum(self._mass[sel], 1e-300))[:, None]  # [R, E] p_b

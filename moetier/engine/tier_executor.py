@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from moetier.engine.core import Partials, group_by_expert
-from moetier.engine.router import DecodeJobs, Route
+from moetier.engine.router import Route
+from moetier.tiers.base import DecodeJobs
 from moetier.engine.timing import StepTimes
 from moetier.sched.cost import TierCost
 from moetier.sched.plan import PlanCache

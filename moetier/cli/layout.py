@@ -1,6 +1,6 @@
 """Layout commands: `layout check`, `layout show`, `calibrate`, and the report of `run --layout`.
 
-Registered into the main typer app by moetier.cli. The report answers "where
+The report answers "where
 does a token's time go": hit rate and experts served per tier, ms per token
 by category (attention, GPU experts, CPU-lane wait per part, transfers,
 remote, dispatch) and tok/s, as a table or one JSON object.
@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+from moetier.cli.common import console, errors_to_exit
 
 
 def layout_report(runtime, result, times) -> dict:
@@ -55,7 +55,7 @@ def layout_report(runtime, result, times) -> dict:
 
 def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optional[Path], as_json: bool, out: Console) -> dict:
     from moetier.engine import generate
-    from moetier.engine.tiered import TraceRows
+    from moetier.engine.tier_executor import TraceRows
     from moetier.engine.timing import StepTimes
 
     engine, executor = runtime.engine, runtime.executor
@@ -117,63 +117,62 @@ def print_report(report: dict, out: Console) -> None:
               f"VRAM hit rate {report['hit_rate']:.1%}, skipped {report['skipped_per_token']:.2f} experts/token", highlight=False)
 
 
-def register(app: typer.Typer) -> None:
-    from moetier.cli import errors_to_exit
+layout_app = typer.Typer(no_args_is_help=True, help="Check and show cluster.toml layouts.")
 
-    layout_app = typer.Typer(no_args_is_help=True, help="Check and show cluster.toml layouts.")
-    app.add_typer(layout_app, name="layout")
 
-    @layout_app.command("check")
-    @errors_to_exit
-    def check(file: Path = typer.Argument(..., help="cluster.toml"),
-              model: Optional[Path] = typer.Option(None, help="also check against this model")):
-        """Validate a layout (and, with --model, that it fits the model)."""
-        from moetier.config import load_layout
+@layout_app.command("check")
+@errors_to_exit
+def check(file: Path = typer.Argument(..., help="cluster.toml"),
+          model: Optional[Path] = typer.Option(None, help="also check against this model")):
+    """Validate a layout (and, with --model, that it fits the model)."""
+    from moetier.config import load_layout
 
-        layout = load_layout(file)
-        if model is not None:
-            from moetier.model import open_checkpoint
+    layout = load_layout(file)
+    if model is not None:
+        from moetier.model import open_checkpoint
 
-            spec = open_checkpoint(model).spec
-            layout.check_model(spec.num_layers, spec.num_experts)
-        console.print(f"{file}: ok ({len(layout.parts)} parts, {len(layout.tiers)} tiers)", highlight=False)
+        spec = open_checkpoint(model).spec
+        layout.check_model(spec.num_layers, spec.num_experts)
+    console.print(f"{file}: ok ({len(layout.parts)} parts, {len(layout.tiers)} tiers)", highlight=False)
 
-    @layout_app.command("show")
-    @errors_to_exit
-    def show(file: Path = typer.Argument(..., help="cluster.toml"),
-             model: Optional[Path] = typer.Option(None, help="model folder (default: the layout's, else the built-in)"),
-             as_json: bool = typer.Option(False, "--json")):
-        """Per tier: slots, bytes, initial residency; and the per-token cost the layout implies."""
-        from moetier.cli import builtin_model
-        from moetier.config import load_layout
-        from moetier.sched.estimate import describe_layout
 
-        layout = load_layout(file)
-        folder = model or (layout.relative(layout.model) if layout.model else builtin_model())
-        summary = describe_layout(layout, folder)
-        if as_json:
-            print(json.dumps(summary))
-            return
-        table = Table("tier", "kind", "where", "slots/layer", "bytes", "policy", "initial residency", "us/expert", title=str(file))
-        for t in summary["tiers"]:
-            table.add_row(t["name"], t["kind"], t["where"], str(t["slots_per_layer"] or "-"), f"{t['bytes']:,}",
-                          t["policy"] or "-", t["initial_residency"], f"{t['us_per_expert']:.0f}")
-        console.print(table)
-        c = summary["per_token"]
-        console.print(f"implied per token: {c['ms']:.2f} ms ({c['tok_per_s']:.1f} tok/s) = trunk {c['trunk_ms']:.2f} ms + "
-                      f"MoE layers {c['moe_ms']:.2f} ms at an estimated VRAM hit rate of {c['hit_rate']:.0%} "
-                      f"(calibration: {summary['calibration']})", highlight=False)
+@layout_app.command("show")
+@errors_to_exit
+def show(file: Path = typer.Argument(..., help="cluster.toml"),
+         model: Optional[Path] = typer.Option(None, help="model folder (default: the layout's, else the built-in)"),
+         as_json: bool = typer.Option(False, "--json")):
+    """Per tier: slots, bytes, initial residency; and the per-token cost the layout implies."""
+    from moetier.config import load_layout
+    from moetier.sched.estimate import describe_layout
 
-    @app.command()
-    @errors_to_exit
-    def calibrate(layout: Optional[Path] = typer.Option(None, help="cluster.toml whose [scheduler].calibration names the output"),
-                  model: Optional[Path] = typer.Option(None, help="model to measure (default: the layout's, else the built-in)"),
-                  out: Optional[Path] = typer.Option(None, help="where to write the calibration JSON"),
-                  threads: Optional[int] = typer.Option(None, help="torch CPU threads")):
-        """Measure the cost model's parameters on this machine and write them to a file."""
-        from moetier.calibrate import measure
+    layout = load_layout(file)
+    from moetier.model.builtin import builtin_model
 
-        calibration, target = measure(layout, model, out, threads)
-        console.print(f"wrote {target}", highlight=False)
-        for key, value in json.loads(calibration.to_json()).items():
-            console.print(f"  {key:28} {value}", highlight=False)
+    folder = model or (layout.relative(layout.model) if layout.model else builtin_model())
+    summary = describe_layout(layout, folder)
+    if as_json:
+        print(json.dumps(summary))
+        return
+    table = Table("tier", "kind", "where", "slots/layer", "bytes", "policy", "initial residency", "us/expert", title=str(file))
+    for t in summary["tiers"]:
+        table.add_row(t["name"], t["kind"], t["where"], str(t["slots_per_layer"] or "-"), f"{t['bytes']:,}",
+                      t["policy"] or "-", t["initial_residency"], f"{t['us_per_expert']:.0f}")
+    console.print(table)
+    c = summary["per_token"]
+    console.print(f"implied per token: {c['ms']:.2f} ms ({c['tok_per_s']:.1f} tok/s) = trunk {c['trunk_ms']:.2f} ms + "
+                  f"MoE layers {c['moe_ms']:.2f} ms at an estimated VRAM hit rate of {c['hit_rate']:.0%} "
+                  f"(calibration: {summary['calibration']})", highlight=False)
+
+
+@errors_to_exit
+def calibrate(layout: Optional[Path] = typer.Option(None, help="cluster.toml whose [scheduler].calibration names the output"),
+              model: Optional[Path] = typer.Option(None, help="model to measure (default: the layout's, else the built-in)"),
+              out: Optional[Path] = typer.Option(None, help="where to write the calibration JSON"),
+              threads: Optional[int] = typer.Option(None, help="torch CPU threads")):
+    """Measure the cost model's parameters on this machine and write them to a file."""
+    from moetier.calibrate import measure
+
+    calibration, target = measure(layout, model, out, threads)
+    console.print(f"wrote {target}", highlight=False)
+    for key, value in json.loads(calibration.to_json()).items():
+        console.print(f"  {key:28} {value}", highlight=False)

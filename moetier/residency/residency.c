@@ -4,7 +4,7 @@
  *
  * Same state (the policy's numpy arrays, passed by address in one xlayer_state), same rules,
  * and the same IEEE operations in the same order as the numpy path: built without fast-math
- * and without FP contraction (moetier/backends/native.py, STRICT_FLAGS), so both paths make
+ * and without FP contraction (moetier/native.py, STRICT_FLAGS), so both paths make
  * the same decisions, bit for bit. xlayer, per layer-token:
  *
  *   hits   = picks resident before the call

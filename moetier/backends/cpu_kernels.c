@@ -12,7 +12,7 @@
  * Also here: the native CPU lane (threads that never take the GIL) and the
  * decode router (gate, scores, top-k and weights in one call).
  *
- * Built once per machine by moetier/backends/native.py (cc -O3 -march=native,
+ * Built once per machine by moetier/native.py (cc -O3 -march=native,
  * with reassociation allowed so the dot products vectorize); called through
  * ctypes, which releases the GIL.
  */

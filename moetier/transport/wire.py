@@ -1,4 +1,4 @@
-"""The wire format's C fast path (backends/csrc/wire.c): a decode RUN, or a PING, without Python at either end.
+"""The wire format's C fast path (transport/wire.c): a decode RUN, or a PING, without Python at either end.
 
 `FastClient` encodes and sends a RUN or a PING and takes its reply in C, on
 the client's own pyzmq socket; `FastWorker` is the worker's receive loop in
@@ -28,9 +28,12 @@ from pathlib import Path
 
 import torch
 
-from moetier.backends import native
+from moetier import native
+from moetier.backends import cpu_kernels
 from moetier.model.checkpoint import ExpertWeights
 from moetier.transport import protocol as P
+
+SOURCE = Path(__file__).with_suffix(".c")
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4, torch.uint8: 5}
 MAX_PICKS = 1024  # experts in one fast RUN (wire.c)
@@ -95,7 +98,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     libzmq = loaded_library()
     if libzmq is None:
         return None, "off: pyzmq's libzmq is not a shared library in this process (Python transport)"
-    lib, path, why = native.library("wire", native.STRICT_FLAGS, (libzmq, f"-Wl,-rpath,{os.path.dirname(libzmq)}"))
+    lib, path, why = native.library(SOURCE, native.STRICT_FLAGS, (libzmq, f"-Wl,-rpath,{os.path.dirname(libzmq)}"))
     if lib is None:
         return None, f"{why}: Python transport"
     _declare(lib)
@@ -198,7 +201,7 @@ class FastWorker:
 
     BATCH = 256  # RUNs served before the loop returns to look at the stop flag and socket events
 
-    def __init__(self, lib: ctypes.CDLL, kernel: native.DecodeKernel, spec, max_message_bytes: int, max_sessions: int):
+    def __init__(self, lib: ctypes.CDLL, kernel: cpu_kernels.DecodeKernel, spec, max_message_bytes: int, max_sessions: int):
         self._lib, self._kernel = lib, kernel
         decode = ctypes.cast(kernel.library.moe_decode_f32, ctypes.c_void_p).value
         self._handle = lib.wire_worker_open(spec.hidden_size, max(spec.moe_layers) + 1, spec.num_experts, max_message_bytes,

@@ -1,15 +1,11 @@
-"""The native decode kernel (csrc/moe_decode.c): built once per machine, called through ctypes.
+"""moetier's CPU kernels (cpu_kernels.c beside this file): expert decode, the lane's threads, the one-token router.
 
 `decode_kernel()` returns a `DecodeKernel`, or None when this machine cannot
 build one (no C compiler, a failed build, or MOETIER_NATIVE=0); `status()`
-says which and why, in one line. The shared library is compiled with the
-machine's `cc` (or $CC) at -O3 -march=native into
-$MOETIER_HOME/native/moe_decode-<key>.so, where the key hashes the source, the
-flags and the compiler's version: a changed kernel or compiler builds anew,
-and a build is written to a temporary name and renamed into place, so
-processes that race to build never load half a file. `library(name, flags)`
-builds any csrc/<name>.c that way (csrc/residency.c, the residency policies,
-with STRICT_FLAGS).
+says which and why, in one line. moetier.native builds the library once per
+machine (-O3 -march=native, content-hashed, atomic). The router's C
+(`DecodeKernel.route`, called by moetier.engine.router) lives in the same file
+because it shares the expert kernels' vectorised gemv.
 
 Guarantee: `DecodeKernel.run` computes what the torch decode path computes
 (the gate-weighted sum of k SwiGLU experts over one token) in float32, with
@@ -24,11 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
 import weakref
 from array import array
 from pathlib import Path
@@ -37,16 +29,9 @@ from typing import Sequence
 import torch
 
 from moetier.model.checkpoint import ExpertWeights
-from moetier.paths import moetier_home
+from moetier.native import FAST_FLAGS, library
 
-CSRC = Path(__file__).with_name("csrc")
-# Reassociation (not full -ffast-math: NaN and inf keep their meaning) lets the dot products vectorize.
-FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-ffp-contract=fast"]
-ARCH_FLAGS = ["-march=native"]  # dropped if this compiler does not take it
-# IEEE arithmetic exactly as written (no reassociation, no fused multiply-add): for code whose
-# results must equal a numpy path's bit for bit (csrc/residency.c). GCC contracts by default.
-STRICT_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
+SOURCE = Path(__file__).with_suffix(".c")
 
 
 class DecodeKernel:
@@ -199,66 +184,9 @@ class LaneTicket:
             self._lane._lib.lane_release(self._lane._handle, self._ticket)
 
 
-def _compiler() -> str:
-    return os.environ.get("CC", "cc")
-
-
-def _version(compiler: str) -> str:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _build(compiler: str, source: Path, flags: list[str], out: Path, link: tuple[str, ...] = ()) -> str | None:
-    """Compile `source` into `out` (atomically), linking `link` after it; None on success, else why not (one line)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    last = ""
-    for arch in (ARCH_FLAGS, []):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *flags, *arch, str(source), "-o", tmp, *link, "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if done.returncode == 0:
-                os.replace(tmp, out)
-                return None
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        except (OSError, subprocess.SubprocessError) as err:
-            last = str(err)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return f"{compiler} failed: {last}"
-
-
-@functools.cache
-def library(name: str, flags: tuple[str, ...], link: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Path | None, str]:
-    """csrc/<name>.c built with `flags` and linked with `link` (once per machine), and loaded -> (library,
-    its path, "") or (None, None, why not): MOETIER_NATIVE=0, no C compiler, a failed build or load."""
-    if os.environ.get("MOETIER_NATIVE", "1") == "0":
-        return None, None, "off (MOETIER_NATIVE=0)"
-    compiler = _compiler()
-    version = _version(compiler)
-    if not version:
-        return None, None, f"off: no C compiler ({compiler!r} did not run; set CC)"
-    source = CSRC / f"{name}.c"
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags + tuple(ARCH_FLAGS) + link), version,
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    path = moetier_home() / "native" / f"{name}-{key}.so"
-    if not path.exists():
-        why = _build(compiler, source, list(flags), path, link)
-        if why is not None:
-            return None, None, f"off: {why}"
-    try:
-        return ctypes.CDLL(str(path)), path, ""
-    except OSError as err:
-        return None, None, f"off: {path} did not load ({err})"
-
-
 @functools.cache
 def _load() -> tuple[DecodeKernel | None, str]:
-    lib, path, why = library("moe_decode", tuple(FLAGS))
+    lib, path, why = library(SOURCE, FAST_FLAGS)
     if lib is None:
         return None, f"{why}: torch kernels"
     return DecodeKernel(lib, path), f"on ({path})"

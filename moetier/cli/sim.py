@@ -1,6 +1,6 @@
 """`moetier simulate`: what a layout would do with a routing trace, before it is built or wired.
 
-Registered into the main typer app by moetier.cli. Prints the predicted decode
+Prints the predicted decode
 tok/s and where a token's time goes, in the categories `moetier run --layout`
 measures (attention, dispatch, gpu experts, cpu lane wait (part N), transfers,
 remote, head), per part and per tier; `--sweep` turns one knob (slots, rtt_us,
@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+from moetier.cli.common import console, errors_to_exit
 
 
 def parse_sweep(text: str) -> tuple[str, list[float]]:
@@ -132,69 +132,65 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
-def register(app: typer.Typer) -> None:
-    from moetier.cli import errors_to_exit
+@errors_to_exit
+def simulate(
+    layout: Path = typer.Option(..., help="cluster.toml"),
+    trace: Path = typer.Option(..., help="routing trace (.npz): RoutingTrace format or `run --layout --trace` output"),
+    model: Optional[Path] = typer.Option(None, help="model folder for the shape (default: the layout's model)"),
+    shape: Optional[str] = typer.Option(None, help="a named shape instead of a model, e.g. glm-4.5-air-q4k"),
+    expert_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one expert (the rest from the trace)"),
+    hidden_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one hidden state on the wire"),
+    calibration: Optional[Path] = typer.Option(None, help="calibration JSON (default: the one the layout names under scheduler)"),
+    rows_per_pass: int = typer.Option(1, help="token rows per forward pass (1 + drafts under multi-token prediction)"),
+    tokens_per_pass: Optional[float] = typer.Option(None, help="tokens accepted per pass (default: rows per pass)"),
+    affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (default: the layout's)"),
+    warmup: int = typer.Option(0, help="trace tokens that warm the caches before counting"),
+    sweep_spec: Optional[str] = typer.Option(None, "--sweep", help="slots=8,16,32 | rtt_us=50,167 | lambda=0,0.25"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    plot_dir: Optional[Path] = typer.Option(None, "--plot", help="write PNG plots into this folder"),
+):
+    """Predict a layout's decode speed and where its time goes, from a routing trace."""
+    from moetier.config import ConfigError, load_layout
+    from moetier.sched.cost import Calibration
+    from moetier.sim import layout_sim
 
-    @app.command()
-    @errors_to_exit
-    def simulate(
-        layout: Path = typer.Option(..., help="cluster.toml"),
-        trace: Path = typer.Option(..., help="routing trace (.npz): RoutingTrace format or `run --layout --trace` output"),
-        model: Optional[Path] = typer.Option(None, help="model folder for the shape (default: the layout's model)"),
-        shape: Optional[str] = typer.Option(None, help="a named shape instead of a model, e.g. glm-4.5-air-q4k"),
-        expert_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one expert (the rest from the trace)"),
-        hidden_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one hidden state on the wire"),
-        calibration: Optional[Path] = typer.Option(None, help="calibration JSON (default: the one the layout names under scheduler)"),
-        rows_per_pass: int = typer.Option(1, help="token rows per forward pass (1 + drafts under multi-token prediction)"),
-        tokens_per_pass: Optional[float] = typer.Option(None, help="tokens accepted per pass (default: rows per pass)"),
-        affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (default: the layout's)"),
-        warmup: int = typer.Option(0, help="trace tokens that warm the caches before counting"),
-        sweep_spec: Optional[str] = typer.Option(None, "--sweep", help="slots=8,16,32 | rtt_us=50,167 | lambda=0,0.25"),
-        as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-        plot_dir: Optional[Path] = typer.Option(None, "--plot", help="write PNG plots into this folder"),
-    ):
-        """Predict a layout's decode speed and where its time goes, from a routing trace."""
-        from moetier.config import ConfigError, load_layout
-        from moetier.sched.cost import Calibration
-        from moetier.sim import layout_sim
-
-        plan = load_layout(layout)
-        if calibration is not None:
-            cal = Calibration.load(calibration)
-        elif plan.scheduler.calibration:
-            try:
-                cal = Calibration.load(plan.relative(plan.scheduler.calibration))
-            except ValueError as err:
-                raise ConfigError(f"{plan.path}: [scheduler].calibration: {err}") from None
-        else:
-            cal = Calibration()
-        routing = layout_sim.load_trace(trace)
-        model_shape = resolve_shape(plan, routing, model, shape, expert_bytes, hidden_bytes, cal)
-        if tokens_per_pass is not None and tokens_per_pass <= 0:
-            raise ValueError(f"--tokens-per-pass is {tokens_per_pass} (expected > 0)")
-        options = dict(rows_per_pass=rows_per_pass, tokens_per_pass=tokens_per_pass, affinity=affinity, warmup_tokens=warmup)
-        result = {"layout": str(layout), "trace": str(trace), "shape": model_shape.name,
-                  "calibration": str(calibration or plan.scheduler.calibration or "defaults")}
-        sweeps = {}
-        if sweep_spec:
-            name, values = parse_sweep(sweep_spec)
-            sweeps[name] = values
-            points = layout_sim.sweep(plan, model_shape, cal, routing, name, values, **options)
-            result["sweep"] = {"parameter": name, "points": [{"value": v, **report(layout_sim.with_value(plan, name, v), s)}
-                                                             for v, s in points]}
-        result.update(report(plan, layout_sim.simulate(plan, model_shape, cal, routing, **options)))
-        if plot_dir is not None:
-            result["plots"] = plot(plot_dir, plan, model_shape, cal, routing, options, sweeps)
-        if as_json:
-            print(json.dumps(result))
-            return
-        console.print(f"layout {layout}  trace {trace}  shape {model_shape.name}  calibration {result['calibration']}", highlight=False)
-        _print(result, console)
-        if "sweep" in result:
-            table = Table(result["sweep"]["parameter"], "tok/s", "hit rate", "ms/token", title="sweep")
-            for point in result["sweep"]["points"]:
-                table.add_row(f"{point['value']:g}", f"{point['decode_tok_per_s']:.1f}", f"{point['hit_rate']:.1%}",
-                              f"{1e3 / point['decode_tok_per_s']:.2f}")
-            console.print(table)
-        for path in result.get("plots", []):
-            console.print(f"wrote {path}", highlight=False)
+    plan = load_layout(layout)
+    if calibration is not None:
+        cal = Calibration.load(calibration)
+    elif plan.scheduler.calibration:
+        try:
+            cal = Calibration.load(plan.relative(plan.scheduler.calibration))
+        except ValueError as err:
+            raise ConfigError(f"{plan.path}: [scheduler].calibration: {err}") from None
+    else:
+        cal = Calibration()
+    routing = layout_sim.load_trace(trace)
+    model_shape = resolve_shape(plan, routing, model, shape, expert_bytes, hidden_bytes, cal)
+    if tokens_per_pass is not None and tokens_per_pass <= 0:
+        raise ValueError(f"--tokens-per-pass is {tokens_per_pass} (expected > 0)")
+    options = dict(rows_per_pass=rows_per_pass, tokens_per_pass=tokens_per_pass, affinity=affinity, warmup_tokens=warmup)
+    result = {"layout": str(layout), "trace": str(trace), "shape": model_shape.name,
+              "calibration": str(calibration or plan.scheduler.calibration or "defaults")}
+    sweeps = {}
+    if sweep_spec:
+        name, values = parse_sweep(sweep_spec)
+        sweeps[name] = values
+        points = layout_sim.sweep(plan, model_shape, cal, routing, name, values, **options)
+        result["sweep"] = {"parameter": name, "points": [{"value": v, **report(layout_sim.with_value(plan, name, v), s)}
+                                                         for v, s in points]}
+    result.update(report(plan, layout_sim.simulate(plan, model_shape, cal, routing, **options)))
+    if plot_dir is not None:
+        result["plots"] = plot(plot_dir, plan, model_shape, cal, routing, options, sweeps)
+    if as_json:
+        print(json.dumps(result))
+        return
+    console.print(f"layout {layout}  trace {trace}  shape {model_shape.name}  calibration {result['calibration']}", highlight=False)
+    _print(result, console)
+    if "sweep" in result:
+        table = Table(result["sweep"]["parameter"], "tok/s", "hit rate", "ms/token", title="sweep")
+        for point in result["sweep"]["points"]:
+            table.add_row(f"{point['value']:g}", f"{point['decode_tok_per_s']:.1f}", f"{point['hit_rate']:.1%}",
+                          f"{1e3 / point['decode_tok_per_s']:.2f}")
+        console.print(table)
+    for path in result.get("plots", []):
+        console.print(f"wrote {path}", highlight=False)

@@ -1,4 +1,4 @@
-"""Residency policies by name: static, lru, lfu (moetier.tiers.residency) and moetier's own xlayer.
+"""Residency policies by name: static, lru, lfu (moetier.residency.policies) and moetier's own xlayer.
 
 `make_policy(name, ...)` is how the VRAM tier and the simulator get a policy; one object covers
 all layers of a cache (see ResidencyPolicy for the contract every policy keeps).
@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from moetier.tiers.residency import LfuPolicy, LruPolicy, ResidencyPolicy, StaticPolicy
-from moetier.tiers.xlayer import CrossLayerPolicy
+from moetier.residency.policies import LfuPolicy, LruPolicy, ResidencyPolicy, StaticPolicy
+from moetier.residency.cross_layer import CrossLayerPolicy
 
 __all__ = ["POLICIES", "CrossLayerPolicy", "LfuPolicy", "LruPolicy", "ResidencyPolicy", "StaticPolicy", "make_policy"]
 

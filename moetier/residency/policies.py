@@ -11,7 +11,7 @@ in one set of numpy ops, with exactly the state changes of access(0), ..., acces
 Invariants: at most capacity[l] experts resident; decisions are a pure function of the picks
 seen and of the resident *sets* (never of slot order: resident keys are distinct), so replay
 can also run time shards side by side (moetier.sim.replay) and get the same hits. LRU and
-LFU's `touch` (the runtime's one-layer access) runs in C (csrc/residency.c) where it builds,
+LFU's `touch` (the runtime's one-layer access) runs in C (residency.c) where it builds,
 with the same decisions as the Python and numpy paths.
 """
 
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 from typing import ClassVar, Sequence
 
 import numpy as np
 
-from moetier.backends.native import STRICT_FLAGS, library
+from moetier.native import STRICT_FLAGS, library
 
 _STAMP = 1024  # recency stamp = access count * _STAMP + position in picks (k < _STAMP)
 _NEVER = -(1 << 62)  # int key of an expert never accessed
@@ -31,8 +32,8 @@ _NEVER = -(1 << 62)  # int key of an expert never accessed
 
 @functools.cache
 def residency_library() -> ctypes.CDLL | None:
-    """csrc/residency.c, built with IEEE arithmetic as written (its decisions equal the numpy paths'), or None."""
-    lib = library("residency", STRICT_FLAGS)[0]
+    """residency.c, built with IEEE arithmetic as written (its decisions equal the numpy paths'), or None."""
+    lib = library(Path(__file__).with_name("residency.c"), STRICT_FLAGS)[0]
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name, args in (("xlayer_block", [p, i64, p, i64, p]), ("xlayer_access", [p, i64, p, i64, p]),
@@ -278,7 +279,7 @@ class ResidencyPolicy:
 
 def lowest_keys(key: np.ndarray, n: int, lr: np.ndarray, hi, scratch: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(columns, keys) [R, n] of the n lowest keys per row of key [R, W], ascending; equal keys: the
-    lower column first (as csrc/residency.c breaks them, so Belady's ties fall alike in both).
+    lower column first (as residency.c breaks them, so Belady's ties fall alike in both).
 
     Wide rows and few picks: n argmin passes (numpy's argpartition costs ~3 us a row), which
     overwrite `key` if it is `scratch`; otherwise a stable sort of the rows.
@@ -322,7 +323,7 @@ class StaticPolicy(ResidencyPolicy):
 
 
 class _CacheState(ctypes.Structure):
-    """csrc/residency.c's cache_state: a policy's slot table and int64 keys by address."""
+    """residency.c's cache_state: a policy's slot table and int64 keys by address."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "experts", "width")] + [
         (name, ctypes.c_void_p) for name in ("slots", "slot_of", "key", "clock", "uploads")]
@@ -338,7 +339,7 @@ def cache_state(policy: ResidencyPolicy) -> _CacheState:
 class _ScalarAccess(ResidencyPolicy):
     """`touch` for one layer without numpy (k and the slots are few, where numpy's per-call overhead
     dominates), for policies that admit every miss and key each pick by `_key_one`: one call of
-    csrc/residency.c (`c_mode` names the key), or plain Python over the same arrays without it.
+    residency.c (`c_mode` names the key), or plain Python over the same arrays without it.
 
     Equal to `access`: hits are the picks resident before; the misses, best key first (later pick
     first on ties), take the slots of the lowest keys among experts not picked (empty slots first).

@@ -1,123 +1,24 @@
-"""The `moetier` command line: parse, call the library, print (a rich table or --json).
+"""Commands on one model: `run`, `score`, `info`, `synth`.
 
-Thin by design: every command is a few lines over the library. Bad input — a
-missing folder, an unsupported architecture, a malformed ids file — prints one
-line `moetier: error: ...` on stderr and exits 2, never a traceback.
+`run` generates and reports prefill and decode speed (over a layout's tiers
+with --layout, reported by moetier.cli.layout); `score` writes teacher-forced
+logits; `info` reads a checkpoint's headers; `synth` writes a synthetic
+checkpoint with realistic routing.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.table import Table
-from moetier.paths import moetier_home
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                  help="Run Mixture-of-Experts models whose experts do not fit in GPU memory.")
-console = Console()
-status = Console(stderr=True)  # progress notes; stdout stays clean for --json
-
-BUILTIN = {"arch": "qwen3_moe", "preset": "small", "seed": 0}
+from moetier.cli.common import UsageError, console, default_prompt, errors_to_exit, load_ids, open_engine, parse_list
 
 
-class UsageError(ValueError):
-    """Bad input found by the CLI itself."""
-
-
-def errors_to_exit(command: Callable) -> Callable:
-    """Expected failures become one line on stderr and exit code 2."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        from moetier.backends import BackendError
-        from moetier.model import CheckpointError, SpecError
-
-        try:
-            return command(*args, **kwargs)
-        except BrokenPipeError:  # `moetier ... | head`: the reader left; nothing to report
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(0) from None
-        except (UsageError, SpecError, CheckpointError, BackendError, ValueError, OSError) as err:
-            message = str(err) if not isinstance(err, OSError) else f"{err.filename or ''}: {err.strerror or err}"
-            print(f"moetier: error: {message}", file=sys.stderr)
-            raise typer.Exit(2) from None
-
-    return wrapper
-
-
-def cached_synthetic(arch: str, preset: str, seed: int = 0) -> Path:
-    """A synthetic checkpoint in the cache folder, written the first time it is asked for."""
-    from moetier.model.synth import write_synthetic
-
-    from moetier.model.synth import synth_version
-
-    # The folder name carries the generator's version (format and preset dims), so a cache
-    # written by an older generator is never mistaken for this one's output.
-    folder = moetier_home() / "models" / f"{arch}-{preset}-seed{seed}-{synth_version(arch, preset)}"
-    if not (folder / "config.json").exists():
-        status.print(f"[dim]writing the synthetic {arch} {preset} model to {folder} (once)[/dim]", highlight=False)
-        write_synthetic(folder, arch=arch, preset=preset, seed=seed)
-    return folder
-
-
-def builtin_model() -> Path:
-    """The built-in model: the synthetic `small` preset."""
-    return cached_synthetic(**BUILTIN)
-
-
-def _open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):
-    """(engine, tiered runtime or None): the plain all-resident engine, or one built from a layout."""
-    import torch
-
-    from moetier.engine import Engine
-    from moetier.model import open_checkpoint
-
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads is {threads} (expected >= 1)")
-        torch.set_num_threads(threads)
-    if layout is not None:
-        from moetier.config import load_layout
-        from moetier.engine.layout_runtime import build_runtime
-
-        plan = load_layout(layout)
-        folder = model or (Path(plan.model) if plan.model else None)
-        runtime = build_runtime(plan, open_checkpoint(folder if folder is not None else builtin_model()))
-        return runtime.engine, runtime
-    return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device), None
-
-
-def parse_list(text: str, option: str, kind: type = int) -> list:
-    """A comma-separated option value -> [kind]; one clear UsageError when it is not one."""
-    what, example = ("integers", "1,2,3") if kind is int else ("numbers", "-0.25,-0.5,-1")
-    try:
-        values = [kind(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UsageError(f"{option} {text!r} is not a comma-separated list of {what}") from None
-    if not values:
-        raise UsageError(f"{option} is empty (expected {what} like {example})")
-    return values
-
-
-def _default_prompt(engine, length: int = 16) -> list[int]:
-    """A prompt from the synthetic model's own session sampler, else ids spread over the vocabulary."""
-    from moetier.model.synth import SYNTH_META, sample_session
-
-    folder = engine.checkpoint.folder
-    if (folder / SYNTH_META).exists():
-        return [int(i) for _, ids in sample_session(folder, tokens_per_phase=length, seed=0)[:1] for i in ids[:length]]
-    return [int(i) for i in np.linspace(1, engine.spec.vocab_size - 1, length).astype(int)]
-
-
-@app.command()
 @errors_to_exit
 def run(
     model: Optional[Path] = typer.Option(None, help="HF model folder; default: the built-in synthetic model"),
@@ -139,20 +40,21 @@ def run(
 ):
     """Generate tokens and report prefill and decode speed."""
     from moetier.engine import Sampling, generate
+    from moetier.engine.router_bias import apply_router_options
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens is {max_new_tokens} (expected >= 1)")
     if trace is not None and layout is None:
         raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
-    engine, runtime = _open_engine(model, backend, device, threads, layout)
+    engine, runtime = open_engine(model, backend, device, threads, layout)
     apply_router_options(engine, bias, affinity, bias_mode)
-    prompt = parse_list(prompt_ids, "--prompt-ids") if prompt_ids else _default_prompt(engine)
+    prompt = parse_list(prompt_ids, "--prompt-ids") if prompt_ids else default_prompt(engine)
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     engine.warm_up()
     if runtime is not None:
-        from moetier.cli_layout import run_over_layout
+        from moetier.cli.layout import run_over_layout
 
         run_over_layout(runtime, prompt, max_new_tokens, sampling, trace, as_json, console)
         return
@@ -182,7 +84,6 @@ def run(
     console.print(table)
 
 
-@app.command()
 @errors_to_exit
 def score(
     model: Path = typer.Argument(..., help="HF model folder"),
@@ -198,9 +99,10 @@ def score(
 ):
     """Teacher-forced logits for every position of a sequence."""
     from moetier.engine import score as score_ids
+    from moetier.engine.router_bias import apply_router_options
 
     token_ids = load_ids(ids)
-    engine, runtime = _open_engine(model, backend, device, threads, layout)
+    engine, runtime = open_engine(model, backend, device, threads, layout)
     try:
         apply_router_options(engine, bias, affinity, bias_mode)
         logits = score_ids(engine, token_ids)
@@ -214,24 +116,6 @@ def score(
     console.print(f"wrote logits {list(logits.shape)} float32 to {out}", highlight=False)
 
 
-def load_ids(path: Path) -> np.ndarray:
-    """Token ids [T] int64 from a .npy file ([T] or [1, T], any integer dtype); a bad file is a UsageError naming it."""
-    try:
-        ids = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such ids file (expected a .npy of token ids)") from None
-    except (ValueError, OSError) as err:
-        raise UsageError(f"{path}: not a readable .npy file ({err})") from None
-    if ids.dtype.kind not in "iu":
-        raise UsageError(f"{path}: ids have dtype {ids.dtype} (expected an integer array)")
-    if ids.ndim == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.ndim != 1 or ids.size == 0:
-        raise UsageError(f"{path}: ids have shape {list(ids.shape)} (expected a non-empty 1-D array [T])")
-    return ids.astype(np.int64)
-
-
-@app.command()
 @errors_to_exit
 def info(
     model: Path = typer.Argument(..., help="HF model folder"),
@@ -270,7 +154,6 @@ def info(
     console.print(table)
 
 
-@app.command()
 @errors_to_exit
 def synth(
     out: Path = typer.Option(..., help="folder to write the checkpoint into"),
@@ -290,21 +173,3 @@ def synth(
         raise UsageError(f"--out {out} exists and is not empty (expected a new folder)")
     folder = write_synthetic(out, arch=arch, preset=preset, seed=seed, fused=fused)
     console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)
-
-
-# The other command modules register into `app` (each imports errors_to_exit from here, so they come last).
-from moetier.cli_layout import register as register_layout  # noqa: E402
-from moetier.cli_profile import apply_router_options, register as register_profile  # noqa: E402
-from moetier.cli_sim import register as register_sim  # noqa: E402
-from moetier.transport.commands import register as register_transport, register_launch  # noqa: E402
-
-for _register in (register_layout, register_profile, register_transport, register_launch, register_sim):
-    _register(app)
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()

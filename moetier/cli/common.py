@@ -1,0 +1,109 @@
+"""What every command of the CLI shares: its one-line errors, its consoles, option parsing, opening a model.
+
+Expected failures (bad input, a missing file, a refused layout) become one
+line `moetier: error: ...` on stderr and exit code 2, never a traceback.
+stdout carries the result (a rich table, or one JSON object with --json);
+progress notes go to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+
+console = Console()
+status = Console(stderr=True)  # progress notes; stdout stays clean for --json
+
+
+class UsageError(ValueError):
+    """Bad input found by the CLI itself."""
+
+
+def errors_to_exit(command: Callable) -> Callable:
+    """Expected failures become one line on stderr and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from moetier.backends import BackendError
+        from moetier.model import CheckpointError, SpecError
+
+        try:
+            return command(*args, **kwargs)
+        except BrokenPipeError:  # `moetier ... | head`: the reader left; nothing to report
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
+        except (UsageError, SpecError, CheckpointError, BackendError, ValueError, OSError) as err:
+            message = str(err) if not isinstance(err, OSError) else f"{err.filename or ''}: {err.strerror or err}"
+            print(f"moetier: error: {message}", file=sys.stderr)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):
+    """(engine, tiered runtime or None): the plain all-resident engine, or one built from a layout."""
+    import torch
+
+    from moetier.engine import Engine
+    from moetier.model import open_checkpoint
+    from moetier.model.builtin import builtin_model
+
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads is {threads} (expected >= 1)")
+        torch.set_num_threads(threads)
+    if layout is not None:
+        from moetier.config import load_layout
+        from moetier.engine.runtime import build_runtime
+
+        plan = load_layout(layout)
+        folder = model or (Path(plan.model) if plan.model else None)
+        runtime = build_runtime(plan, open_checkpoint(folder if folder is not None else builtin_model()))
+        return runtime.engine, runtime
+    return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device), None
+
+
+def parse_list(text: str, option: str, kind: type = int) -> list:
+    """A comma-separated option value -> [kind]; one clear UsageError when it is not one."""
+    what, example = ("integers", "1,2,3") if kind is int else ("numbers", "-0.25,-0.5,-1")
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{option} {text!r} is not a comma-separated list of {what}") from None
+    if not values:
+        raise UsageError(f"{option} is empty (expected {what} like {example})")
+    return values
+
+
+def load_ids(path: Path) -> np.ndarray:
+    """Token ids [T] int64 from a .npy file ([T] or [1, T], any integer dtype); a bad file is a UsageError naming it."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such ids file (expected a .npy of token ids)") from None
+    except (ValueError, OSError) as err:
+        raise UsageError(f"{path}: not a readable .npy file ({err})") from None
+    if ids.dtype.kind not in "iu":
+        raise UsageError(f"{path}: ids have dtype {ids.dtype} (expected an integer array)")
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1 or ids.size == 0:
+        raise UsageError(f"{path}: ids have shape {list(ids.shape)} (expected a non-empty 1-D array [T])")
+    return ids.astype(np.int64)
+
+
+def default_prompt(engine, length: int = 16) -> list[int]:
+    """A prompt from the synthetic model's own session sampler, else ids spread over the vocabulary."""
+    from moetier.model.synth import SYNTH_META, sample_session
+
+    folder = engine.checkpoint.folder
+    if (folder / SYNTH_META).exists():
+        return [int(i) for _, ids in sample_session(folder, tokens_per_phase=length, seed=0)[:1] for i in ids[:length]]
+    return [int(i) for i in np.linspace(1, engine.spec.vocab_size - 1, length).astype(int)]
