@@ -159,8 +159,8 @@ def lane_fit(calls: list[tuple[int, float]], streaming_us: float) -> tuple[float
 
 
 def measure(layout_path: Path | None, model: Path | None, out: Path | None, threads: int | None) -> tuple[Calibration, Path]:
-    from moetier.model.builtin import builtin_model
     from moetier.config import load_layout
+    from moetier.model.builtin import builtin_model
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -180,7 +180,7 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
                f"{'cuda ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}")
     streaming = Calibration(cpu_us_per_expert=cpu_one, cpu_us_per_token_expert=max(0.0, (cpu_many - cpu_one) / 15),
                             gpu_us_per_expert=gpu_one, gpu_us_per_token_expert=max(0.0, (gpu_many - gpu_one) / 15),
-                            expert_bytes=checkpoint.expert_nbytes, machine=machine)
+                            expert_bytes=checkpoint.spec.expert_bytes, machine=machine)
     if layout is None:
         calibration = timed_decode(Engine(checkpoint), None, streaming)
     else:

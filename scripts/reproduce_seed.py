@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from moetier.config import PartConfig, TierConfig, load_layout  # noqa: E402
 from moetier.sched.cost import Calibration  # noqa: E402
-from moetier.sim.layout_sim import SHAPES, inclusion_probabilities, sample_trace, simulate, tier_layers, tier_slots  # noqa: E402
+from moetier.sched.placement import place  # noqa: E402
+from moetier.sim.layout_sim import SHAPES, inclusion_probabilities, sample_trace, simulate  # noqa: E402
 
 LAYOUT = REPO / "examples" / "i7-i5.toml"
 SHAPE = SHAPES["glm-4.5-air-q4k"]
@@ -145,8 +146,8 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
     base, cal = load_layout(LAYOUT), calibration(f)
     base = replace(base, scheduler=replace(base.scheduler, budget_us=f["skip_budget_us"]))
     layouts = variants(base)
-    split_slots = tier_slots(base, SHAPE)["vram0"]
-    helper_slots = tier_slots(layouts["helper"], SHAPE)["vram0"]
+    split_slots = place(base, SHAPE)["vram0"].slots
+    helper_slots = place(layouts["helper"], SHAPE)["vram0"].slots
     prof = profiles(split_slots, helper_slots, f["affinity_hit_rate"])
     tau = f["tokens_per_pass"]
     traces = {name: sample_trace(np.tile(share, (L, 1)), K, passes * ROWS_PER_PASS, seed=0, source=f"profile:{name}")
@@ -154,7 +155,7 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
 
     def run(layout, profile: str):
         table, trace = np.tile(prof[profile], (L, 1)), traces[profile]  # [L, E], its sampled passes
-        served = tier_layers(layout, SHAPE)
+        served = {name: placed.layers for name, placed in place(layout, SHAPE).items()}
         held = {t.name: table[: len(served[t.name])] for t in layout.tiers if t.kind != "cpu"}  # caches and hot rules: the same shares
         return simulate(layout, SHAPE, cal, trace, rows_per_pass=ROWS_PER_PASS, tokens_per_pass=tau, profiles=held)
 
@@ -195,11 +196,11 @@ def plot(folder: Path, passes: int = 200) -> list[str]:
 
     base, cal, tau = load_layout(LAYOUT), calibration(), FITTED["tokens_per_pass"]
     layouts = variants(base)
-    prof = profiles(tier_slots(base, SHAPE)["vram0"], tier_slots(layouts["helper"], SHAPE)["vram0"])
+    prof = profiles(place(base, SHAPE)["vram0"].slots, place(layouts["helper"], SHAPE)["vram0"].slots)
     trace = sample_trace(np.tile(prof["bias"], (L, 1)), K, passes * ROWS_PER_PASS, seed=0)
 
     def speed(layout) -> float:
-        served = tier_layers(layout, SHAPE)
+        served = {name: placed.layers for name, placed in place(layout, SHAPE).items()}
         held = {t.name: np.tile(prof["bias"], (len(served[t.name]), 1)) for t in layout.tiers if t.kind != "cpu"}
         return simulate(layout, SHAPE, cal, trace, rows_per_pass=ROWS_PER_PASS, tokens_per_pass=tau, profiles=held).tok_per_s
 

@@ -253,3 +253,49 @@ def test_reproduce_seed_fit_never_ends_worse_than_it_started():
     assert summary["misfit"] <= summary["start_misfit"] and len(summary["errors"]) == 16
     worst = max(abs(np.log1p(e)) for e in summary["errors"].values())
     assert worst <= summary["misfit"] <= worst * 16 ** (1 / 16)  # the 16-norm of the log errors bounds the largest
+
+
+def test_bf16_checkpoint_gets_the_same_slots_in_the_simulator_as_at_run_time(tmp_path):
+    """The runtime holds experts as float32 copies; `calibrate` once recorded the file's (bf16) bytes, and a
+    simulation sized from that calibration got twice the runtime's slots. Runtime, `layout show` and
+    `simulate` now read one placement."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from layouts import cache_layout
+    from moetier.engine.runtime import build_runtime
+    from moetier.model import open_checkpoint
+    from moetier.model.synth import write_synthetic
+
+    source = write_synthetic(tmp_path / "f32", arch="qwen3_moe", preset="tiny", seed=0)
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            save_file({n: t.to(torch.bfloat16) for n, t in load_file(path).items()}, folder / path.name, metadata={"format": "pt"})
+        elif path.is_file():
+            (folder / path.name).write_bytes(path.read_bytes())
+    checkpoint = open_checkpoint(folder)
+    spec = checkpoint.spec
+    assert checkpoint.expert_nbytes * 2 == spec.expert_bytes  # stored bf16, held as float32
+    slots = 3
+    layout_path = tmp_path / "layout.toml"
+    layout_path.write_text(cache_layout().replace("slots = 4", f"capacity_bytes = {slots * spec.expert_bytes * len(spec.moe_layers)}"))
+    calibration = tmp_path / "cal.json"
+    done = subprocess.run([sys.executable, "-m", "moetier.cli", "calibrate", "--model", str(folder), "--out", str(calibration),
+                           "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    trace = tmp_path / "trace.npz"
+    synthetic_trace(64, len(spec.moe_layers), spec.num_experts, spec.top_k, seed=0).save(trace)
+
+    simulated = json.loads(moetier("--layout", layout_path, "--trace", trace, "--calibration", calibration, "--json").stdout)
+    shown = json.loads(subprocess.run([sys.executable, "-m", "moetier.cli", "layout", "show", str(layout_path), "--model", str(folder),
+                                       "--json"], capture_output=True, text=True, timeout=120, cwd=REPO).stdout)
+    runtime = build_runtime(load_layout(layout_path), checkpoint)
+    try:
+        at_run_time = next(t for t in runtime.executor.tiers if t.name == "vram").slots
+    finally:
+        runtime.close()
+    assert at_run_time == slots
+    assert next(t["slots_per_layer"] for t in shown["tiers"] if t["name"] == "vram") == slots
+    assert next(t["slots_per_layer"] for t in simulated["tiers"] if t["name"] == "vram") == slots

@@ -42,12 +42,13 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
 def resolve_shape(layout, trace, model: Optional[Path], shape: Optional[str], expert_bytes: Optional[int],
                   hidden_bytes: Optional[int], calibration):
     """The model shape: --model (or the layout's model), a named --shape, else the trace plus --expert-bytes."""
-    from moetier.sim.layout_sim import SHAPES, ModelShape
+    from moetier.model.spec import ModelSpec
+    from moetier.sched.placement import ModelShape
+    from moetier.sim.layout_sim import SHAPES
 
     if model is not None or (layout.model and shape is None and expert_bytes is None):
-        from moetier.model import open_checkpoint
-
-        return ModelShape.from_spec(open_checkpoint(model or layout.relative(layout.model)).spec, str(model or layout.model))
+        folder = model or layout.relative(layout.model)
+        return ModelShape.from_spec(ModelSpec.from_config_file(Path(folder) / "config.json"), str(model or layout.model))
     if shape is not None:
         if shape not in SHAPES:
             raise ValueError(f"--shape {shape!r} is unknown (expected one of {', '.join(SHAPES)}, or --model)")
@@ -60,10 +61,11 @@ def resolve_shape(layout, trace, model: Optional[Path], shape: Optional[str], ex
 
 
 def _print(result: dict, out: Console) -> None:
-    table = Table("tier", "kind", "experts/token", "hit rate", "busy ms/token")
+    table = Table("tier", "kind", "slots/layer", "experts/token", "hit rate", "busy ms/token")
     for tier in result["tiers"]:
         rate = f"{tier['hit_rate']:.1%}" if tier["hit_rate"] is not None else "-"
-        table.add_row(tier["name"], tier["kind"], f"{tier['experts_per_token']:.1f}", rate, f"{tier['busy_ms_per_token']:.2f}")
+        table.add_row(tier["name"], tier["kind"], str(tier["slots_per_layer"]), f"{tier['experts_per_token']:.1f}", rate,
+                      f"{tier['busy_ms_per_token']:.2f}")
     out.print(table)
     times = Table("where a token's time goes (predicted)", "ms/token")
     for category, value in result["ms_per_token"].items():
@@ -79,7 +81,8 @@ def _print(result: dict, out: Console) -> None:
 
 def report(layout, simulation) -> dict:
     data = simulation.to_dict()
-    data["tiers"] = [{"name": t.name, "kind": t.kind, "experts_per_token": simulation.served_per_token.get(t.name, 0.0),
+    data["tiers"] = [{"name": t.name, "kind": t.kind, "slots_per_layer": simulation.slots_per_layer.get(t.name),
+                      "experts_per_token": simulation.served_per_token.get(t.name, 0.0),
                       "hit_rate": simulation.tier_hit_rate.get(t.name) if t.kind == "vram" else None,
                       "busy_ms_per_token": simulation.prediction.busy_ms_per_token.get(t.name, 0.0)} for t in layout.tiers]
     return data
@@ -150,20 +153,12 @@ def simulate(
     plot_dir: Optional[Path] = typer.Option(None, "--plot", help="write PNG plots into this folder"),
 ):
     """Predict a layout's decode speed and where its time goes, from a routing trace."""
-    from moetier.config import ConfigError, load_layout
+    from moetier.config import load_layout
     from moetier.sched.cost import Calibration
     from moetier.sim import layout_sim
 
     plan = load_layout(layout)
-    if calibration is not None:
-        cal = Calibration.load(calibration)
-    elif plan.scheduler.calibration:
-        try:
-            cal = Calibration.load(plan.relative(plan.scheduler.calibration))
-        except ValueError as err:
-            raise ConfigError(f"{plan.path}: [scheduler].calibration: {err}") from None
-    else:
-        cal = Calibration()
+    cal = Calibration.load(calibration) if calibration is not None else Calibration.for_layout(plan)
     routing = layout_sim.load_trace(trace)
     model_shape = resolve_shape(plan, routing, model, shape, expert_bytes, hidden_bytes, cal)
     if tokens_per_pass is not None and tokens_per_pass <= 0:

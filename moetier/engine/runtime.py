@@ -15,6 +15,7 @@ import torch
 
 from moetier.config import ConfigError, Layout
 from moetier.engine.core import Engine
+from moetier.engine.router_bias import apply_router_options
 from moetier.engine.tier_executor import TieredExecutor
 from moetier.model.checkpoint import Checkpoint
 from moetier.residency import make_policy
@@ -40,19 +41,10 @@ class TieredRuntime:
         self.executor.close()
 
 
-def load_calibration(layout: Layout) -> Calibration:
-    if not layout.scheduler.calibration:
-        return Calibration()
-    try:
-        return Calibration.load(layout.relative(layout.scheduler.calibration))
-    except ValueError as err:
-        raise ConfigError(f"{layout.path}: [scheduler].calibration: {err}") from None
-
-
 def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibration | None = None) -> TieredRuntime:
     spec = checkpoint.spec
     layout.check_model(spec.num_layers, spec.num_experts)
-    calibration = calibration or load_calibration(layout)
+    calibration = calibration or Calibration.for_layout(layout)
     cuda = torch.cuda.is_available()
     _check_devices(layout, torch.cuda.device_count() if cuda else 0)
     emulated = {d.name: d.torch_device(cuda) == "cpu" and d.kind == "cuda" for d in layout.devices}
@@ -69,7 +61,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
         where, placed = f"[tiers.{i}]", placement[config.name]
         link = Link(layout.link(config.link), emulated=emulated.get(config.device, True) or config.kind == "remote")
         if config.kind == "cpu":
-            tier: Tier = CpuTier(config.name, host, config.backend, config.threads)
+            tier: Tier = CpuTier(config.name, host, config.backend_name, config.threads)
         elif config.kind == "vram":
             if config.policy == "static" and placed.profile is None:
                 raise ConfigError(f"{layout.path}: {where}.profile: the static policy needs a profile (expert counts [moe_layers, experts] .npy)")
@@ -105,8 +97,6 @@ def _check_devices(layout: Layout, present: int) -> None:
 
 def _apply_router(layout: Layout, engine: Engine) -> None:
     """cluster.toml's [router]: bias table, affinity, bias mode (all off by default: the reference router)."""
-    from moetier.engine.router_bias import apply_router_options
-
     r = layout.router
     if not r.bias and not r.affinity:
         return
@@ -116,4 +106,4 @@ def _apply_router(layout: Layout, engine: Engine) -> None:
         raise ConfigError(f"{layout.path}: [router]: {err}") from None
 
 
-__all__ = ["TieredRuntime", "build_runtime", "load_calibration"]
+__all__ = ["TieredRuntime", "build_runtime"]

@@ -59,12 +59,9 @@ class ModelSpec:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert (gate, up, down) in float32."""
+        """Bytes one routed expert (gate, up, down) takes in a tier: the float32 copy moetier.tiers.host_experts
+        holds, whatever the checkpoint stores (a bf16 file's experts take twice their stored bytes there)."""
         return 3 * self.hidden_size * self.moe_intermediate_size * 4
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.moe_intermediate_size * self.n_shared_experts
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -100,17 +100,13 @@ def _run_arm(checkpoint, layout, requests, table_path, affinity, on_step) -> tup
 
 
 def vram_slots(layout, checkpoint) -> int:
-    """Expert slots per layer of the layout's first VRAM tier (the natural hot-set size)."""
-    from moetier.engine.runtime import build_runtime
+    """Expert slots per layer of the layout's first VRAM tier (the natural hot-set size), as the runtime places them."""
+    from moetier.sched.placement import ModelShape, place
 
-    runtime = build_runtime(layout, checkpoint)
-    try:
-        vram = [t for t in runtime.executor.tiers if t.kind == "vram"]
-        if not vram:
-            raise ValueError(f"{layout.path}: the layout has no vram tier (a sweep measures the hit rate of its cache)")
-        return int(vram[0].slots)
-    finally:
-        runtime.close()
+    vram = [placed for placed in place(layout, ModelShape.from_spec(checkpoint.spec)).values() if placed.kind == "vram"]
+    if not vram:
+        raise ValueError(f"{layout.path}: the layout has no vram tier (a sweep measures the hit rate of its cache)")
+    return vram[0].slots
 
 
 def run_sweep(checkpoint, requests: Sequence[Request], layout_path: Path, caps: Sequence[float], lambdas: Sequence[float],

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from moetier.config import Layout, TierConfig
+from moetier.config import ConfigError, Layout, TierConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Calibration:
     dispatch_us_per_layer: float = 30.0  # router + scheduler + dispatch bookkeeping
     cpu_lane_fixed_us: float = 30.0  # per CPU-lane call: handing the lane its work, waking it, its Python around the math
     remote_extra_us: float = 0.0  # per remote call beyond its link's round trip (framing, Python at both ends; < 0: less)
-    expert_bytes: int = 0  # bytes of one expert in the calibrated model
+    expert_bytes: int = 0  # bytes one expert of the calibrated model takes in a tier (ModelSpec.expert_bytes)
     machine: str = ""
 
     def to_json(self) -> str:
@@ -52,6 +52,16 @@ class Calibration:
             raise ValueError(f"{path}: unknown key {sorted(unknown)[0]!r} (expected calibration fields: {', '.join(sorted(known))})")
         return cls(**raw)
 
+    @classmethod
+    def for_layout(cls, layout: Layout) -> "Calibration":
+        """The calibration a layout names under [scheduler].calibration, else the defaults; a bad file is a ConfigError."""
+        if not layout.scheduler.calibration:
+            return cls()
+        try:
+            return cls.load(layout.relative(layout.scheduler.calibration))
+        except ValueError as err:
+            raise ConfigError(f"{layout.path}: [scheduler].calibration: {err}") from None
+
 
 @dataclass(frozen=True)
 class TierCost:
@@ -64,15 +74,29 @@ class TierCost:
     fetch_us: float  # vram: uploading one missed expert over the link (inf: cannot fetch)
     lanes: int  # experts computed concurrently (1: a call's experts run one after another, each on all its threads)
 
+    def compute_us(self, experts: float, pairs: float) -> float:
+        """Compute time of `experts` distinct experts over `pairs` (token, expert) pairs in one call: the one
+        per-expert formula the planner, `serve_us` and the simulator's critical path all use."""
+        return (self.us_per_expert * experts + self.us_per_token_expert * max(0.0, pairs - experts)) / self.lanes
+
     def expert_us(self, tokens: int) -> float:
         """Compute time one more expert of `tokens` tokens adds to a call."""
-        return (self.us_per_expert + self.us_per_token_expert * (tokens - 1)) / self.lanes
+        return self.compute_us(1, tokens)
+
+    def call_us(self, experts: float, pairs: float, rows: float, uploads: float = 0.0) -> float:
+        """One call serving `experts` over `pairs`, with `rows` token rows shipped there and back and `uploads`
+        experts fetched first (0 when it serves nothing)."""
+        if experts <= 0:
+            return 0.0
+        return self.fixed_us + self.hidden_us_per_token * rows + self.compute_us(experts, pairs) + self.upload_us(uploads)
+
+    def upload_us(self, uploads: float) -> float:
+        """Fetching `uploads` missed experts over the link (a tier that cannot fetch adds nothing)."""
+        return uploads * self.fetch_us if uploads and self.fetch_us != float("inf") else 0.0
 
     def serve_us(self, expert_tokens: list[int]) -> float:
         """Time to serve experts with these token counts in one call."""
-        if not expert_tokens:
-            return 0.0
-        return self.fixed_us + self.hidden_us_per_token * max(expert_tokens) + sum(self.expert_us(n) for n in expert_tokens)
+        return self.call_us(len(expert_tokens), sum(expert_tokens), max(expert_tokens, default=0))
 
 
 def tier_cost(layout: Layout, tier: TierConfig, calibration: Calibration, expert_bytes: int, hidden_bytes: int) -> TierCost:

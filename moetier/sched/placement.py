@@ -6,7 +6,7 @@ layout gets the same slots and the same held experts whether it runs, is
 estimated or is simulated. Rules: a VRAM tier serves the MoE layers of the
 parts on its device, every other tier all MoE layers; slots are `slots`, else
 `capacity_bytes` split evenly over the layers served (in the bytes an expert
-takes in a tier, `ModelShape.expert_bytes`), capped at the experts per layer;
+takes in a tier, ModelSpec.expert_bytes), capped at the experts per layer;
 the CPU lane holds every expert; helper and remote tiers hold a fixed set per
 layer by their `experts` rule (helper default "hot", remote default "all"),
 ranked by the tier's profile. A VRAM tier's initial residency is its policy's
@@ -37,15 +37,9 @@ class ModelShape:
 
     @classmethod
     def from_spec(cls, spec, name: str = "") -> "ModelShape":
-        """The shape the runtime has: experts in the bytes a tier holds them (tier_expert_bytes), float32 hidden states."""
-        return cls(spec.num_layers, tuple(spec.moe_layers), spec.num_experts, spec.top_k, tier_expert_bytes(spec),
+        """The shape the runtime has: experts in the bytes a tier holds them (spec.expert_bytes), float32 hidden states."""
+        return cls(spec.num_layers, tuple(spec.moe_layers), spec.num_experts, spec.top_k, spec.expert_bytes,
                    spec.hidden_size * 4, name)
-
-
-def tier_expert_bytes(spec) -> int:
-    """Bytes one routed expert (gate, up, down) takes in a tier: the float32 copy moetier.tiers.host_experts holds,
-    whatever the checkpoint stores (a bf16 file's experts take twice their stored bytes here)."""
-    return 3 * spec.hidden_size * spec.moe_intermediate_size * 4
 
 
 @dataclass(frozen=True)
@@ -139,4 +133,4 @@ def _chosen(layout: Layout, tier: TierConfig, slots: int, num_experts: int, brig
         raise ConfigError(f"{layout.path}: {where}.{err}") from None
 
 
-__all__ = ["ModelShape", "TierPlacement", "load_profile", "place", "served_layers", "tier_expert_bytes"]
+__all__ = ["ModelShape", "TierPlacement", "load_profile", "place", "served_layers"]

@@ -30,9 +30,6 @@ class LayerPlan:
     def critical_us(self) -> float:
         return max(self.finish_us.values(), default=0.0)
 
-    def tier_of(self) -> dict[int, str]:
-        return {e: tier for tier, experts in self.assign.items() for e in experts}
-
 
 def plan_layer(
     expert_tokens: Mapping[int, int],

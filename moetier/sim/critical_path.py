@@ -57,15 +57,6 @@ class PassPrediction:
         return self.pass_ms / self.tokens_per_pass
 
 
-def tier_time_us(cost: TierCost, load: TierLoad, tokens: float) -> float:
-    """Time for a tier to serve its load of one layer (0 when it has none)."""
-    if load.experts <= 0:
-        return 0.0
-    compute = cost.us_per_expert * load.experts + cost.us_per_token_expert * max(0.0, load.pairs - load.experts)
-    uploads = load.uploads * (cost.fetch_us if cost.fetch_us != float("inf") else 0.0)
-    return cost.fixed_us + cost.hidden_us_per_token * tokens + compute / cost.lanes + uploads
-
-
 def predict_pass(
     parts: Sequence[PartSpec],
     moe_layers: Sequence[int],
@@ -106,7 +97,7 @@ def predict_pass(
             replies, gpu_busy = [], 0.0
             for name, load in loads.get(layer, {}).items():
                 cost = costs[name]
-                busy = tier_time_us(cost, load, rows)
+                busy = cost.call_us(load.experts, load.pairs, rows, load.uploads)
                 if busy <= 0:
                     continue
                 busy_us[name] += busy
@@ -114,7 +105,7 @@ def predict_pass(
                     lane_done = max(start, lane_free) + busy
                     lane_free = lane_done
                 elif cost.kind == "vram":  # the GPU itself: hits now, fetched misses after their upload
-                    upload = load.uploads * (cost.fetch_us if cost.fetch_us != float("inf") else 0.0)
+                    upload = cost.upload_us(load.uploads)
                     spent["gpu experts"] += busy - upload
                     spent["transfers"] += upload
                     gpu_busy += busy

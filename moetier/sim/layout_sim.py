@@ -18,32 +18,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from moetier.config import ConfigError, Layout
+from moetier.config import Layout
 from moetier.sched.cost import Calibration, TierCost, tier_cost
+from moetier.sched.placement import ModelShape, place, served_layers
 from moetier.sched.plan import plan_layer
 from moetier.sim.critical_path import PartSpec, PassPrediction, TierLoad, predict_pass
 from moetier.sim.replay import belady, replay, replay_with_affinity
 from moetier.sim.traces import RoutingTrace
 from moetier.residency import make_policy
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the simulator needs to know of a model: layer structure, routing width, bytes."""
-
-    num_layers: int
-    moe_layers: tuple[int, ...]
-    num_experts: int  # E
-    top_k: int  # k
-    expert_bytes: int  # one routed expert as the tiers hold it
-    hidden_bytes: int  # one token's hidden state as shipped to helper / remote tiers
-    name: str = ""
-
-    @classmethod
-    def from_spec(cls, spec, name: str = "") -> "ModelShape":
-        """The shape build_runtime uses: float32 experts and float32 hidden states."""
-        return cls(spec.num_layers, tuple(spec.moe_layers), spec.num_experts, spec.top_k, spec.expert_bytes,
-                   spec.hidden_size * 4, name)
 
 
 # GLM-4.5-Air experts (hidden 4096, moe_intermediate 1408, gate+up+down) at Q4_K, 4.5 bits/weight;
@@ -63,6 +45,7 @@ class Simulation:
     skipped_per_token: float
     passes: int  # passes timed
     notes: list[str] = field(default_factory=list)
+    slots_per_layer: dict[str, int] = field(default_factory=dict)  # tier -> experts it holds per layer (moetier.sched.placement)
 
     @property
     def tok_per_s(self) -> float:
@@ -74,36 +57,8 @@ class Simulation:
                 "tokens_per_pass": p.tokens_per_pass, "part_ms_per_token": p.part_ms_per_token,
                 "tier_busy_ms_per_token": p.busy_ms_per_token, "hit_rate": self.hit_rate,
                 "tier_hit_rate": self.tier_hit_rate, "experts_served_per_token": self.served_per_token,
-                "skipped_per_token": self.skipped_per_token, "passes": self.passes, "notes": self.notes}
-
-
-# -- what each tier holds (mirrors moetier.engine.runtime) ------------------------
-def tier_layers(layout: Layout, shape: ModelShape) -> dict[str, list[int]]:
-    """Model MoE layers each tier serves: a VRAM tier its device's parts, every other tier all of them."""
-    served = {}
-    for tier in layout.tiers:
-        if tier.kind == "vram":
-            served[tier.name] = [l for p in layout.parts if p.device == tier.device
-                                 for l in p.layers(shape.num_layers) if l in shape.moe_layers]
-        else:
-            served[tier.name] = list(shape.moe_layers)
-    return served
-
-
-def tier_slots(layout: Layout, shape: ModelShape) -> dict[str, int]:
-    """Slots per layer of each VRAM / helper / remote tier: `slots`, else capacity_bytes over its layers."""
-    served, slots = tier_layers(layout, shape), {}
-    for tier in layout.tiers:
-        if tier.kind == "cpu":
-            continue
-        count = tier.slots or tier.capacity_bytes // max(1, shape.expert_bytes * max(len(served[tier.name]), 1))
-        if tier.kind == "remote" and not tier.slots and not tier.capacity_bytes:
-            count = shape.num_experts
-        if count < 1:
-            raise ConfigError(f"{layout.path}: [tiers] {tier.name}: capacity_bytes = {tier.capacity_bytes} holds no "
-                              f"expert of {shape.expert_bytes} bytes per layer")
-        slots[tier.name] = min(int(count), shape.num_experts)
-    return slots
+                "skipped_per_token": self.skipped_per_token, "passes": self.passes, "notes": self.notes,
+                "slots_per_layer": self.slots_per_layer}
 
 
 # -- profiles sampled into traces ---------------------------------------------------------
@@ -159,50 +114,40 @@ def _classify(layout: Layout, shape: ModelShape, trace: RoutingTrace, lam: float
     """(picks [T, L, k] after affinity, tier -> [T, L, k] class digit of each pick, vram tier -> hit rate, hits):
     VRAM tiers replay their policy (1 hit, 2 a miss admitted now, 0 a miss); helper / remote tiers hold by rule."""
     E, moe = shape.num_experts, list(shape.moe_layers)
-    served, slots = tier_layers(layout, shape), tier_slots(layout, shape)
     position = {layer: j for j, layer in enumerate(moe)}
     counts = trace.tokens(warmup_tokens).counts().astype(np.float64)  # [L, E]
-
-    def profile_of(tier) -> np.ndarray | None:
-        rows = [position[l] for l in served[tier.name]]
-        if tier.name in profiles:
-            return np.asarray(profiles[tier.name], np.float64)
-        if tier.profile:
-            return np.load(layout.relative(tier.profile), allow_pickle=False).astype(np.float64)[rows]
-        if tier.kind == "vram" and tier.policy == "static":
+    profiles = dict(profiles)
+    for tier in layout.tiers:  # a static cache without a profile file: the trace's own counts, an oracle profile
+        if tier.kind == "vram" and tier.policy == "static" and not tier.profile and tier.name not in profiles:
             notes.append(f"{tier.name}: static cache from the trace's own counts (no profile file)")
-            return counts[rows]
-        return None  # as build_runtime: a cold cache; helper / remote "hot" = the lowest ids
-
+            profiles[tier.name] = counts[[position[l] for l in served_layers(layout, tier, shape)]]
+    placement = place(layout, shape, profiles)
     picks = trace.picks.astype(np.intp)  # [T, L, k]
     digits: dict[str, np.ndarray] = {}
     hit_rates, hits_total = {}, 0
-    vram = [t for t in layout.tiers if t.kind == "vram" and served[t.name]]
+    vram = [placement[t.name] for t in layout.tiers if t.kind == "vram" and placement[t.name].layers]
     if lam and vram and trace.probs is None:
         raise ValueError(f"[router].affinity = {lam} re-picks from router probabilities; trace {trace.source or ''} has none (use affinity 0)")
-    for tier in vram:
-        rows = [position[l] for l in served[tier.name]]
-        profile = profile_of(tier)
+    for placed in vram:
+        tier, rows, profile = placed.config, [position[l] for l in placed.layers], placed.profile
         if lam:
-            picks[:, rows] = replay_with_affinity(_sub_trace(trace, rows), tier.policy, slots[tier.name], lam, profile).picks
+            picks[:, rows] = replay_with_affinity(_sub_trace(trace, rows), tier.policy, placed.slots, lam, profile).picks
             notes.append(f"{tier.name}: picks re-ranked with live-cache affinity {lam}")
-        result = replay(replace(_sub_trace(trace, rows), picks=picks[:, rows], probs=None), tier.policy, slots[tier.name], profile,
+        result = replay(replace(_sub_trace(trace, rows), picks=picks[:, rows], probs=None), tier.policy, placed.slots, profile,
                         warmup_tokens=warmup_tokens)
         digit = np.zeros(picks.shape, np.int8)
-        digit[:, rows] = _vram_digits(make_policy(tier.policy, len(rows), E, slots[tier.name], profile), picks[:, rows])
+        digit[:, rows] = _vram_digits(make_policy(tier.policy, len(rows), E, placed.slots, profile), picks[:, rows])
         if int((digit[warmup_tokens:] == 1).sum()) != int(result.hits.sum()):
             raise AssertionError(f"tier {tier.name}: per-pick hits disagree with replay")  # the replay is the reference
         digits[tier.name], hit_rates[tier.name] = digit, result.hit_rate
         hits_total += int(result.hits.sum())
-    for tier in layout.tiers:
-        if tier.kind in ("helper", "remote"):
-            rule = tier.experts or ("all" if tier.kind == "remote" else "hot")  # build_runtime's defaults
+    for placed in placement.values():
+        if placed.held is not None:  # helper / remote: a fixed set per layer
             table = np.zeros((len(moe), E), bool)  # [L, E] held
-            profile = profile_of(tier)
-            for j in range(len(moe)):
-                table[j, replace(tier, experts=rule).held_experts(slots[tier.name], E, None if profile is None else profile[j])] = True
-            digits[tier.name] = table[np.arange(len(moe))[None, :, None], picks].astype(np.int8)
-    return picks, digits, hit_rates, hits_total
+            for layer, experts in placed.held.items():
+                table[position[layer], experts] = True
+            digits[placed.name] = table[np.arange(len(moe))[None, :, None], picks].astype(np.int8)
+    return picks, digits, hit_rates, hits_total, placement
 
 
 def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace: RoutingTrace, *,
@@ -219,10 +164,9 @@ def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace:
                          f"(expected {len(moe)} x {E}, top-{k} for model {shape.name or 'shape'})")
     if rows_per_pass < 1 or not 0 <= warmup_tokens < trace.num_tokens - rows_per_pass + 1:
         raise ValueError(f"rows_per_pass {rows_per_pass} and warmup_tokens {warmup_tokens} leave no pass in {trace.num_tokens} tokens")
-    layout.check_model(shape.num_layers, E)
-    served, notes = tier_layers(layout, shape), []
+    notes: list[str] = []
     lam = layout.router.affinity if affinity is None else affinity
-    picks, digits, hit_rates, hits_total = _classify(layout, shape, trace, lam, dict(profiles or {}), warmup_tokens, notes)
+    picks, digits, hit_rates, hits_total, placement = _classify(layout, shape, trace, lam, dict(profiles or {}), warmup_tokens, notes)
 
     costs = {t.name: tier_cost(layout, t, calibration, shape.expert_bytes, shape.hidden_bytes) for t in layout.tiers}
     plan_costs = {t.name: tier_cost(layout, t, planning, shape.expert_bytes, shape.hidden_bytes) for t in layout.tiers} if planning else costs
@@ -232,7 +176,7 @@ def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace:
     if len(starts) > max_passes:
         starts = starts[np.linspace(0, len(starts) - 1, max_passes).round().astype(int)]
     parts = [PartSpec(p.name, list(p.layers(shape.num_layers))) for p in layout.parts]
-    serving = {l: [t.name for t in layout.tiers if l in served[t.name]] for l in moe}
+    serving = {l: [t.name for t in layout.tiers if l in placement[t.name].layers] for l in moe}
     memo: dict = {}
     predictions, served_count, skipped = [], {t.name: 0.0 for t in layout.tiers}, 0.0
     for start in starts:
@@ -251,7 +195,8 @@ def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace:
     tokens_out = (tokens_per_pass or rows_per_pass) * len(starts)
     lookups = (trace.num_tokens - warmup_tokens) * len(moe) * k
     return Simulation(_mean(predictions), hits_total / lookups, hit_rates,
-                      {n: v / tokens_out for n, v in served_count.items()}, skipped / tokens_out, len(starts), notes)
+                      {n: v / tokens_out for n, v in served_count.items()}, skipped / tokens_out, len(starts), notes,
+                      {name: placed.slots for name, placed in placement.items()})
 
 
 def _plan(signature, names: list[str], serving: list[str], costs: Mapping[str, TierCost], layout: Layout):

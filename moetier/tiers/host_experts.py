@@ -19,7 +19,7 @@ class HostExperts:
     def __init__(self, checkpoint: Checkpoint, layers: Sequence[int], pin: bool = False):
         self.spec = checkpoint.spec
         self.layers = tuple(layers)
-        self.expert_bytes = 3 * self.spec.hidden_size * self.spec.moe_intermediate_size * 4
+        self.expert_bytes = self.spec.expert_bytes
         self._weights: dict[int, list[ExpertWeights]] = {}
         for layer in self.layers:
             experts = [checkpoint.expert(layer, e) for e in range(self.spec.num_experts)]
