@@ -80,7 +80,7 @@ class NullBackend(Backend):
     """Expert math removed: returns zeros at once, so only routing, planning and dispatch are timed."""
 
     name = "null"
-    caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
+    caps = BackendCaps(dtypes=("float32",))
 
     def _place(self, weights):
         return None

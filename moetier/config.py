@@ -78,7 +78,7 @@ class PartConfig:
 class TierConfig:
     name: str
     kind: str
-    backend: str = "torch"
+    backend: str = ""  # cpu: the lane's expert backend; remote: the worker `launch` starts (default torch)
     device: str = ""  # vram / helper: a device name
     host: str = ""  # cpu / remote: a host name
     slots: int = 0  # expert slots per MoE layer (vram / helper)
@@ -90,6 +90,11 @@ class TierConfig:
     address: str = ""  # remote: tcp://host:port of the worker
     keys: str = ""  # remote: folder with CurveZMQ keys
     experts: str = ""  # helper / remote: which experts it holds, "hot" | "cold" | "all" | "a:b"
+
+    @property
+    def backend_name(self) -> str:
+        """The expert backend the CPU lane (or a launched worker) computes with: `backend`, else torch."""
+        return self.backend or "torch"
 
     def held_experts(self, slots: int, num_experts: int, brightness=None) -> list[int]:
         """The experts a helper / remote tier holds in one layer: by `experts` ("hot" or "cold" by the
@@ -289,9 +294,12 @@ class _Parser:
             expected_start = part.stop if part.stop is not None else expected_start
         for i, tier in enumerate(layout.tiers):
             self.validate_tier(layout, tier, f"[tiers.{i}]", host_names, device_names, link_names)
-        kinds = [t.kind for t in layout.tiers]
-        if "cpu" not in kinds:
+        lanes = [i for i, t in enumerate(layout.tiers) if t.kind == "cpu"]
+        if not lanes:
             raise self.fail("tiers", "no tier of kind \"cpu\" (expected one: the CPU lane serves what no other tier holds)")
+        if len(lanes) > 1:
+            raise self.fail(f"[tiers.{lanes[1]}].kind", f"is a second \"cpu\" tier (expected exactly one CPU lane per layout; "
+                            f"give tier {layout.tiers[lanes[0]].name!r} more threads instead)")
         s, r = layout.scheduler, layout.router
         if s.defer_cpu not in (0, 1, 2):
             raise self.fail("[scheduler].defer_cpu", f"is {s.defer_cpu} (expected 0, 1 or 2)")
@@ -303,6 +311,9 @@ class _Parser:
     def validate_tier(self, layout, tier: TierConfig, where: str, hosts, devices, links) -> None:
         if tier.kind not in TIER_KINDS:
             raise self.fail(f"{where}.kind", f"is {tier.kind!r} (expected one of {', '.join(TIER_KINDS)})")
+        if tier.kind in ("vram", "helper") and tier.backend not in ("", "torch"):
+            raise self.fail(f"{where}.backend", f"is {tier.backend!r} (expected \"torch\" or none: a {tier.kind} tier computes "
+                            f"with torch on its device; backend chooses the CPU lane's and a worker's)")
         if tier.kind in ("vram", "helper"):
             if tier.device not in devices:
                 raise self.fail(f"{where}.device", f"{tier.device!r} is not a device (expected one of {', '.join(sorted(devices))})")

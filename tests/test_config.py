@@ -89,3 +89,42 @@ def _write(text: str) -> Path:
     path = folder / f"cluster{next(_counter)}.toml"
     path.write_text(text)
     return path
+
+
+def test_a_second_cpu_tier_is_refused_by_layout_check(tmp_path):
+    """The executor carries one CPU-lane future per layer: a second lane's partial would be lost, so a layout
+    with two is refused with one line (and `moetier layout check` exits 2)."""
+    path = tmp_path / "two-lanes.toml"
+    path.write_text(MINIMAL + '[[tiers]]\nname = "cpu2"\nkind = "cpu"\n')
+    with pytest.raises(ConfigError) as err:
+        load_layout(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: [tiers.2].kind") and "one CPU lane" in message and "\n" not in message
+    result = subprocess.run([sys.executable, "-m", "moetier.cli", "layout", "check", str(path)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "[tiers.2].kind" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["vram", "helper"])
+def test_backend_on_a_gpu_tier_is_refused_not_ignored(tmp_path, kind):
+    """A vram or helper tier computes with torch on its device; any other backend there was silently ignored."""
+    text = MINIMAL.replace('kind = "vram"', f'kind = "{kind}"\nbackend = "numpy"', 1)
+    path = tmp_path / "layout.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_layout(path)
+    assert str(err.value).startswith(f"{path}: [tiers.0].backend") and "numpy" in str(err.value)
+    path.write_text(MINIMAL.replace('kind = "vram"', f'kind = "{kind}"\nbackend = "torch"', 1))
+    assert load_layout(path).tiers[0].backend_name == "torch"  # saying what it does is fine
+
+
+def test_the_executor_refuses_two_deferrable_tiers_on_a_layer():
+    """The invariant behind the config rule, where it holds: Partials has room for one lane future."""
+    from moetier.engine.tier_executor import TieredExecutor
+    from moetier.tiers.base import Tier
+
+    class Lane(Tier):
+        kind, deferrable = "cpu", True
+
+    one, two = Lane("a"), Lane("b")
+    with pytest.raises(ValueError, match="2 deferrable tiers"):
+        TieredExecutor([one, two], {0: [one, two]}, {}, 1000.0)

@@ -23,7 +23,6 @@ from moetier.model.checkpoint import ExpertWeights
 
 @dataclass(frozen=True)
 class BackendCaps:
-    device_kind: str  # "cpu" | "cuda"
     dtypes: tuple[str, ...]  # weight dtypes it computes in
 
 
@@ -73,12 +72,17 @@ class Backend:
         """The native DecodeKernel whose `run` this backend's one-row decode is, bit for bit; None if there is none."""
         return None
 
+    def native_lane(self, threads: int) -> Any:
+        """A NativeLane of `threads` C threads computing this backend's decode calls bit for bit; None if it has none."""
+        return None
+
     def describe(self) -> str:
         """One line for reports: the backend, its device, and how it computes."""
         return f"{self.name} ({self.device})"
 
     def synchronize(self) -> None:
-        """Wait for queued device work (a no-op on synchronous backends)."""
+        """Wait for the device work this backend queued (a synchronous backend returns at once)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement synchronize")
 
     def _place(self, weights: ExpertWeights) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not implement _place")

@@ -25,7 +25,7 @@ class CupyExpert:
 
 class CupyBackend(Backend):
     name = "cupy"
-    caps = BackendCaps(device_kind="cuda", dtypes=("float32",))
+    caps = BackendCaps(dtypes=("float32",))
 
     def __init__(self, device: str = "cuda"):
         super().__init__(device)

@@ -31,12 +31,16 @@ def swiglu(x: np.ndarray, w: NumpyExpert) -> np.ndarray:
 
 class NumpyBackend(Backend):
     name = "numpy"
-    caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
+    caps = BackendCaps(dtypes=("float32",))
 
     def __init__(self, device: str = "cpu"):
         if device != "cpu":
             raise ValueError(f"numpy backend: runs on the CPU only, not {device!r}")
         super().__init__(device)
+
+    def synchronize(self) -> None:
+        """numpy computes synchronously: nothing is ever queued, so there is nothing to wait for."""
+        return None
 
     def _place(self, weights: ExpertWeights) -> NumpyExpert:
         resident = weights.resident()

@@ -53,7 +53,7 @@ def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: S
 
 class TorchBackend(Backend):
     name = "torch"
-    caps = BackendCaps(device_kind="cpu", dtypes=("float32",))
+    caps = BackendCaps(dtypes=("float32",))
 
     def __init__(self, device: str = "cpu", lanes: int | None = None, native_kernel: bool = True):
         """lanes: CPU decode threads (default 1); native_kernel: False keeps CPU decode on torch ops."""
@@ -62,7 +62,6 @@ class TorchBackend(Backend):
         if self.torch_device.type == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError(f"torch backend: device {device!r} asked for but CUDA is not available")
-            self.caps = BackendCaps(device_kind="cuda", dtypes=("float32",))
         cpu = self.torch_device.type == "cpu"
         self.lanes = max(1, lanes if lanes is not None else 1)
         self._native_asked = native_kernel

@@ -27,19 +27,17 @@ class UsageError(ValueError):
 
 
 def errors_to_exit(command: Callable) -> Callable:
-    """Expected failures become one line on stderr and exit code 2."""
+    """Expected failures become one line on stderr and exit code 2. Every error moetier raises for bad input
+    (UsageError, ConfigError, SpecError, CheckpointError, BackendError, BiasError, ...) is a ValueError."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from moetier.backends import BackendError
-        from moetier.model import CheckpointError, SpecError
-
         try:
             return command(*args, **kwargs)
         except BrokenPipeError:  # `moetier ... | head`: the reader left; nothing to report
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(0) from None
-        except (UsageError, SpecError, CheckpointError, BackendError, ValueError, OSError) as err:
+        except (ValueError, OSError) as err:
             message = str(err) if not isinstance(err, OSError) else f"{err.filename or ''}: {err.strerror or err}"
             print(f"moetier: error: {message}", file=sys.stderr)
             raise typer.Exit(2) from None

@@ -40,8 +40,13 @@ class Partials(NamedTuple):
 
 
 class ExpertExecutor(Protocol):
+    live_cache: bool  # some expert cache's residency moves as it serves: live-cache affinity has something to follow
+
     def dispatch(self, layer: int, x: torch.Tensor, decision: Route) -> Partials:
         """x [T, D] and the layer's routing -> the gate-weighted sum of each token's experts."""
+
+    def resident_mask(self, layer: int) -> torch.Tensor | None:
+        """[E] bool: the experts of `layer` in a live cache now; None without one."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ def _device(name: str) -> torch.device:
 class ResidentExperts:
     """Every routed expert of every MoE layer placed on one backend: the all-resident executor."""
 
+    live_cache = False
+
     def __init__(self, checkpoint: Checkpoint, backend: Backend):
         self.backend = backend
         spec = checkpoint.spec
@@ -91,6 +98,9 @@ class ResidentExperts:
         placed = self.placed[layer]
         work = [ExpertWork(placed[e], rows, w) for e, rows, w in group_by_expert(decision.picks, decision.weights)]
         return Partials(self.backend.run_experts(x, work))
+
+    def resident_mask(self, layer: int) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -157,8 +167,7 @@ class Engine:
 
     def executor_affinity(self, layer: int) -> torch.Tensor | None:
         """lambda on the experts resident in a cache right now [E], from executors that have one."""
-        resident = getattr(self.executor, "resident_mask", None)
-        mask = resident(layer) if resident is not None else None
+        mask = self.executor.resident_mask(layer)
         return None if mask is None else mask.to(torch.float32) * self.router_bias.affinity
 
     def _layer_weights(self, layer: int) -> LayerWeights:

@@ -131,7 +131,7 @@ def apply_router_options(engine, bias_path: Path | None = None, affinity: float 
     affinity = affinity if affinity is not None else (current.affinity if current is not None else 0.0)
     damped = bias_mode == "damped" if bias_mode is not None else (current is not None and current.damped)
     prefill = affinity_prefill if affinity_prefill is not None else (current is not None and current.affinity_prefill)
-    if affinity > 0 and getattr(engine.executor, "resident_mask", None) is None:
+    if affinity > 0 and not engine.executor.live_cache:
         raise BiasError("affinity follows the live expert cache, and this engine has none (run with a --layout that has a vram tier)")
     if (table is None or not bool(table.any())) and affinity == 0:
         engine.set_router_bias(None)

@@ -26,9 +26,6 @@ from moetier.sched.cost import TierCost
 from moetier.sched.plan import PlanCache
 from moetier.tiers.base import Tier
 
-WAIT_CATEGORY = {"vram": "gpu experts", "helper": "gpu experts", "remote": "remote"}
-
-
 @dataclass
 class TierCounters:
     served: int = 0  # expert computations
@@ -89,6 +86,11 @@ class TieredExecutor:
                  budget_us: float, tail_skip: bool = False, num_experts: int = 0):
         self.tiers = list(tiers)
         self.serving = {layer: list(ts) for layer, ts in serving.items()}
+        for layer, ts in self.serving.items():
+            lanes = [t.name for t in ts if t.deferrable]
+            if len(lanes) > 1:  # Partials carries one lane future: a second would be lost
+                raise ValueError(f"MoE layer {layer} is served by {len(lanes)} deferrable tiers ({', '.join(lanes)}); expected at most one")
+        self.live_cache = any(t.residency for t in self.tiers)
         self.costs = dict(costs)
         tables: dict[tuple[str, ...], dict[str, TierCost]] = {}  # one table per set of serving tiers: layers share plans
         self._layer_costs = {layer: tables.setdefault(tuple(t.name for t in ts), {t.name: self.costs[t.name] for t in ts})
@@ -103,8 +105,8 @@ class TieredExecutor:
         self.trace: TraceRows | None = None
 
     def resident_mask(self, layer: int) -> torch.Tensor | None:
-        """[E] bool: experts of `layer` resident in a VRAM tier now (for live-cache affinity)."""
-        caches = [t for t in self.serving.get(layer, []) if t.kind == "vram"]
+        """[E] bool: experts of `layer` resident in a tier with residency now (for live-cache affinity)."""
+        caches = [t for t in self.serving.get(layer, []) if t.residency]
         if not caches:
             return None
         mask = torch.zeros(self.num_experts, dtype=torch.bool)
@@ -134,7 +136,7 @@ class TieredExecutor:
         for tier in serving:
             counters = self.counters[tier.name]
             counters.picks += len(picks_rows) * len(picks_rows[0])
-            if tier.kind != "vram":
+            if not tier.residency:
                 holders[tier.name] = tier.holds(layer)
                 continue
             before = tier.holds(layer)
@@ -159,7 +161,7 @@ class TieredExecutor:
                 inline.append((tier, jobs))
                 continue
             future = tier.submit(layer, x, jobs)
-            if tier.kind == "cpu":
+            if tier.deferrable:
                 lane = future
             else:
                 futures.append((tier, future))
@@ -173,12 +175,12 @@ class TieredExecutor:
             waited = time.perf_counter() if times is not None else 0.0
             now += tier.submit(layer, x, jobs).result()
             if times is not None:
-                times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
+                times.add(tier.wait_category, time.perf_counter() - waited)
         for tier, future in futures:
             waited = time.perf_counter() if times is not None else 0.0
             now += future.result()
             if times is not None:
-                times.add(WAIT_CATEGORY[tier.kind], time.perf_counter() - waited)
+                times.add(tier.wait_category, time.perf_counter() - waited)
         return Partials(now, lane)
 
     def close(self) -> None:

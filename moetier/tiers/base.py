@@ -1,12 +1,17 @@
 """The tier interface: one place where experts live and are computed.
 
-A tier holds some experts of each MoE layer (`holds`), says what serving a
-batch of them would cost (`cost_us`, from the scheduler's cost model), and
-computes them asynchronously: `submit(layer, x, work)` returns a future of the
-gate-weighted partial sum [T, D] over the work's experts. Kinds: `vram` (an
-expert cache on a device), `helper` (a second device), `cpu` (the CPU lane),
-`remote` (a worker on another host). Tiers never call the scheduler; the
-engine decides the order of a step.
+A tier holds some experts of each MoE layer (`holds`) and computes them
+asynchronously: `submit(layer, x, jobs)` returns a future of the
+gate-weighted partial sum [T, D] over the jobs' experts. What else it can do
+is declared, not probed: `residency` (what it holds moves as it serves, and
+`access` moves it: the VRAM cache), `deferrable` (its partial may land after
+the next layer's attention: the CPU lane, DEFER_CPU), `inline` (it computes on
+the calling thread), and `wait_category` (where the engine's wait for it is
+accounted). Kinds: `vram`, `helper` (a second device), `cpu` (the CPU lane),
+`remote` (a worker on another host). What serving costs is the scheduler's
+cost model (moetier.sched.cost), not the tier's. Tiers never call the
+scheduler; the engine decides the order of a step. The step's value types
+(ExpertJob, DecodeJobs) live here, with the interface that consumes them.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ def run_jobs(backend: Backend, x: torch.Tensor, jobs: Sequence[ExpertJob], place
 class Tier:
     kind: ClassVar[str]
     inline: ClassVar[bool] = False  # submit computes on the calling thread (the engine's own device)
+    residency: ClassVar[bool] = False  # what it holds moves as it serves; `access` admits and evicts
+    deferrable: ClassVar[bool] = False  # its partial may be added after the next layer's attention (DEFER_CPU)
+    wait_category: ClassVar[str] = ""  # StepTimes category of the engine's wait for its partial
 
     def __init__(self, name: str):
         self.name = name
@@ -81,9 +89,9 @@ class Tier:
         """Experts of `layer` this tier can serve right now without fetching."""
         raise NotImplementedError(f"{type(self).__name__} does not implement holds")
 
-    def cost_us(self, layer: int, experts: int, tokens: int) -> float:
-        """Predicted microseconds to serve `experts` experts over `tokens` tokens (model, not measurement)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement cost_us")
+    def access(self, layer: int, picks: Sequence[int]) -> tuple[int, list[int]]:
+        """A tier with `residency`: one token-step's picks through its policy -> (hits, experts admitted now)."""
+        raise NotImplementedError(f"{type(self).__name__} has no residency to access")
 
     def submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
         """x [T, D] -> future of the [T, D] sum over jobs of weights * ffn(x[rows]) scattered to rows."""
@@ -95,6 +103,7 @@ class Tier:
 
     def close(self) -> None:
         """Release threads, sockets and device memory (idempotent)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement close")
 
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
         raise NotImplementedError(f"{type(self).__name__} does not implement _submit")

@@ -32,6 +32,7 @@ from moetier.tiers.lane_threads import LaneThreads
 
 class CpuTier(Tier):
     kind = "cpu"
+    deferrable = True
 
     def __init__(
         self,
@@ -39,7 +40,6 @@ class CpuTier(Tier):
         host: HostExperts,
         backend: str | Backend = "torch",
         threads: int = 1,
-        us_per_expert: float = 0.0,
     ):
         super().__init__(name)
         if isinstance(backend, str):  # torch spreads a call's experts over `threads` lanes
@@ -48,7 +48,6 @@ class CpuTier(Tier):
         experts = range(host.spec.num_experts)
         self._all = frozenset(experts)
         self.placed = {l: [self.backend.place(host.get(l, e)) for e in experts] for l in host.layers}
-        self.us_per_expert = us_per_expert
         self.inter = host.spec.moe_intermediate_size
         # two calls may be in flight: a deferred layer's and the next layer's (DEFER_CPU)
         self._lane = LaneThreads(2, f"cpu-lane-{name}")
@@ -57,9 +56,6 @@ class CpuTier(Tier):
 
     def holds(self, layer: int) -> frozenset[int]:
         return self._all if layer in self.placed else frozenset()
-
-    def cost_us(self, layer: int, experts: int, tokens: int) -> float:
-        return self.us_per_expert * experts
 
     def compute(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> torch.Tensor:
         """The lane's math, synchronously on the caller's thread (also the lossless fallback of other tiers).
@@ -73,10 +69,9 @@ class CpuTier(Tier):
 
     def _open_native(self, threads: int):
         """The backend's native lane and, per layer, each expert's (gate_up, down) addresses; or (None, None)."""
-        opener = getattr(self.backend, "native_lane", None)
-        if opener is None or not all(DecodeKernel.fits(w) for ws in self.placed.values() for w in ws):
+        if not all(DecodeKernel.fits(w) for ws in self.placed.values() for w in ws):
             return None, None
-        lane = opener(threads)
+        lane = self.backend.native_lane(threads)
         if lane is None:
             return None, None
         addresses = {layer: [struct.pack("qq", w.gate_up.data_ptr(), w.down.data_ptr()) for w in placed]  # per expert, packed

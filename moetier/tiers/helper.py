@@ -21,14 +21,14 @@ from moetier.tiers.link import Link
 
 class HelperTier(Tier):
     kind = "helper"
+    wait_category = "gpu experts"
 
     def __init__(self, name: str, host: HostExperts, experts: Mapping[int, Sequence[int]], link: Link,
-                 device: str = "cpu", us_per_expert: float = 0.0):
+                 device: str = "cpu"):
         super().__init__(name)
         self.link = link
         self.device = torch.device(device)
         self.backend = TorchBackend(device)
-        self.us_per_expert = us_per_expert
         self._held = {layer: frozenset(int(e) for e in chosen) for layer, chosen in experts.items()}
         self.placed = {layer: {e: self.backend.place(host.get(layer, e).to(self.device)) for e in chosen}
                        for layer, chosen in self._held.items()}
@@ -36,9 +36,6 @@ class HelperTier(Tier):
 
     def holds(self, layer: int) -> frozenset[int]:
         return self._held.get(layer, frozenset())
-
-    def cost_us(self, layer: int, experts: int, tokens: int) -> float:
-        return self.link.cost_us(0) * 2 + self.us_per_expert * experts
 
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
         return self._compute.submit(self._run, layer, x, jobs)

@@ -33,8 +33,3 @@ class Link:
                 time.sleep(self.cost_us(nbytes) / 1e6)
             self.busy_us += (time.perf_counter() - begin) * 1e6
             self.bytes_moved += nbytes
-
-    def round_trip(self, nbytes_out: int, nbytes_back: int) -> None:
-        """Ship a request and wait for its reply: one full rtt plus both payloads at the rate."""
-        self.transfer(nbytes_out)
-        self.transfer(nbytes_back)

@@ -55,6 +55,7 @@ class _RemoteRun(Future):
 
 class RemoteTier(Tier):
     kind = "remote"
+    wait_category = "remote"
 
     def __init__(
         self,

@@ -92,15 +92,16 @@ class _LayerSlots:
 class VramTier(Tier):
     kind = "vram"
     inline = True
+    residency = True
+    wait_category = "gpu experts"
 
     def __init__(self, name: str, host: HostExperts, layers: Sequence[int], slots: int, policy, link: Link,
-                 device: str = "cpu", us_per_expert: float = 0.0):
+                 device: str = "cpu"):
         super().__init__(name)
         self.host, self.policy, self.link = host, policy, link
         self.slots = slots
         self.device = torch.device(device)
         self.backend = TorchBackend(device)
-        self.us_per_expert = us_per_expert
         spec = host.spec
         self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> the policy's layer index
         self._layer_at = {i: layer for layer, i in self.index.items()}
@@ -198,9 +199,6 @@ class VramTier(Tier):
             self._stream.synchronize()
 
     # -- compute --------------------------------------------------------------------------
-    def cost_us(self, layer: int, experts: int, tokens: int) -> float:
-        return self.us_per_expert * experts
-
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]) -> "Future[torch.Tensor]":
         # The engine's own device: kernels are queued from the calling thread (on CUDA they run
         # asynchronously; emulated, the main thread plays the GPU while the CPU lane runs beside it).

@@ -107,7 +107,7 @@ def launch(layout: Layout, model: str | Path, log_dir: Path | None = None, ready
                 continue
             host = layout.host(tier.host) if tier.host else None
             keys = layout.relative(tier.keys) if tier.keys else None
-            command = worker_command(model, tier.address, tier.backend, keys, tier.threads,
+            command = worker_command(model, tier.address, tier.backend_name, keys, tier.threads,
                                      python=host.python if host and host.ssh else sys.executable, ssh=host.ssh if host else "")
             log = log_dir / f"worker-{tier.name}.log" if log_dir is not None else None
             handles.append(start_worker(tier.name, command, ready_timeout_s, log, keys))
