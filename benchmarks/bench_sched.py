@@ -98,7 +98,7 @@ def null_submit(submit):
 def overhead_us_per_layer(checkpoint, tokens: int, policy: str) -> dict[str, float]:
     """Median router and dispatch time per MoE layer, with every tier's expert math (and the emulated
     link's time) removed. Decode decisions are recorded from a real run, then replayed through
-    `route` and `TieredExecutor.dispatch` one call at a time (its `dispatch` category: everything
+    `route` and `TierExecutor.dispatch` one call at a time (its `dispatch` category: everything
     before the inline tier's expert math)."""
     from moetier.engine.router import route_gate
 

@@ -80,7 +80,7 @@ TIMED_REPEATS = 5  # timed decodes per calibration pass; each rate is their medi
 def timed_decode(engine: Engine, executor, base: Calibration, link_rtt_us: dict[str, float] | None = None,
                  steps: int = 96, streaming_us: float | None = None, repeats: int = TIMED_REPEATS) -> Calibration:
     """`base` with the trunk, head, dispatch and GPU rate of a timed decode of `engine` (over `executor`,
-    a TieredExecutor, when it has one): microseconds per step in each timing category, the head
+    a TierExecutor, when it has one): microseconds per step in each timing category, the head
     taking the step's time outside every category too (sampling, the Python loop); the CPU lane's
     call cost fitted to its calls; a remote call's time beyond its link's round trip (link_rtt_us,
     by tier name). Each rate is the median over `repeats` timed decodes of `steps` steps (one

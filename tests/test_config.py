@@ -119,7 +119,7 @@ def test_backend_on_a_gpu_tier_is_refused_not_ignored(tmp_path, kind):
 
 def test_the_executor_refuses_two_deferrable_tiers_on_a_layer():
     """The invariant behind the config rule, where it holds: Partials has room for one lane future."""
-    from moetier.engine.tier_executor import TieredExecutor
+    from moetier.engine.tier_executor import TierExecutor
     from moetier.tiers.base import Tier
 
     class Lane(Tier):
@@ -127,4 +127,4 @@ def test_the_executor_refuses_two_deferrable_tiers_on_a_layer():
 
     one, two = Lane("a"), Lane("b")
     with pytest.raises(ValueError, match="2 deferrable tiers"):
-        TieredExecutor([one, two], {0: [one, two]}, {}, 1000.0)
+        TierExecutor([one, two], {0: [one, two]}, {}, 1000.0)

@@ -46,7 +46,7 @@ def errors_to_exit(command: Callable) -> Callable:
 
 
 def open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):
-    """(engine, tiered runtime or None): the plain all-resident engine, or one built from a layout."""
+    """(engine, layout runtime or None): the plain all-resident engine, or one built from a layout."""
     import torch
 
     from moetier.engine import Engine

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from moetier.config import ConfigError, Layout
+from moetier.config import ConfigError, Layout, TierConfig
 from moetier.engine.core import Engine
 from moetier.engine.router_bias import apply_router_options
-from moetier.engine.tier_executor import TieredExecutor
+from moetier.engine.tier_executor import TierExecutor
 from moetier.model.checkpoint import Checkpoint
 from moetier.residency import make_policy
 from moetier.sched.cost import Calibration, TierCost, tier_cost
-from moetier.sched.placement import ModelShape, place
+from moetier.sched.placement import ModelShape, TierPlacement, place
 from moetier.tiers.base import Tier
 from moetier.tiers.cpu import CpuTier
 from moetier.tiers.helper import HelperTier
@@ -30,9 +30,9 @@ from moetier.tiers.vram import VramTier
 
 
 @dataclass
-class TieredRuntime:
+class LayoutRuntime:
     engine: Engine
-    executor: TieredExecutor
+    executor: TierExecutor
     layout: Layout
     calibration: Calibration
     emulated: dict[str, bool]  # device name -> runs on the CPU with emulated links
@@ -41,7 +41,7 @@ class TieredRuntime:
         self.executor.close()
 
 
-def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibration | None = None) -> TieredRuntime:
+def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibration | None = None) -> LayoutRuntime:
     spec = checkpoint.spec
     layout.check_model(spec.num_layers, spec.num_experts)
     calibration = calibration or Calibration.for_layout(layout)
@@ -51,40 +51,71 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     parts = [(p.layers(spec.num_layers), layout.device(p.device).torch_device(cuda)) for p in layout.parts]
     shape = ModelShape.from_spec(spec)
     placement = place(layout, shape)
-    host = HostExperts(checkpoint, spec.moe_layers, pin=cuda)
-    tiers: list[Tier] = []
+    build = _Build(layout, checkpoint, HostExperts(checkpoint, spec.moe_layers, pin=cuda), calibration, cuda, emulated)
     serving: dict[int, list[Tier]] = {layer: [] for layer in spec.moe_layers}
     costs: dict[str, TierCost] = {}
     built: dict[str, Tier] = {}
     # the CPU lane first: a remote tier recomputes on it when its worker misses a deadline
     for i, config in sorted(enumerate(layout.tiers), key=lambda item: item[1].kind != "cpu"):
-        where, placed = f"[tiers.{i}]", placement[config.name]
-        link = Link(layout.link(config.link), emulated=emulated.get(config.device, True) or config.kind == "remote")
-        if config.kind == "cpu":
-            tier: Tier = CpuTier(config.name, host, config.backend_name, config.threads)
-        elif config.kind == "vram":
-            if config.policy == "static" and placed.profile is None:
-                raise ConfigError(f"{layout.path}: {where}.profile: the static policy needs a profile (expert counts [moe_layers, experts] .npy)")
-            policy = make_policy(config.policy, len(placed.layers), spec.num_experts, placed.slots, placed.profile)
-            tier = VramTier(config.name, host, placed.layers, placed.slots, policy, link, layout.device(config.device).torch_device(cuda))
-        elif config.kind == "helper":
-            tier = HelperTier(config.name, host, placed.held, link, layout.device(config.device).torch_device(cuda))
-        else:  # remote: a worker on another host (or on loopback), its own copy of the weights
-            from moetier.tiers.remote import RemoteTier
-
-            lane = built[next(t.name for t in layout.tiers if t.kind == "cpu")]
-            tier = RemoteTier(config.name, config.address, checkpoint, placed.held, lane, layer_budget_us=layout.scheduler.budget_us,
-                              keys=layout.relative(config.keys) if config.keys else None, link_gbps=layout.link(config.link).gbps)
-        built[config.name] = tier
-        tiers.append(tier)
+        placed = placement[config.name]
+        tier = built[config.name] = BUILDERS[config.kind](build, placed, f"[tiers.{i}]", built)
         for layer in placed.layers:
             serving[layer].append(tier)
         costs[config.name] = tier_cost(layout, config, calibration, shape.expert_bytes, shape.hidden_bytes)
     tiers = [built[config.name] for config in layout.tiers]  # the layout's order, for reports
-    executor = TieredExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
+    executor = TierExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
     engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
     _apply_router(layout, engine)
-    return TieredRuntime(engine, executor, layout, calibration, emulated)
+    return LayoutRuntime(engine, executor, layout, calibration, emulated)
+
+
+@dataclass(frozen=True)
+class _Build:
+    """What every tier builder reads: the layout, the weights, the one host store of experts, the rates, this machine."""
+
+    layout: Layout
+    checkpoint: Checkpoint
+    host: HostExperts
+    calibration: Calibration
+    cuda: bool
+    emulated: dict[str, bool]
+
+    def link(self, config: TierConfig) -> Link:
+        """The tier's link: emulated for a remote tier and for a device this machine does not have."""
+        return Link(self.layout.link(config.link), emulated=self.emulated.get(config.device, True) or config.kind == "remote")
+
+    def device(self, config: TierConfig) -> str:
+        return self.layout.device(config.device).torch_device(self.cuda)
+
+
+def _cpu_tier(b: _Build, placed: TierPlacement, where: str, built: dict[str, Tier]) -> Tier:
+    return CpuTier(placed.name, b.host, placed.config.backend_name, placed.config.threads)
+
+
+def _vram_tier(b: _Build, placed: TierPlacement, where: str, built: dict[str, Tier]) -> Tier:
+    config = placed.config
+    if config.policy == "static" and placed.profile is None:
+        raise ConfigError(f"{b.layout.path}: {where}.profile: the static policy needs a profile (expert counts [moe_layers, experts] .npy)")
+    policy = make_policy(config.policy, len(placed.layers), b.checkpoint.spec.num_experts, placed.slots, placed.profile)
+    return VramTier(config.name, b.host, placed.layers, placed.slots, policy, b.link(config), b.device(config))
+
+
+def _helper_tier(b: _Build, placed: TierPlacement, where: str, built: dict[str, Tier]) -> Tier:
+    return HelperTier(placed.name, b.host, placed.held, b.link(placed.config), b.device(placed.config))
+
+
+def _remote_tier(b: _Build, placed: TierPlacement, where: str, built: dict[str, Tier]) -> Tier:
+    """A worker on another host (or on loopback) with its own copy of the weights; the CPU lane is its fallback."""
+    from moetier.tiers.remote import RemoteTier  # pyzmq only for layouts that have one
+
+    config, lane = placed.config, next(t for t in built.values() if t.deferrable)
+    return RemoteTier(config.name, config.address, b.checkpoint, placed.held, lane, layer_budget_us=b.layout.scheduler.budget_us,
+                      keys=b.layout.relative(config.keys) if config.keys else None, link_gbps=b.layout.link(config.link).gbps,
+                      us_per_expert=b.calibration.cpu_us_per_expert)
+
+
+# The one place a tier kind of cluster.toml becomes a Tier.
+BUILDERS = {"cpu": _cpu_tier, "vram": _vram_tier, "helper": _helper_tier, "remote": _remote_tier}
 
 
 def _check_devices(layout: Layout, present: int) -> None:
@@ -106,4 +137,4 @@ def _apply_router(layout: Layout, engine: Engine) -> None:
         raise ConfigError(f"{layout.path}: [router]: {err}") from None
 
 
-__all__ = ["TieredRuntime", "build_runtime"]
+__all__ = ["LayoutRuntime", "build_runtime"]

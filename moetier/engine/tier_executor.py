@@ -1,4 +1,4 @@
-"""The tiered executor: each MoE layer's picks, planned across tiers and dispatched.
+"""The tier executor: each MoE layer's picks, planned across tiers and dispatched.
 
 Per layer: the VRAM tiers' policies see the picks (hits, admissions); the
 scheduler plans every picked expert onto a tier under the layer budget; each
@@ -81,7 +81,7 @@ class TraceRows:
         return lookup[picks]  # [T, k]
 
 
-class TieredExecutor:
+class TierExecutor:
     def __init__(self, tiers: Sequence[Tier], serving: Mapping[int, Sequence[Tier]], costs: Mapping[str, TierCost],
                  budget_us: float, tail_skip: bool = False, num_experts: int = 0):
         self.tiers = list(tiers)
