@@ -88,6 +88,10 @@ class NullBackend(Backend):
     def _run_experts(self, x, work):
         return torch.zeros_like(x)
 
+    def synchronize(self) -> None:
+        """Nothing is queued: the math was removed."""
+        return None
+
 
 def null_submit(submit):
     """A native lane's submit that queues the call with its experts dropped: everything but the math."""

@@ -40,7 +40,7 @@ def test_pyproject_entry_point_and_dependencies():
     assert _names(extras["dev"]) == {"pytest", "hypothesis", "transformers"}
 
 
-@pytest.mark.parametrize("script", ["scripts/setup_env.sh", ".ci/run"])
+@pytest.mark.parametrize("script", ["scripts/setup_env.sh", "scripts/ab_bench.sh", ".ci/run"])
 def test_shell_scripts_parse(script):
     result = subprocess.run(["bash", "-n", str(REPO_ROOT / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
