@@ -52,6 +52,7 @@ class ModelSpec:
     topk_group: int
     n_shared_experts: int
     moe_layers: tuple[int, ...]  # layer indices whose MLP is a MoE block
+    max_position_embeddings: int | None = None  # the context the model was built for (None: the config does not say)
 
     # -- derived ------------------------------------------------------------
     def is_moe(self, layer: int) -> bool:
@@ -108,6 +109,7 @@ class ModelSpec:
             rotary_dim=rotary_dim,
             rms_norm_eps=reader.get("rms_norm_eps", float, default=1e-6),
             tie_word_embeddings=reader.get("tie_word_embeddings", bool, default=False),
+            max_position_embeddings=reader.get("max_position_embeddings", int, default=None),
         )
         act = reader.get("hidden_act", str, default="silu")
         if act != "silu":
