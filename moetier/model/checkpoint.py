@@ -8,8 +8,11 @@ checkpoint may use: per-expert tensors (`experts.{e}.gate_proj.weight`, Mixtral'
 `w1/w3/w2`) or fused stacks (`experts.gate_up_proj` [E, 2I, D],
 `experts.down_proj` [E, D, I]). Tensors come back in float32, as views of the
 mapping when stored in float32. The fingerprint hashes the config and the
-tensor index (names, dtypes, shapes), so it identifies the weights without
-reading them.
+tensor index (names, dtypes, shapes, byte offsets), so it identifies the
+weights without reading them. An index is trusted no further than it checks:
+its shard names stay inside the folder (no absolute path, no '..'; symlinks,
+as in the HF cache, are followed) and every tensor it names is in the shard it
+names.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
-from moetier.model.spec import ModelSpec
+from moetier.model.spec import ModelSpec, read_config
+from moetier.model.untrusted import read_json
 
 
 @dataclass(frozen=True)
@@ -161,43 +165,46 @@ class Checkpoint:
         return ExpertWeights(gate_up, self.load(down))
 
     def _check_complete(self) -> None:
-        """Every tensor the engine will ask for exists with the shape the spec implies."""
+        """Every tensor the engine will ask for exists with the shape the spec implies.
+
+        Each is checked as it comes up, so a config claiming more layers or experts than the files hold fails
+        at the first one missing, not after listing them all."""
         s = self.spec
-        q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        expected: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (s.vocab_size, s.hidden_size),
-            "model.norm.weight": (s.hidden_size,),
-        }
-        if not s.tie_word_embeddings:
-            expected["lm_head.weight"] = (s.vocab_size, s.hidden_size)
-        inter = s.moe_intermediate_size
-        for layer in range(s.num_layers):
-            p = self.layer_prefix(layer)
-            expected[f"{p}self_attn.q_proj.weight"] = (q_out, s.hidden_size)
-            expected[f"{p}self_attn.k_proj.weight"] = (kv_out, s.hidden_size)
-            expected[f"{p}self_attn.v_proj.weight"] = (kv_out, s.hidden_size)
-            expected[f"{p}self_attn.o_proj.weight"] = (s.hidden_size, q_out)
-            expected[f"{p}input_layernorm.weight"] = (s.hidden_size,)
-            expected[f"{p}post_attention_layernorm.weight"] = (s.hidden_size,)
-            if not s.is_moe(layer):
-                for w, shape in _ffn_shapes(s.hidden_size, s.dense_intermediate_size).items():
-                    expected[f"{p}mlp.{w}_proj.weight"] = shape
-                continue
-            expected[f"{p}{self._mlp}.gate.weight"] = (s.num_experts, s.hidden_size)
-            if self._fused:
-                expected[f"{p}{self._mlp}.experts.gate_up_proj"] = (s.num_experts, 2 * inter, s.hidden_size)
-                expected[f"{p}{self._mlp}.experts.down_proj"] = (s.num_experts, s.hidden_size, inter)
-            else:
-                shapes = tuple(_ffn_shapes(s.hidden_size, inter).values())
-                for e in range(s.num_experts):
-                    for w, shape in zip(self._expert_names, shapes):
-                        expected[f"{p}{self._mlp}.experts.{e}.{w}.weight"] = shape
-        for name, shape in expected.items():
+
+        def expect(name: str, shape: tuple[int, ...]) -> None:
             if name not in self._where:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} is missing (expected shape {list(shape)})")
             got = self.entry(name).shape
             if got != shape:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {list(got)} (expected {list(shape)})")
+
+        q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        expect("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
+        expect("model.norm.weight", (s.hidden_size,))
+        if not s.tie_word_embeddings:
+            expect("lm_head.weight", (s.vocab_size, s.hidden_size))
+        inter = s.moe_intermediate_size
+        for layer in range(s.num_layers):
+            p = self.layer_prefix(layer)
+            expect(f"{p}self_attn.q_proj.weight", (q_out, s.hidden_size))
+            expect(f"{p}self_attn.k_proj.weight", (kv_out, s.hidden_size))
+            expect(f"{p}self_attn.v_proj.weight", (kv_out, s.hidden_size))
+            expect(f"{p}self_attn.o_proj.weight", (s.hidden_size, q_out))
+            expect(f"{p}input_layernorm.weight", (s.hidden_size,))
+            expect(f"{p}post_attention_layernorm.weight", (s.hidden_size,))
+            if not s.is_moe(layer):
+                for w, shape in _ffn_shapes(s.hidden_size, s.dense_intermediate_size).items():
+                    expect(f"{p}mlp.{w}_proj.weight", shape)
+                continue
+            expect(f"{p}{self._mlp}.gate.weight", (s.num_experts, s.hidden_size))
+            if self._fused:
+                expect(f"{p}{self._mlp}.experts.gate_up_proj", (s.num_experts, 2 * inter, s.hidden_size))
+                expect(f"{p}{self._mlp}.experts.down_proj", (s.num_experts, s.hidden_size, inter))
+            else:
+                shapes = tuple(_ffn_shapes(s.hidden_size, inter).values())
+                for e in range(s.num_experts):
+                    for w, shape in zip(self._expert_names, shapes):
+                        expect(f"{p}{self._mlp}.experts.{e}.{w}.weight", shape)
 
 
 def _ffn_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -211,7 +218,7 @@ def _fingerprint(config: dict, entries: dict[str, TensorEntry]) -> str:
     digest.update(json.dumps(canonical, sort_keys=True).encode())
     for name in sorted(entries):
         e = entries[name]
-        digest.update(f"{name}|{e.dtype}|{list(e.shape)}|{e.nbytes}\n".encode())
+        digest.update(f"{name}|{e.dtype}|{list(e.shape)}|{e.nbytes}|{e.offset}\n".encode())
     return digest.hexdigest()[:16]
 
 
@@ -220,14 +227,12 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory (expected a HF model folder with config.json)")
-    spec = ModelSpec.from_config_file(folder / "config.json")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder / "config.json")
+    spec = ModelSpec.from_hf_config(config, source=str(folder / "config.json"))
     index = folder / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map'") from None
+        weight_map = _read_index(index)
         paths = sorted({folder / shard for shard in weight_map.values()})
     elif (folder / "model.safetensors").exists():
         paths = [folder / "model.safetensors"]
@@ -238,4 +243,23 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     for path in paths:
         if not path.exists():
             raise CheckpointError(f"{path}: shard named by the index is missing")
-    return Checkpoint(folder, spec, [SafetensorsFile(p) for p in paths], config)
+    files = [SafetensorsFile(p) for p in paths]
+    by_path = {file.path: file for file in files}
+    for name, shard in weight_map.items():
+        if name not in by_path[folder / shard].entries:
+            raise CheckpointError(f"{index}: tensor {name!r} is not in {shard}, the shard the index names for it")
+    return Checkpoint(folder, spec, files, config)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight_map of a shard index (tensor name -> shard file), each shard a relative path inside the folder."""
+    data = read_json(index, CheckpointError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not (isinstance(weight_map, dict) and all(isinstance(shard, str) for shard in weight_map.values())):
+        raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map' of tensor name -> shard file name")
+    for shard in sorted(set(weight_map.values())):
+        relative = PurePosixPath(shard)
+        if not relative.parts or relative.is_absolute() or ".." in relative.parts or "\0" in shard:
+            raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside the folder "
+                                  "(expected a relative name like 'model-00001-of-00002.safetensors')")
+    return weight_map

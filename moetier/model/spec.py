@@ -4,20 +4,35 @@ One frozen `ModelSpec` describes every architecture moetier runs (qwen3_moe,
 glm4_moe, mixtral). The engine reads only this spec, never the raw config, so
 architecture differences live here and nowhere else. Invariant: a spec that
 builds is complete — every field the engine needs has a concrete value — and
-a config moetier cannot run exactly is refused with `SpecError`, never
-approximated.
+valid: every constructor path ends in `ModelSpec.validate`, which checks that
+every count is positive and consistent (top-k within the experts and the kept
+groups, heads dividing, at least one MoE layer) and every float finite and in
+its domain, so the engine and its native kernels never see a spec they would
+crash on. A config moetier cannot run exactly is refused with one `SpecError`
+line naming the file and the key, never approximated.
 """
 
 from __future__ import annotations
 
-import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, get_args
+
+from moetier.model.untrusted import read_json
 
 ARCHITECTURES = ("qwen3_moe", "glm4_moe", "mixtral")
 
 RouterKind = Literal["softmax", "sigmoid"]
+
+MAX_COUNT = 2**31 - 1  # no dimension of a real model comes near; beyond it sizes only overflow what they index
+MAX_LAYERS = 65536  # a model of more layers than this is a malformed file, not a model (the spec holds a tuple per layer)
+# field that counts something -> the most it may be (the least is 1); in this order, so a count is refused
+# before a count derived from it (head_dim = hidden_size / num_attention_heads when the config gives none)
+_COUNTS = {"vocab_size": MAX_COUNT, "hidden_size": MAX_COUNT, "num_layers": MAX_LAYERS, "num_heads": MAX_COUNT,
+           "num_kv_heads": MAX_COUNT, "head_dim": MAX_COUNT, "dense_intermediate_size": MAX_COUNT,
+           "num_experts": MAX_COUNT, "moe_intermediate_size": MAX_COUNT, "n_group": MAX_COUNT}
 
 
 class SpecError(ValueError):
@@ -67,19 +82,66 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    # -- validation -----------------------------------------------------------
+    def validate(self, source: str = "ModelSpec", keys: Mapping[str, str] | None = None) -> ModelSpec:
+        """This spec, if the engine can run it; else one SpecError naming `source` and the key.
+
+        `keys` maps a field to the key it was read from in `source` (a field's own name where it says nothing).
+        """
+        keys = keys or {}
+
+        def key(field: str) -> str:
+            return keys.get(field, field)
+
+        def refuse(field: str, expected: str) -> NoReturn:
+            raise SpecError(f"{source}: key {key(field)!r} is {getattr(self, field)!r} (expected {expected})")
+
+        if self.arch not in ARCHITECTURES or self.router not in get_args(RouterKind):
+            raise SpecError(f"{source}: architecture {self.arch!r} with router {self.router!r} is not one moetier runs")
+        for field, most in _COUNTS.items():
+            if not _is_int(getattr(self, field), 1, most):
+                refuse(field, f"an integer from 1 to {most}")
+        for field in ("sliding_window", "max_position_embeddings"):
+            if getattr(self, field) is not None and not _is_int(getattr(self, field), 1, MAX_COUNT):
+                refuse(field, f"an integer from 1 to {MAX_COUNT}, or null")
+        if not _is_int(self.n_shared_experts, 0, MAX_COUNT):
+            refuse("n_shared_experts", f"an integer from 0 to {MAX_COUNT}")
+        for field in ("rope_theta", "rms_norm_eps", "routed_scaling_factor"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                refuse(field, "a finite number > 0")
+
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(f"{source}: {key('num_heads')} {self.num_heads} is not a multiple of {key('num_kv_heads')} {self.num_kv_heads}")
+        # the rotary table pairs dim i with dim i + rotary_dim/2 (moetier.engine.layers.RotaryTable)
+        if not (_is_int(self.rotary_dim, 2, self.head_dim) and self.rotary_dim % 2 == 0):
+            raise SpecError(f"{source}: key {key('rotary_dim')!r} gives {self.rotary_dim!r} rotary dims of head_dim {self.head_dim}"
+                            " (expected an even number from 2 to head_dim)")
+        if not _is_int(self.top_k, 1, self.num_experts):
+            refuse("top_k", f"an integer from 1 to {key('num_experts')} = {self.num_experts}")
+        if self.num_experts % self.n_group:
+            raise SpecError(f"{source}: {key('num_experts')} {self.num_experts} is not a multiple of {key('n_group')} {self.n_group}")
+        if not _is_int(self.topk_group, 1, self.n_group):
+            refuse("topk_group", f"an integer from 1 to {key('n_group')} = {self.n_group}")
+        kept = self.topk_group * (self.num_experts // self.n_group)  # experts in the groups a token may route to
+        if self.top_k > kept:
+            raise SpecError(f"{source}: {key('top_k')} {self.top_k} exceeds the {kept} experts of the {key('topk_group')} = "
+                            f"{self.topk_group} groups a token keeps (expected at most {kept})")
+
+        layers = self.moe_layers
+        if not (isinstance(layers, tuple) and all(_is_int(l, 0, self.num_layers - 1) for l in layers)
+                and list(layers) == sorted(set(layers))):
+            raise SpecError(f"{source}: MoE layers {layers!r} from {key('moe_layers')} "
+                            f"(expected increasing layer indices from 0 to {self.num_layers - 1})")
+        if not layers:
+            raise SpecError(f"{source}: no MoE layer among the {self.num_layers} layers ({key('moe_layers')}; expected at least one)")
+        return self
+
     # -- construction ---------------------------------------------------------
     @classmethod
     def from_config_file(cls, path: str | Path) -> "ModelSpec":
         path = Path(path)
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise SpecError(f"{path}: no config.json (expected a HF model folder)") from None
-        except json.JSONDecodeError as err:
-            raise SpecError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        if not isinstance(config, dict):
-            raise SpecError(f"{path}: expected a JSON object at the top level")
-        return cls.from_hf_config(config, source=str(path))
+        return cls.from_hf_config(read_config(path), source=str(path))
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -90,10 +152,12 @@ class ModelSpec:
         hidden = reader.get("hidden_size", int)
         num_heads = reader.get("num_attention_heads", int)
         num_layers = reader.get("num_hidden_layers", int)
-        head_dim = reader.get("head_dim", int, default=None) or hidden // num_heads
+        layers = range(num_layers if 0 < num_layers <= MAX_LAYERS else 0)  # for the per-layer rules; validate() refuses other counts
+        keys = dict(_HF_KEYS)
+        head_dim = reader.get("head_dim", int, default=None)
+        if head_dim is None:  # validate() refuses num_attention_heads < 1 before it reads head_dim
+            head_dim, keys["head_dim"] = (hidden // num_heads if num_heads > 0 else 0), "hidden_size / num_attention_heads"
         num_kv_heads = reader.get("num_key_value_heads", int, default=num_heads)
-        if num_heads % num_kv_heads:
-            raise SpecError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         # GLM-4 MoE rotates half of each head unless its config says otherwise
         rope_theta, partial = reader.rope(default_partial=0.5 if arch == "glm4_moe" else 1.0)
         rotary_dim = int(head_dim * partial)
@@ -116,12 +180,17 @@ class ModelSpec:
             raise SpecError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
 
         if arch == "qwen3_moe":
-            num_experts = reader.first(("num_experts", "num_local_experts"), int)
+            keys["num_experts"], num_experts = reader.first(("num_experts", "num_local_experts"), int)
             step = reader.get("decoder_sparse_step", int, default=1)
-            mlp_only = set(reader.get("mlp_only_layers", list, default=[]))
-            moe_layers = tuple(
-                l for l in range(num_layers) if l not in mlp_only and num_experts > 0 and (l + 1) % step == 0
-            )
+            if step < 1:
+                raise SpecError(f"{source}: key 'decoder_sparse_step' is {step} (expected an integer >= 1)")
+            mlp_only = reader.get("mlp_only_layers", list, default=[])
+            for layer in mlp_only:
+                if not _is_int(layer, 0, len(layers) - 1):
+                    raise SpecError(f"{source}: key 'mlp_only_layers' holds {layer!r} (expected layer indices from 0 to num_hidden_layers - 1)")
+            dense = set(mlp_only)
+            moe_layers = tuple(l for l in layers if l not in dense and (l + 1) % step == 0)
+            keys["moe_layers"] = f"decoder_sparse_step {step}, mlp_only_layers {sorted(mlp_only)}"
             window = reader.get("sliding_window", int, default=None) if reader.get("use_sliding_window", bool, default=False) else None
             return cls(
                 **common,
@@ -140,13 +209,13 @@ class ModelSpec:
                 topk_group=1,
                 n_shared_experts=0,
                 moe_layers=moe_layers,
-            )
+            ).validate(source, keys)
         if arch == "glm4_moe":
-            num_experts = reader.first(("n_routed_experts", "num_local_experts", "num_experts"), int)
-            n_group = reader.get("n_group", int, default=1)
-            if num_experts % n_group:
-                raise SpecError(f"{source}: n_routed_experts {num_experts} is not a multiple of n_group {n_group}")
+            keys["num_experts"], num_experts = reader.first(("n_routed_experts", "num_local_experts", "num_experts"), int)
             first_dense = reader.get("first_k_dense_replace", int, default=0)
+            if not 0 <= first_dense <= len(layers):
+                raise SpecError(f"{source}: key 'first_k_dense_replace' is {first_dense} (expected an integer from 0 to num_hidden_layers)")
+            keys["moe_layers"] = f"first_k_dense_replace {first_dense}"
             return cls(
                 **common,
                 qk_norm=reader.get("use_qk_norm", bool, default=False),
@@ -160,13 +229,15 @@ class ModelSpec:
                 router="sigmoid",
                 norm_topk_prob=reader.get("norm_topk_prob", bool, default=True),
                 routed_scaling_factor=reader.get("routed_scaling_factor", float, default=1.0),
-                n_group=n_group,
+                n_group=reader.get("n_group", int, default=1),
                 topk_group=reader.get("topk_group", int, default=1),
                 n_shared_experts=reader.get("n_shared_experts", int, default=0),
-                moe_layers=tuple(range(first_dense, num_layers)),
-            )
+                moe_layers=tuple(l for l in layers if l >= first_dense),
+            ).validate(source, keys)
         # mixtral: every layer is MoE; top-k probabilities always renormalised
         intermediate = reader.get("intermediate_size", int)
+        keys["num_experts"], num_experts = reader.first(("num_local_experts", "num_experts"), int)
+        keys |= {"moe_intermediate_size": "intermediate_size", "moe_layers": "num_hidden_layers"}
         return cls(
             **common,
             qk_norm=False,
@@ -174,7 +245,7 @@ class ModelSpec:
             output_bias=False,
             sliding_window=reader.get("sliding_window", int, default=None),
             dense_intermediate_size=intermediate,
-            num_experts=reader.first(("num_local_experts", "num_experts"), int),
+            num_experts=num_experts,
             top_k=reader.get("num_experts_per_tok", int),
             moe_intermediate_size=intermediate,
             router="softmax",
@@ -183,8 +254,8 @@ class ModelSpec:
             n_group=1,
             topk_group=1,
             n_shared_experts=0,
-            moe_layers=tuple(range(num_layers)),
-        )
+            moe_layers=tuple(layers),
+        ).validate(source, keys)
 
 
 class _ConfigReader:
@@ -198,31 +269,57 @@ class _ConfigReader:
             if default is ...:
                 raise SpecError(f"{self.source}: missing key {key!r} (expected {kind.__name__})")
             return default
-        value = self.config[key]
+        return self._typed(key, self.config[key], kind)
+
+    def _typed(self, key: str, value: Any, kind: type) -> Any:
+        """value as `kind` (an int becomes a float where a float is asked for; a bool is never a number)."""
+        if kind in (int, float) and isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise SpecError(f"{self.source}: key {key!r} is out of range (expected {kind.__name__} within 64 bits)")
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if kind is int and isinstance(value, bool) or not isinstance(value, kind):
             raise SpecError(f"{self.source}: key {key!r} is {value!r} (expected {kind.__name__})")
         return value
 
-    def first(self, keys: tuple[str, ...], kind: type) -> Any:
-        """The first of several synonymous keys (transformers renamed some across versions)."""
+    def first(self, keys: tuple[str, ...], kind: type) -> tuple[str, Any]:
+        """(key, value) of the first of several synonymous keys present (transformers renamed some across versions)."""
         for key in keys:
             if self.config.get(key) is not None:
-                return self.get(key, kind)
+                return key, self.get(key, kind)
         raise SpecError(f"{self.source}: missing key {keys[0]!r} (expected {kind.__name__}; also looked for {', '.join(keys[1:])})")
 
     def rope(self, default_partial: float) -> tuple[float, float]:
         """(theta, partial_rotary_factor) from v5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
-        params = self.config.get("rope_parameters") or {}
-        scaling = self.config.get("rope_scaling") or {}
+        params = self.get("rope_parameters", dict, default={})
+        scaling = self.get("rope_scaling", dict, default={})
         rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise SpecError(f"{self.source}: rope type {rope_type!r} is not supported (expected 'default')")
-        theta = params.get("rope_theta", self.config.get("rope_theta", 10000.0))
+        theta = self._typed("rope_theta", params.get("rope_theta", self.config.get("rope_theta", 10000.0)), float)
         partial = params.get("partial_rotary_factor", self.config.get("partial_rotary_factor", default_partial))
-        if not isinstance(theta, (int, float)) or theta <= 0:
-            raise SpecError(f"{self.source}: key 'rope_theta' is {theta!r} (expected a positive number)")
-        if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        partial = self._typed("partial_rotary_factor", partial, float)
+        if not 0 < partial <= 1:  # NaN included
             raise SpecError(f"{self.source}: key 'partial_rotary_factor' is {partial!r} (expected 0 < f <= 1)")
-        return float(theta), float(partial)
+        return theta, partial  # theta's domain is ModelSpec.validate's to check
+
+
+# ModelSpec field -> the config.json key it is read from, where the two names differ (validate's messages name the key)
+_HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+            "rotary_dim": "partial_rotary_factor", "dense_intermediate_size": "intermediate_size",
+            "top_k": "num_experts_per_tok"}
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    """Whether value is an int (not a bool) from low to high."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A config.json as a dict; one SpecError naming the file when it is missing, unreadable, not UTF-8 JSON
+    nesting a few levels deep (moetier.model.untrusted), or not an object."""
+    if not path.exists():
+        raise SpecError(f"{path}: no config.json (expected a HF model folder)")
+    config = read_json(path, SpecError)
+    if not isinstance(config, dict):
+        raise SpecError(f"{path}: expected a JSON object at the top level")
+    return config
