@@ -3,14 +3,17 @@
 A layout names hosts, devices, parts (which layers run on which device), tiers
 (where experts live: vram | helper | cpu | remote), links (rtt_us, gbps), and
 the router and scheduler settings. `load_layout(path)` parses with tomllib and
-validates everything it can without a model: unknown keys, types, units,
-references between tables, part ranges. `Layout.check_model(spec)` adds the
+validates everything it can without a model: unknown keys, types, ranges
+(every float finite; each numeric field declares its bounds), references
+between tables, part ranges. `Layout.check_model(spec)` adds the
 checks that need the model (part coverage, slots that fit). Every error is a
 `ConfigError` whose one line names the file, the key and what was expected.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -20,6 +23,18 @@ TIER_KINDS = ("vram", "helper", "cpu", "remote")
 DEVICE_KINDS = ("cuda", "cpu")
 POLICY_NAMES = ("static", "lru", "lfu", "xlayer")
 BIAS_MODES = ("selection", "damped")
+MAX_THREADS = 1024  # the most threads a layout may give a tier, on any machine
+THREADS_PER_CPU = 8  # and at most this many per CPU of the machine that starts them: far past that a pool fails to start or crashes
+
+
+def thread_limit() -> int:
+    """The most threads one pool may start here (a layout's CPU lane, --threads): THREADS_PER_CPU per CPU, <= MAX_THREADS."""
+    return min(MAX_THREADS, THREADS_PER_CPU * (os.cpu_count() or 1))
+
+
+def _range(at_least: float | None = None, above: float | None = None, at_most: float | None = None) -> dict:
+    """Field metadata: the values a numeric key may take; load_layout refuses others, naming the key."""
+    return {"range": (at_least, above, at_most)}
 
 
 class ConfigError(ValueError):
@@ -31,7 +46,7 @@ class HostConfig:
     name: str
     address: str = "127.0.0.1"
     cpu: str = ""
-    ram_bytes: int = 0
+    ram_bytes: int = field(default=0, metadata=_range(at_least=0))
     ssh: str = ""  # command prefix that reaches the host, e.g. "ssh i5"; empty = this machine
     python: str = "python3"  # interpreter on that host (for `moetier launch`)
 
@@ -41,8 +56,8 @@ class DeviceConfig:
     name: str
     host: str
     kind: str = "cpu"  # cuda | cpu
-    index: int = 0
-    memory_bytes: int = 0
+    index: int = field(default=0, metadata=_range(at_least=0))
+    memory_bytes: int = field(default=0, metadata=_range(at_least=0))
     emulate: bool = False  # run on the CPU with links emulated even when CUDA exists
 
     def torch_device(self, cuda_available: bool) -> str:
@@ -55,8 +70,8 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class LinkConfig:
     name: str
-    rtt_us: float
-    gbps: float  # gigabits per second
+    rtt_us: float = field(metadata=_range(at_least=0))
+    gbps: float = field(metadata=_range(above=0))  # gigabits per second
 
     def transfer_us(self, nbytes: int) -> float:
         """One-way time for nbytes: half the round trip plus serialisation at the link rate."""
@@ -81,11 +96,11 @@ class TierConfig:
     backend: str = ""  # cpu: the lane's expert backend; remote: the worker `launch` starts (default torch)
     device: str = ""  # vram / helper: a device name
     host: str = ""  # cpu / remote: a host name
-    slots: int = 0  # expert slots per MoE layer (vram / helper)
-    capacity_bytes: int = 0  # alternative to slots: bytes for all layers, split evenly
+    slots: int = field(default=0, metadata=_range(at_least=0))  # expert slots per MoE layer (vram / helper)
+    capacity_bytes: int = field(default=0, metadata=_range(at_least=0))  # alternative to slots: bytes for all layers, split evenly
     policy: str = "lru"
     profile: str = ""  # counts/brightness file for the static policy or a warm start
-    threads: int = 1
+    threads: int = field(default=1, metadata=_range(at_least=1, at_most=MAX_THREADS))
     link: str = ""
     address: str = ""  # remote: tcp://host:port of the worker
     keys: str = ""  # remote: folder with CurveZMQ keys
@@ -117,13 +132,13 @@ class TierConfig:
 class RouterConfig:
     bias: str = ""  # bias table (.safetensors)
     bias_mode: str = "selection"
-    affinity: float = 0.0
+    affinity: float = field(default=0.0, metadata=_range(at_least=0))
     affinity_prefill: bool = False
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    budget_us: float = 2000.0  # per MoE layer
+    budget_us: float = field(default=2000.0, metadata=_range(above=0))  # per MoE layer
     tail_skip: bool = False
     defer_cpu: int = 0  # 0 | 1 | 2
     calibration: str = ""  # file written by `moetier calibrate`
@@ -198,6 +213,7 @@ class _Parser:
             if key not in known or key in extra:
                 raise self.fail(f"{where}.{key}", f"unknown key (expected one of {', '.join(k for k in known if k not in extra)})")
             values[key] = self.typed(value, known[key].type, f"{where}.{key}")
+            self.in_range(values[key], known[key].metadata.get("range"), f"{where}.{key}")
         missing = [f.name for f in fields(cls) if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
         if missing:
             raise self.fail(where, f"missing key {missing[0]!r}")
@@ -212,6 +228,8 @@ class _Parser:
         elif kind == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             value = float(value) if ok else value
+            if ok and not math.isfinite(value):
+                raise self.fail(where, f"is {value} (expected a finite number)")
         elif kind == "str":
             ok = isinstance(value, str)
         else:
@@ -219,6 +237,16 @@ class _Parser:
         if not ok:
             raise self.fail(where, f"is {value!r} (expected {kind})")
         return value
+
+    def in_range(self, value: float, bounds: tuple | None, where: str) -> None:
+        """A numeric key inside the range its field declares (`_range`)."""
+        if bounds is None:
+            return
+        at_least, above, at_most = bounds
+        if ((at_least is not None and value < at_least) or (above is not None and value <= above)
+                or (at_most is not None and value > at_most)):
+            wanted = [f"{sign} {bound}" for sign, bound in ((">=", at_least), (">", above), ("<=", at_most)) if bound is not None]
+            raise self.fail(where, f"is {value} (expected {' and '.join(wanted)})")
 
     def named(self, cls: type, raw: dict, key: str) -> tuple:
         tables = raw.get(key, [])
@@ -276,9 +304,6 @@ class _Parser:
                 raise self.fail(f"[devices.{i}].host", f"{device.host!r} is not a host (expected one of {', '.join(sorted(host_names))})")
             if device.kind not in DEVICE_KINDS:
                 raise self.fail(f"[devices.{i}].kind", f"is {device.kind!r} (expected one of {', '.join(DEVICE_KINDS)})")
-        for i, link in enumerate(layout.links):
-            if link.rtt_us < 0 or link.gbps <= 0:
-                raise self.fail(f"[links.{i}]", "expected rtt_us >= 0 and gbps > 0")
         if not layout.parts:
             raise self.fail("parts", "no [[parts]] (expected at least one part naming its device and layers)")
         expected_start = 0
@@ -303,8 +328,6 @@ class _Parser:
         s, r = layout.scheduler, layout.router
         if s.defer_cpu not in (0, 1, 2):
             raise self.fail("[scheduler].defer_cpu", f"is {s.defer_cpu} (expected 0, 1 or 2)")
-        if s.budget_us <= 0:
-            raise self.fail("[scheduler].budget_us", f"is {s.budget_us} (expected > 0)")
         if r.bias_mode not in BIAS_MODES:
             raise self.fail("[router].bias_mode", f"is {r.bias_mode!r} (expected one of {', '.join(BIAS_MODES)})")
 
@@ -329,8 +352,4 @@ class _Parser:
             raise self.fail(f"{where}.policy", f"is {tier.policy!r} (expected one of {', '.join(POLICY_NAMES)})")
         if tier.kind == "remote" and not tier.address.startswith("tcp://"):
             raise self.fail(f"{where}.address", f"is {tier.address!r} (expected tcp://HOST:PORT)")
-        if tier.threads < 1:
-            raise self.fail(f"{where}.threads", f"is {tier.threads} (expected >= 1)")
-        if tier.slots < 0 or tier.capacity_bytes < 0:
-            raise self.fail(where, "slots and capacity_bytes must not be negative")
 

@@ -18,6 +18,8 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from moetier.config import thread_limit
+
 console = Console()
 status = Console(stderr=True)  # progress notes; stdout stays clean for --json
 
@@ -46,17 +48,14 @@ def errors_to_exit(command: Callable) -> Callable:
 
 
 def open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):
-    """(engine, layout runtime or None): the plain all-resident engine, or one built from a layout."""
-    import torch
-
+    """(engine, layout runtime or None): the plain all-resident engine, or one built from a layout.
+    --device and --threads are checked first, whether or not a layout then places the work."""
     from moetier.engine import Engine
     from moetier.model import open_checkpoint
     from moetier.model.builtin import builtin_model
 
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads is {threads} (expected >= 1)")
-        torch.set_num_threads(threads)
+    check_device(device)
+    set_torch_threads(threads)
     if layout is not None:
         from moetier.config import load_layout
         from moetier.engine.runtime import build_runtime
@@ -66,6 +65,33 @@ def open_engine(model: Optional[Path], backend: str, device: str, threads: Optio
         runtime = build_runtime(plan, open_checkpoint(folder if folder is not None else builtin_model()))
         return runtime.engine, runtime
     return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device), None
+
+
+def check_device(device: str) -> None:
+    """--device: cpu, cuda or cuda:N naming a CUDA device this machine has (torch would raise, or assert, on the rest)."""
+    kind, colon, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not (index.isascii() and index.isdigit()))):
+        raise UsageError(f"--device {device!r} is not a device (expected cpu, cuda or cuda:N)")
+    if kind == "cuda":
+        import torch
+
+        present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not present:
+            raise UsageError(f"--device {device}: this machine has no CUDA device (expected cpu)")
+        if colon and int(index) >= present:
+            raise UsageError(f"--device {device}: this machine has {present} CUDA device(s) (expected cuda:0 to cuda:{present - 1})")
+
+
+def set_torch_threads(threads: Optional[int]) -> None:
+    """--threads: torch's CPU threads, 1 to what this machine can start (torch crashes far past its CPUs); None leaves them."""
+    if threads is None:
+        return
+    limit = thread_limit()
+    if not 1 <= threads <= limit:
+        raise UsageError(f"--threads is {threads} (expected 1 to {limit} on this machine, which has {os.cpu_count()} CPUs)")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def parse_list(text: str, option: str, kind: type = int) -> list:

@@ -2,13 +2,15 @@
 
 `generate` prefills the prompt in one forward, then decodes one token per
 step with the KV cache; greedy when temperature is 0, else seeded sampling
-(temperature, top-k, top-p). `score` returns float32 logits for every position
+(temperature, top-k, top-p; `Sampling` refuses values outside their ranges),
+never past the model's context. `score` returns float32 logits for every position
 of a sequence in one teacher-forced pass. Timings use perf_counter around
 whole phases; prefill and decode are reported separately.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -44,6 +46,17 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse what would sample garbage or crash torch (named as the CLI's flags)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature is {self.temperature} (expected a finite number >= 0; 0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k is {self.top_k} (expected >= 0; 0 = all tokens)")
+        if not 0 < self.top_p <= 1:  # also refuses nan
+            raise ValueError(f"--top-p is {self.top_p} (expected 0 < top-p <= 1)")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"--seed is {self.seed} (expected an integer that fits in 64 bits)")
+
 
 def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """logits [V] -> next token id."""
@@ -76,6 +89,10 @@ def generate(
         raise ValueError("generate: the prompt is empty (expected at least one token id)")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens is {max_new_tokens} (expected >= 1)")
+    context = engine.spec.max_position_embeddings
+    if context is not None and len(prompt_ids) + max_new_tokens > context:
+        raise ValueError(f"generate: a {len(prompt_ids)}-token prompt + max_new_tokens {max_new_tokens} is past the model's context "
+                         f"(expected at most max_position_embeddings = {context} tokens in all)")
     _check_ids(engine, prompt_ids)
     generator = None
     if sampling.temperature > 0:
