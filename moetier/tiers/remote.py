@@ -10,6 +10,10 @@ ERROR reply the same work is recomputed on the fallback CpuTier,
 synchronously, and the worker is suspect (`holds` is empty, `cost_us`
 infinite) until its client reconnects, with backoff. A request over the
 message limit (a long prefill) is computed on the fallback as well.
+That holds once the tier has started: a worker that is down, or does not
+connect and answer HELLO within the client's `connect_timeout_s` (5 s by
+default), makes the constructor raise TransportError, and nothing is left
+running.
 
 cost_us = round trip (measured, EWMA) + experts x compute per expert (measured
 from the worker's own timings on decode calls, EWMA) + the extra rows' bytes
@@ -92,10 +96,13 @@ class RemoteTier(Tier):
         self.round_trips_us: deque[float] = deque(maxlen=4096)  # decode RUNs: submit -> reply seen, less the worker's compute
         pairs = torch.tensor([[l, e] for l in sorted(self.experts) for e in sorted(self.experts[l])], dtype=torch.int32).reshape(-1, 2)
         self.client = WorkerClient(address, checkpoint.fingerprint, keys, client, name=name, setup=lambda: [Load(pairs)], **client_options)
-        if self.client.hello.hidden_size != spec.hidden_size:
+        try:
+            if self.client.hello.hidden_size != spec.hidden_size:
+                raise ValueError(f"worker {address} has hidden size {self.client.hello.hidden_size} (expected {spec.hidden_size})")
+            self.rtt_us = self.measure_rtt_us()
+        except BaseException:  # a tier that does not start leaves no client thread or socket behind
             self.client.close()
-            raise ValueError(f"worker {address} has hidden size {self.client.hello.hidden_size} (expected {spec.hidden_size})")
-        self.rtt_us = self.measure_rtt_us()
+            raise
 
     def measure_rtt_us(self, count: int = 5) -> float:
         """Median PING round trip carrying one hidden state's bytes."""

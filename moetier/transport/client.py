@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from moetier.transport.wire import DROPPED, OTHER, REPLY, FastClient, wire
 from moetier.transport.wire import spin_us as fast_spin_us
-from moetier.transport.keys import make_client
+from moetier.transport.keys import check_endpoint, make_client
 from moetier.transport.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, Bye, ErrorCode, ErrorReply, Hello, Message, Ping, ProtocolError, decode_reply, encode, send,
 )
@@ -98,8 +98,8 @@ class WorkerClient:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, native: bool = True, spin_us: float | None = None):
         """native=False keeps every message in Python (otherwise decode RUNs go through the C fast path when it is
         here); spin_us: how long a thread waiting for a reply polls before it sleeps, in the C path (default
-        fast.spin_us(); 0 sleeps at once)."""
-        self.address, self.fingerprint, self.keys, self.client, self.name = address, fingerprint, keys, client, name
+        fast.spin_us(); 0 sleeps at once). A bad `address` is an EndpointError before any socket or thread exists."""
+        self.address, self.fingerprint, self.keys, self.client, self.name = check_endpoint(address), fingerprint, keys, client, name
         self.setup = setup or (lambda: [])
         self.connect_timeout_s, self.setup_timeout_s = connect_timeout_s, setup_timeout_s
         self.heartbeat_s, self.heartbeat_timeout_s, self.tick_s = heartbeat_s, heartbeat_timeout_s, tick_s
@@ -124,9 +124,14 @@ class WorkerClient:
         self._active_s = time.monotonic()
         self._heartbeat: ReplyFuture | None = None
         self._closing = threading.Event()
-        self.connect()
-        self._thread = threading.Thread(target=self._maintain, name=f"moetier-client-{address}", daemon=True) if maintain else None
-        if self._thread is not None:
+        self._thread: threading.Thread | None = None
+        try:
+            self.connect()
+        except BaseException:  # a client that never connected leaves no socket or C buffer behind
+            self.close()
+            raise
+        if maintain:
+            self._thread = threading.Thread(target=self._maintain, name=f"moetier-client-{address}", daemon=True)
             self._thread.start()
 
     @property

@@ -1,12 +1,18 @@
-"""CurveZMQ keys, the ZAP gate, and the rule that keeps a keyless worker on loopback.
+"""Where a worker may listen and who may talk to it: endpoints, CurveZMQ keys, the ZAP gate, the loopback rule.
+
+`check_endpoint` is the one parser of worker addresses (`moetier worker
+--listen`, `moetier ping`, a layout's remote tiers, `WorkerClient`): tcp://HOST:PORT
+with PORT in 1-65535 (0 or * too, to listen: any free port), ipc://PATH or
+inproc://NAME; anything else is refused in one line before ZeroMQ sees it
+(ZeroMQ itself takes port 99999 as 34463).
 
 `generate(DIR)` writes a worker key pair and a client key pair as ZeroMQ
 certificate files (secrets readable by the owner only) and lists the client's
 public key in `DIR/authorized_clients/`. A worker started with `--keys DIR`
 is a CURVE server whose ZAP authenticator admits only the public keys found
 there: a plaintext client or one with an unlisted key never reaches the
-worker's code. Invariant: `check_listen` refuses an address beyond loopback
-unless keys are given, before anything is bound.
+worker's code. Invariant: `check_listen` refuses a bad endpoint, and an
+address beyond loopback unless keys are given, before anything is bound.
 
     DIR/worker.key, DIR/worker.key_secret      the worker's pair (copy worker.key to clients)
     DIR/client.key, DIR/client.key_secret      a client's pair (copy client.key_secret to it)
@@ -29,6 +35,10 @@ AUTHORIZED = "authorized_clients"
 
 class KeysError(ValueError):
     """Missing or unreadable key files, or a listen address that needs keys."""
+
+
+class EndpointError(ValueError):
+    """A worker address that is not tcp://HOST:PORT with PORT in range, ipc://PATH or inproc://NAME."""
 
 
 def generate(folder: str | Path, client: str = "client") -> dict[str, Path]:
@@ -120,8 +130,33 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
-def check_listen(endpoint: str, keys: str | Path | None) -> None:
-    """Refuse to listen beyond loopback without CurveZMQ keys (one clear line)."""
+def check_endpoint(endpoint: str, listen: bool = False, what: str = "worker address") -> str:
+    """`endpoint` if it is one a worker can listen on (`listen`) or a client connect to, else EndpointError naming
+    `what` (the flag or key it came from), the value and what was expected."""
+    shown = _show(endpoint)
+    scheme, separator, rest = endpoint.partition("://")
+    if separator and scheme in ("ipc", "inproc") and rest:
+        return endpoint
+    host, colon, port = rest.rpartition(":")
+    if not separator or scheme != "tcp" or not colon or not host.strip("[]"):
+        raise EndpointError(f"{what} {shown} is not an endpoint (expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)")
+    if listen and port == "*":
+        return endpoint
+    lowest = 0 if listen else 1
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and lowest <= int(port) <= 65535):
+        free = "; 0 or * listens on any free port" if listen else ""
+        raise EndpointError(f"{what} {shown}: port {_show(port)} is not an integer in {lowest}-65535 (expected tcp://HOST:PORT{free})")
+    return endpoint
+
+
+def _show(text: str) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 100 else shown[:97] + "..."
+
+
+def check_listen(endpoint: str, keys: str | Path | None, what: str = "listen address") -> None:
+    """Refuse a bad endpoint, and one beyond loopback without CurveZMQ keys (one clear line)."""
+    check_endpoint(endpoint, listen=True, what=what)
     if keys is None and not is_loopback(endpoint):
         raise KeysError(f"refusing to listen on {endpoint} without --keys: a worker reachable beyond loopback must "
                         "authenticate its clients (make keys with `moetier keys gen DIR`, then pass --keys DIR)")
