@@ -34,6 +34,7 @@ from moetier.backends.torch_backend import TorchBackend
 from moetier.engine import Engine, generate
 from moetier.engine.timing import StepTimes
 from moetier.model import open_checkpoint
+from moetier.model.output import check_output
 from moetier.sched.cost import Calibration
 
 
@@ -165,8 +166,12 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
     if threads is not None:
         torch.set_num_threads(threads)
     layout = load_layout(layout_path) if layout_path is not None else None
-    folder = model or (layout.relative(layout.model) if layout is not None and layout.model else builtin_model())
-    checkpoint = open_checkpoint(folder)
+    named = out is None and layout is not None and bool(layout.scheduler.calibration)  # the layout names the output
+    target = out or (layout.relative(layout.scheduler.calibration) if named else Path("calibration.json"))
+    folder = model or (layout.relative(layout.model) if layout is not None and layout.model else None)
+    check_output(target, f"{layout.path} [scheduler].calibration" if named else "--out",
+                 [("--layout", layout_path), ("--model", folder)])
+    checkpoint = open_checkpoint(folder or builtin_model())
 
     cpu = TorchBackend("cpu")
     cpu_one = expert_rate_us(checkpoint, cpu, 1)
@@ -203,8 +208,6 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
                 runtime.close()
             if previous is not None and all(abs(shares[t] - previous[t]) <= SHARE_TOLERANCE for t in shares):
                 break
-    target = out or (layout.relative(layout.scheduler.calibration) if layout is not None and layout.scheduler.calibration
-                     else Path("calibration.json"))
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     partial.write_text(calibration.to_json())

@@ -309,7 +309,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 def test_refuses_a_non_empty_directory_but_fills_an_empty_one(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ValueError, match="exists and is not empty"):
         write_synthetic(tmp_path / "full")
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     (tmp_path / "empty").mkdir()

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetier.cli.common import console, errors_to_exit
+from moetier.cli.common import console, errors_to_exit, set_torch_threads
 
 
 def layout_report(runtime, result, times) -> dict:
@@ -172,6 +172,7 @@ def calibrate(layout: Optional[Path] = typer.Option(None, help="cluster.toml who
     """Measure the cost model's parameters on this machine and write them to a file."""
     from moetier.calibrate import measure
 
+    set_torch_threads(threads)  # refused here, before torch would crash on it
     calibration, target = measure(layout, model, out, threads)
     console.print(f"wrote {target}", highlight=False)
     for key, value in json.loads(calibration.to_json()).items():

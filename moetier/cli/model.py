@@ -41,17 +41,20 @@ def run(
     """Generate tokens and report prefill and decode speed."""
     from moetier.engine import Sampling, generate
     from moetier.engine.router_bias import apply_router_options
+    from moetier.model.output import check_output
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens is {max_new_tokens} (expected >= 1)")
     if trace is not None and layout is None:
         raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
+    if trace is not None:
+        check_output(trace, "--trace", [("--model", model), ("--layout", layout), ("--bias", bias)])
+    if seed is not None and temperature == 0.0:
+        temperature = 1.0  # a seed asks for sampling
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # refuses bad flags before any loading
     engine, runtime = open_engine(model, backend, device, threads, layout)
     apply_router_options(engine, bias, affinity, bias_mode)
     prompt = parse_list(prompt_ids, "--prompt-ids") if prompt_ids else default_prompt(engine)
-    if seed is not None and temperature == 0.0:
-        temperature = 1.0  # a seed asks for sampling
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     engine.warm_up()
     if runtime is not None:
         from moetier.cli.layout import run_over_layout
@@ -100,7 +103,9 @@ def score(
     """Teacher-forced logits for every position of a sequence."""
     from moetier.engine import score as score_ids
     from moetier.engine.router_bias import apply_router_options
+    from moetier.model.output import check_output, new_file
 
+    check_output(out, "--out", [("--ids", ids), ("MODEL", model), ("--layout", layout), ("--bias", bias)])
     token_ids = load_ids(ids)
     engine, runtime = open_engine(model, backend, device, threads, layout)
     try:
@@ -109,10 +114,8 @@ def score(
     finally:
         if runtime is not None:
             runtime.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial.npy")
-    np.save(partial, logits)
-    partial.replace(out)  # whole file or nothing
+    with new_file(out, ".npy") as partial:  # whole file or nothing
+        np.save(partial, logits)
     console.print(f"wrote logits {list(logits.shape)} float32 to {out}", highlight=False)
 
 
@@ -163,13 +166,13 @@ def synth(
     fused: bool = typer.Option(False, help="fused expert tensors (experts.gate_up_proj) instead of per-expert names"),
 ):
     """Write a synthetic HF-format MoE checkpoint with realistic routing."""
+    from moetier.model.output import check_output
     from moetier.model.synth import ARCHES, PRESETS, write_synthetic
 
     if arch not in ARCHES:
         raise UsageError(f"--arch {arch!r} is not supported (expected one of {', '.join(ARCHES)})")
     if preset not in PRESETS:
         raise UsageError(f"--preset {preset!r} is unknown (expected one of {', '.join(PRESETS)})")
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out} exists and is not empty (expected a new folder)")
+    check_output(out, "--out", kind="new folder")
     folder = write_synthetic(out, arch=arch, preset=preset, seed=seed, fused=fused)
     console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)

@@ -48,7 +48,9 @@ def example_sessions(out: Path = typer.Option(..., help="session file to write (
     from moetier.profile.sessions import write_example_sessions
 
     from moetier.model.builtin import builtin_model
+    from moetier.model.output import check_output
 
+    check_output(out, "--out", [("--model", model)])
     path = write_example_sessions(model if model is not None else builtin_model(), out, sessions, tokens_per_phase, seed=seed)
     console.print(f"wrote {path}", highlight=False)
 
@@ -63,8 +65,13 @@ def profile(sessions: List[Path] = typer.Argument(..., metavar="SESSIONS...", he
     import numpy as np
 
     from moetier.engine import Engine
+    from moetier.model.output import check_output, new_file
     from moetier.profile.brightness import profile_requests, summary_rows
 
+    inputs = [("SESSIONS", path) for path in sessions] + [("--model", model)]
+    check_output(out, "--out", inputs + [("--npy", npy)], suffixes=(".npz", ".safetensors"))
+    if npy is not None:
+        check_output(npy, "--npy", inputs)
     checkpoint = _model(model)
     requests = _requests(checkpoint, sessions)
     engine = Engine(checkpoint)
@@ -73,7 +80,8 @@ def profile(sessions: List[Path] = typer.Argument(..., metavar="SESSIONS...", he
         result = profile_requests(engine, requests, on_request=lambda _: bar.advance(task))
     result.save(out)
     if npy is not None:
-        np.save(npy, result.brightness)
+        with new_file(npy, ".npy") as partial:
+            np.save(partial, result.brightness)
     report = {"profile": str(out), "fingerprint": result.fingerprint, "model_fingerprint": result.model_fingerprint,
               "phases": dict(zip(result.phases, result.tokens.tolist())), "layers": summary_rows(result)}
     if as_json:
@@ -91,13 +99,13 @@ bias_app = typer.Typer(help="Build (the default), show and write router bias tab
 
 
 def build(profile_path: Optional[Path], hot: Optional[int], kind: str, cap: float, out: Optional[Path], as_json: bool):
+    from moetier.model.output import check_output
     from moetier.profile.bias import build_table, describe, summarize
     from moetier.profile.brightness import Profile
 
     if profile_path is None or hot is None or out is None:
         raise UsageError("bias needs --profile P --hot N --out T.safetensors (or a command: build, show, write)")
-    if out.suffix != ".safetensors":
-        raise UsageError(f"--out {out} (expected a .safetensors file)")
+    check_output(out, "--out", [("--profile", profile_path)], suffixes=(".safetensors",))
     table = build_table(Profile.load(profile_path), hot, kind, cap)
     table.save(out)
     if as_json:
@@ -233,9 +241,12 @@ def sweep(sessions: List[Path] = typer.Option(..., help="session file(s) (.jsonl
           kind: str = typer.Option("graded", help="table kind: graded | flat | hard"),
           as_json: bool = typer.Option(False, "--json")):
     """KL, VRAM hit rate and decode tok/s per arm (static tables by cap, affinity by lambda); table and plots."""
+    from moetier.model.output import check_output
     from moetier.profile.brightness import Profile
     from moetier.profile.sweep import markdown, run_sweep, write_outputs
 
+    check_output(out, "--out", [("--sessions", path) for path in sessions]
+                 + [("--layout", layout), ("--profile", profile_path), ("--model", model)], kind="folder")
     checkpoint = _model(model)
     # sigmoid routers take the bias in probability space, where useful values are ~10x smaller
     scale = 0.1 if checkpoint.spec.router == "sigmoid" else 1.0

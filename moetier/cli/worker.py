@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from moetier.cli.common import UsageError, console, errors_to_exit
+from moetier.cli.common import UsageError, console, errors_to_exit, set_torch_threads
 
 
 def _percentiles(samples_us: list[float]) -> dict:
@@ -28,6 +28,17 @@ def _percentiles(samples_us: list[float]) -> dict:
     values = np.asarray(samples_us)
     return {"median_us": float(np.median(values)), "p90_us": float(np.percentile(values, 90)),
             "p99_us": float(np.percentile(values, 99)), "min_us": float(values.min())}
+
+
+def _check_link_model(layers: int | None, bar: float, token_ms: float, cpu_lane_ms: float, cpu_wait_ms: float, remote_speed: float) -> None:
+    """`ping`'s inputs to the LAN model (moetier.sim.lan), refused before connecting when it could not use them."""
+    if layers is not None and layers < 1:
+        raise UsageError(f"--layers is {layers} (expected >= 1)")
+    for flag, value in (("--bar", bar), ("--token-ms", token_ms), ("--cpu-lane-ms", cpu_lane_ms), ("--remote-speed", remote_speed)):
+        if not (0 < value < float("inf")):
+            raise UsageError(f"{flag} is {value} (expected a finite number > 0)")
+    if not 0 <= cpu_wait_ms < token_ms:
+        raise UsageError(f"--cpu-wait-ms is {cpu_wait_ms} (expected a number in [0, --token-ms {token_ms}))")
 
 
 @errors_to_exit
@@ -47,13 +58,8 @@ def worker(
     from moetier.transport.keys import check_listen
     from moetier.transport.worker import ExpertWorker, serve
 
-    check_listen(listen, keys)  # refuse before loading anything
-    if threads is not None:
-        import torch
-
-        if threads < 1:
-            raise UsageError(f"--threads is {threads} (expected >= 1)")
-        torch.set_num_threads(threads)
+    check_listen(listen, keys, what="--listen")  # refuse before loading anything
+    set_torch_threads(threads)
     if max_message_mb <= 0:
         raise UsageError(f"--max-message-mb is {max_message_mb} (expected > 0)")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s moetier worker: %(message)s")
@@ -109,14 +115,18 @@ def ping(
 
     from moetier.sim.lan import lan_speedup
     from moetier.transport.client import TransportError, WorkerClient
-    from moetier.transport.protocol import Ping
+    from moetier.transport.protocol import DEFAULT_MAX_MESSAGE_BYTES, Ping
 
     try:
         size_list = [int(part) for part in sizes.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"--sizes {sizes!r} is not a comma-separated list of byte counts") from None
-    if not size_list or min(size_list) < 0 or count < 1:
-        raise UsageError(f"--sizes {sizes!r} / --count {count}: expected sizes >= 0 and count >= 1")
+    # before anything is allocated: a payload over the message limit would be refused by the worker anyway
+    if not size_list or not all(0 <= size <= DEFAULT_MAX_MESSAGE_BYTES for size in size_list):
+        raise UsageError(f"--sizes {sizes!r}: expected byte counts in 0-{DEFAULT_MAX_MESSAGE_BYTES} (the protocol's message limit)")
+    if count < 1:
+        raise UsageError(f"--count is {count} (expected >= 1)")
+    _check_link_model(layers, bar, token_ms, cpu_lane_ms, cpu_wait_ms, remote_speed)
     layer_count, hidden_bytes = layers, max(size_list)
     if model is not None:
         from moetier.model import open_checkpoint
@@ -179,6 +189,8 @@ def launch(
     from moetier.config import load_layout
     from moetier.transport.launch import LaunchError, launch as start_all
 
+    if not 0 < ready_timeout_s < float("inf"):
+        raise UsageError(f"--ready-timeout-s is {ready_timeout_s} (expected a finite number of seconds > 0)")
     layout = load_layout(file)
     from moetier.model.builtin import builtin_model
 

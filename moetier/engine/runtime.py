@@ -9,11 +9,12 @@ as the plain engine; only where experts are computed changes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from moetier.config import ConfigError, Layout, TierConfig
+from moetier.config import ConfigError, Layout, TierConfig, thread_limit
 from moetier.engine.core import Engine
 from moetier.engine.router_bias import apply_router_options
 from moetier.engine.tier_executor import TierExecutor
@@ -47,6 +48,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     calibration = calibration or Calibration.for_layout(layout)
     cuda = torch.cuda.is_available()
     _check_devices(layout, torch.cuda.device_count() if cuda else 0)
+    _check_threads(layout, thread_limit())
     emulated = {d.name: d.torch_device(cuda) == "cpu" and d.kind == "cuda" for d in layout.devices}
     parts = [(p.layers(spec.num_layers), layout.device(p.device).torch_device(cuda)) for p in layout.parts]
     shape = ModelShape.from_spec(spec)
@@ -105,13 +107,20 @@ def _helper_tier(b: _Build, placed: TierPlacement, where: str, built: dict[str, 
 
 
 def _remote_tier(b: _Build, placed: TierPlacement, where: str, built: dict[str, Tier]) -> Tier:
-    """A worker on another host (or on loopback) with its own copy of the weights; the CPU lane is its fallback."""
+    """A worker on another host (or on loopback) with its own copy of the weights; the CPU lane is its fallback.
+    A worker that is not there at start (down, hung: no HELLO within the client's connect timeout, 5 s) refuses
+    the layout in one line naming it, the tier and the address; one that goes away later is the fallback's."""
     from moetier.tiers.remote import RemoteTier  # pyzmq only for layouts that have one
+    from moetier.transport.client import TransportError
 
     config, lane = placed.config, next(t for t in built.values() if t.deferrable)
-    return RemoteTier(config.name, config.address, b.checkpoint, placed.held, lane, layer_budget_us=b.layout.scheduler.budget_us,
-                      keys=b.layout.relative(config.keys) if config.keys else None, link_gbps=b.layout.link(config.link).gbps,
-                      us_per_expert=b.calibration.cpu_us_per_expert)
+    try:
+        return RemoteTier(config.name, config.address, b.checkpoint, placed.held, lane, layer_budget_us=b.layout.scheduler.budget_us,
+                          keys=b.layout.relative(config.keys) if config.keys else None, link_gbps=b.layout.link(config.link).gbps,
+                          us_per_expert=b.calibration.cpu_us_per_expert)
+    except (TransportError, ValueError) as err:
+        at = "" if config.address in str(err) else f" at {config.address}"  # most messages name the address already
+        raise ConfigError(f"{b.layout.path}: {where} remote tier {config.name!r}{at}: {err}") from None
 
 
 # The one place a tier kind of cluster.toml becomes a Tier.
@@ -124,6 +133,14 @@ def _check_devices(layout: Layout, present: int) -> None:
         if present and device.kind == "cuda" and not device.emulate and device.index >= present:
             raise ConfigError(f"{layout.path}: [devices.{i}] {device.name!r}: cuda:{device.index} does not exist here "
                               f"(this machine has {present} CUDA device(s)); set emulate = true to run it on the CPU")
+
+
+def _check_threads(layout: Layout, limit: int) -> None:
+    """The CPU lane runs here, so its threads must be ones this machine can start (a remote tier's run on its host)."""
+    for i, tier in enumerate(layout.tiers):
+        if tier.kind == "cpu" and tier.threads > limit:
+            raise ConfigError(f"{layout.path}: [tiers.{i}].threads: is {tier.threads} (expected <= {limit} on this machine, "
+                              f"which has {os.cpu_count()} CPUs)")
 
 
 def _apply_router(layout: Layout, engine: Engine) -> None:

@@ -1,5 +1,8 @@
 """Models: the spec read from a checkpoint's config, its weights through a memory map, and synthetic checkpoints.
 
+moetier.model.output stages what commands write (whole or not at all) and
+refuses an output path that is one of the command's inputs.
+
 Importing the package imports nothing heavy: `ModelSpec` and `SpecError` come
 from moetier.model.spec (no torch); the weight side (`open_checkpoint`,
 `Checkpoint`, `ExpertWeights`, `CheckpointError`) is imported on first use,

@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from moetier.model import synth_routing as design
+from moetier.model.output import new_folder
 
 ARCHES = ("qwen3_moe", "glm4_moe", "mixtral")
 SYNTH_META = "moetier_synth.json"
@@ -312,14 +311,6 @@ def _write_text(path: pathlib.Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _synth_meta(plan: _Plan, arch: str, preset: str, dims: SynthPreset) -> dict:
     tokens = design.family_tokens(plan.family, plan.seed)
     layers = {}
@@ -338,16 +329,13 @@ def _synth_meta(plan: _Plan, arch: str, preset: str, dims: SynthPreset) -> dict:
 
 def write_synthetic(out_dir, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
                     fused: bool = False) -> pathlib.Path:
-    """Write a synthetic checkpoint to out_dir (must not exist, or be empty); returns its path."""
+    """Write a synthetic checkpoint to out_dir (must not exist, or be empty); returns its path.
+    It appears whole or not at all (moetier.model.output.new_folder), even on SIGTERM."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
     dims = arch_preset(arch, PRESETS[preset])
     out = pathlib.Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with new_folder(out) as tmp:
         plan = _Plan(arch, dims, seed, fused)
         shards = _shards(plan.tensors, dims.shard_bytes)
         if len(shards) == 1:
@@ -366,14 +354,6 @@ def write_synthetic(out_dir, arch: str = "qwen3_moe", preset: str = "tiny", seed
         config = _config(arch, dims) | {"moetier_synthetic": {"seed": seed, "version": synth_version(arch, preset)}}
         _write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         _write_text(tmp / SYNTH_META, json.dumps(_synth_meta(plan, arch, preset, dims)) + "\n")
-        _fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-        _fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

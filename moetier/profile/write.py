@@ -9,7 +9,10 @@ and metadata kept); every other file is hard-linked (copied when linking is not
 possible); config.json records where the bias came from, which also changes
 the copy's fingerprint, so the table cannot be applied twice. An engine that
 knows nothing of moetier then routes with the bias. Invariant: the new folder
-appears only when it is complete and its correction biases check out.
+appears only when it is complete and its correction biases check out (staged
+by moetier.model.output.new_folder: nothing is left behind on an error, Ctrl-C
+or SIGTERM); --out is refused before any work when it is, or lies inside, the
+--model folder or the table.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from moetier.engine.router_bias import BiasError, load_table
+from moetier.model.output import check_output, new_folder
 
 CORRECTION = "mlp.gate.e_score_correction_bias"
 
@@ -70,6 +73,7 @@ def write_biased_checkpoint(model_dir: Path, table_path: Path, out_dir: Path) ->
     from moetier.model import open_checkpoint
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_output(out_dir, "--out", [("--model", model_dir), ("--table", table_path)], kind="new folder")
     checkpoint = open_checkpoint(model_dir)
     spec = checkpoint.spec
     names = [_correction_name(layer) for layer in spec.moe_layers]
@@ -77,16 +81,10 @@ def write_biased_checkpoint(model_dir: Path, table_path: Path, out_dir: Path) ->
         raise BiasError(f"{model_dir}: bias write needs a sigmoid-router checkpoint with e_score_correction_bias "
                         f"(glm4_moe); this {spec.arch} model has none: apply the table at run time with --bias")
     table = load_table(table_path, spec, checkpoint.fingerprint)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise BiasError(f"--out {out_dir} exists and is not empty (expected a new folder)")
-    if out_dir.resolve() == model_dir.resolve():
-        raise BiasError("--out must differ from --model (the original is never modified)")
     rows = {name: table.bias[i].astype(np.float32) for i, name in enumerate(names)}  # name -> [E]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    shutil.copymode(model_dir, tmp)
     result = WriteResult(out_dir, "")
-    try:
+    with new_folder(out_dir) as tmp:
+        shutil.copymode(model_dir, tmp)
         for folder, subfolders, files in os.walk(model_dir):
             subfolders[:] = [d for d in subfolders if not d.startswith(".")]
             for name in sorted(files):
@@ -116,12 +114,6 @@ def write_biased_checkpoint(model_dir: Path, table_path: Path, out_dir: Path) ->
             if not (np.array_equal(expected, got) if exact else np.allclose(expected, got, rtol=1e-2, atol=1e-3)):
                 raise BiasError(f"{tmp}: layer {layer} correction bias does not equal original + table after writing")
         result.fingerprint = written.fingerprint
-        if out_dir.exists():
-            out_dir.rmdir()  # checked empty above
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result
 
 
