@@ -34,7 +34,7 @@ from moetier.backends.torch_backend import TorchBackend
 from moetier.engine import Engine, generate
 from moetier.engine.timing import StepTimes
 from moetier.model import open_checkpoint
-from moetier.model.output import check_output
+from moetier.model.output import check_output, new_file
 from moetier.sched.cost import Calibration
 
 
@@ -208,8 +208,6 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
                 runtime.close()
             if previous is not None and all(abs(shares[t] - previous[t]) <= SHARE_TOLERANCE for t in shares):
                 break
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    partial.write_text(calibration.to_json())
-    partial.replace(target)
+    with new_file(target) as partial:  # whole file or nothing
+        partial.write_text(calibration.to_json())
     return calibration, target

@@ -70,8 +70,8 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class LinkConfig:
     name: str
-    rtt_us: float = field(metadata=_range(at_least=0))
-    gbps: float = field(metadata=_range(above=0))  # gigabits per second
+    rtt_us: float = field(metadata=_range(at_least=0, at_most=1e7))  # a round trip past 10 s is no link to plan over
+    gbps: float = field(metadata=_range(at_least=1e-3))  # gigabits per second; at least 1 Mb/s
 
     def transfer_us(self, nbytes: int) -> float:
         """One-way time for nbytes: half the round trip plus serialisation at the link rate."""
@@ -138,7 +138,7 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    budget_us: float = field(default=2000.0, metadata=_range(above=0))  # per MoE layer
+    budget_us: float = field(default=2000.0, metadata=_range(above=0, at_most=1e9))  # per MoE layer
     tail_skip: bool = False
     defer_cpu: int = 0  # 0 | 1 | 2
     calibration: str = ""  # file written by `moetier calibrate`

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from layouts import cache_layout
@@ -84,6 +84,7 @@ class Runner:
 
 def assert_clean(result: dict, what: str) -> None:
     """0 or 2; 2 with one `moetier: error:` line; 0 with finite outputs; nothing escaped."""
+    event(f"{what.split()[0]}: exit {result['code']}")  # --hypothesis-show-statistics counts them
     assert result["escaped"] is None, f"{what}: {result['escaped']}"
     assert result["code"] in (0, 2), f"{what}: exit {result['code']}: {result['stderr']}"
     if result["code"] == 2:
@@ -263,7 +264,7 @@ def _targets(examples: int):
     return configs, headers, layouts, flags
 
 
-FUZZ_EXAMPLES = {"fast": 25, "slow": 400}
+FUZZ_EXAMPLES = {"fast": 50, "slow": 2000}
 test_configs, test_headers, test_layouts, test_flags = _targets(FUZZ_EXAMPLES["fast"])
 _slow = _targets(FUZZ_EXAMPLES["slow"])
 test_configs_many, test_headers_many, test_layouts_many, test_flags_many = (pytest.mark.slow(t) for t in _slow)

@@ -71,7 +71,7 @@ def test_layout_check_refuses_bad_values_naming_file_and_key(tmp_path, case):
     [
         (("rtt_us = 10.0", "rtt_us = inf"), "[links.0].rtt_us", "finite"),
         (("rtt_us = 10.0", "rtt_us = -1.0"), "[links.0].rtt_us", ">= 0"),
-        (("gbps = 64.0", "gbps = 0.0"), "[links.0].gbps", "> 0"),
+        (("gbps = 64.0", "gbps = 0.0"), "[links.0].gbps", ">= 0.001"),
         (("gbps = 64.0", "gbps = -inf"), "[links.0].gbps", "finite"),
         (("slots = 4", "slots = -1"), "[tiers.0].slots", ">= 0"),
         (("slots = 4", "capacity_bytes = -1"), "[tiers.0].capacity_bytes", ">= 0"),
@@ -191,3 +191,47 @@ def test_generate_stops_at_the_context_before_computing(tiny):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         generate(engine, [5, 6, 7], context - 2)
     assert len(generate(engine, [5, 6], 2).ids) == 2  # well inside: runs
+
+
+def test_a_tiny_temperature_samples_the_top_token_instead_of_failing(tmp_path):
+    """Found by tests/test_fuzz_inputs.py: --temperature 8.5e-207 overflowed logits / T to inf and softmax to nan."""
+    import torch
+
+    from moetier.engine.generate import Sampling, pick_token
+
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
+    for temperature in (8.498230267932904e-207, 1e-30, 5e-324):
+        assert pick_token(logits, Sampling(temperature=temperature, seed=1), torch.Generator().manual_seed(1)) == 1
+
+
+def test_a_config_whose_numbers_overflow_is_refused_not_scored(tmp_path):
+    """Found by tests/test_fuzz_inputs.py: routed_scaling_factor 3.4e38 is a finite float and a valid spec, but the
+    model's logits overflow; score and run said exit 0. Now both refuse with one line and write nothing."""
+    import json
+
+    import numpy as np
+
+    from moetier.model.synth import write_synthetic
+
+    folder = write_synthetic(tmp_path / "m", arch="glm4_moe", preset="tiny", seed=0)
+    config = json.loads((folder / "config.json").read_text())
+    config["routed_scaling_factor"] = 3.4028235677973366e38
+    (folder / "config.json").write_text(json.dumps(config))
+    np.save(tmp_path / "ids.npy", np.array([1, 2, 3, 4], dtype=np.int64))
+    out = tmp_path / "out.npy"
+    for args in (["score", folder, "--ids", tmp_path / "ids.npy", "--out", out], ["run", "--model", folder, "--max-new-tokens", "2"]):
+        done = subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "not finite" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("old, new, key", [("rtt_us = 10.0", "rtt_us = 4611686018427387904", "rtt_us"),
+                                           ("gbps = 64.0", "gbps = 1e-300", "gbps"),
+                                           ("[[links]]", "[scheduler]\nbudget_us = 1e300\n[[links]]", "budget_us")])
+def test_link_times_too_long_to_emulate_are_refused(tmp_path, old, new, key):
+    """Found by tests/test_fuzz_inputs.py: rtt_us = 2**62 passed `layout check`, then the emulated link's sleep
+    overflowed inside `run --layout` (a traceback from the upload thread)."""
+    path = tmp_path / "layout.toml"
+    path.write_text(cache_layout().replace(old, new, 1))
+    with pytest.raises(ConfigError, match=key):
+        load_layout(path)

@@ -292,3 +292,23 @@ def test_start_worker_joins_the_last_lines_into_one_and_stops_a_silent_worker(tm
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # stopped and reaped: nothing left running
         os.kill(pid, 0)
+
+
+def test_a_layout_refused_while_building_leaves_no_lane_threads(tmp_path):
+    """build_runtime as a library call: a tier refused after the CPU lane started closes the lane again."""
+    import threading
+
+    from layouts import cache_layout
+    from moetier.config import ConfigError, load_layout
+    from moetier.engine.runtime import build_runtime
+    from moetier.model import open_checkpoint
+    from moetier.model.synth import write_synthetic
+
+    checkpoint = open_checkpoint(write_synthetic(tmp_path / "m", arch="qwen3_moe", preset="tiny", seed=0))
+    path = tmp_path / "layout.toml"
+    path.write_text(cache_layout(policy="static"))  # a static cache without a profile: refused after the lane is up
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match="static policy needs a profile"):
+        build_runtime(load_layout(path), checkpoint)
+    left = [t.name for t in threading.enumerate() if t.name not in before and t.name.startswith("cpu-lane")]
+    assert left == []

@@ -91,13 +91,13 @@ def write_trace(path: Path, rows, runtime) -> None:
     metadata = {"fingerprint": engine.checkpoint.fingerprint, "top_k": engine.spec.top_k,
                 "num_experts": engine.spec.num_experts, "layers": list(engine.spec.moe_layers),
                 "tier_names": [t.name for t in runtime.layout.tiers], "source": f"moetier run --layout {runtime.layout.path}"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial.npz")
-    np.savez_compressed(partial, picks=np.concatenate(rows.picks).astype(np.int16),
-                        weights=np.concatenate(rows.weights).astype(np.float16),
-                        probs=np.concatenate(rows.probs).astype(np.float16),
-                        tiers=np.concatenate(rows.tiers), metadata=np.array(json.dumps(metadata)))
-    partial.replace(path)
+    from moetier.model.output import new_file
+
+    with new_file(path, ".npz") as partial:  # whole file or nothing
+        np.savez_compressed(partial, picks=np.concatenate(rows.picks).astype(np.int16),
+                            weights=np.concatenate(rows.weights).astype(np.float16),
+                            probs=np.concatenate(rows.probs).astype(np.float16),
+                            tiers=np.concatenate(rows.tiers), metadata=np.array(json.dumps(metadata)))
 
 
 def print_report(report: dict, out: Console) -> None:

@@ -58,11 +58,20 @@ class Sampling:
             raise ValueError(f"--seed is {self.seed} (expected an integer that fits in 64 bits)")
 
 
+class NonFiniteLogits(ValueError):
+    """The model computed NaN or infinite logits: its weights or config overflow float32 (bad input, not a result)."""
+
+
 def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """logits [V] -> next token id."""
-    if sampling.temperature <= 0:
-        return int(torch.argmax(logits))
-    scaled = logits / sampling.temperature
+    """logits [V] -> next token id; NonFiniteLogits when the top logit is NaN or infinite (argmax and max see a NaN)."""
+    top = int(torch.argmax(logits))
+    if not math.isfinite(float(logits[top])):
+        raise NonFiniteLogits(f"the model's logits are not finite (token {top}: {float(logits[top])}); its weights "
+                              "or config overflow float32 (expected finite logits)")
+    if sampling.temperature <= 0 or torch.tensor(sampling.temperature, dtype=logits.dtype) == 0:
+        return top  # a temperature the logits' dtype rounds to 0 is greedy, its limit
+    # shifted so the largest is 0 first: a tiny temperature then sends the rest to -inf, not the top to +inf (nan)
+    scaled = (logits - logits[top]) / sampling.temperature
     if 0 < sampling.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, sampling.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -127,8 +136,12 @@ def score(engine: Engine, ids: np.ndarray | list[int]) -> np.ndarray:
     if not ids:
         raise ValueError("score: no token ids (expected a non-empty 1-D sequence)")
     _check_ids(engine, ids)
-    logits = engine.forward(torch.tensor(ids, dtype=torch.int64), engine.new_cache())
-    return logits.cpu().numpy().astype(np.float32, copy=False)
+    logits = engine.forward(torch.tensor(ids, dtype=torch.int64), engine.new_cache()).cpu().numpy().astype(np.float32, copy=False)
+    bad = np.flatnonzero(~np.isfinite(logits).all(axis=1))
+    if len(bad):
+        raise NonFiniteLogits(f"score: the model's logits are not finite at position {bad[0]} of {len(ids)}; its weights "
+                              "or config overflow float32 (expected finite logits)")
+    return logits
 
 
 def _check_ids(engine: Engine, ids: list[int]) -> None:

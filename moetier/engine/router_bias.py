@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moetier.model.output import new_file
+
 BIAS_MODES = ("selection", "damped")
 TABLE_FORMAT, TABLE_VERSION = "moetier-bias", 1
 
@@ -55,14 +57,12 @@ class BiasTable:
         from safetensors.numpy import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": TABLE_FORMAT, "version": str(TABLE_VERSION), "kind": self.kind, "cap": repr(float(self.cap)),
                 "hot": str(self.hot_size), "router": self.router, "space": self.space,
                 "model_fingerprint": self.model_fingerprint, "profile_fingerprint": self.profile_fingerprint}
-        partial = path.with_name(path.name + ".partial.safetensors")
-        save_file({"bias": np.ascontiguousarray(self.bias, dtype=np.float32), "hot": self.hot.astype(np.uint8),
-                   "b_edge": self.b_edge.astype(np.float64)}, str(partial), metadata=meta)
-        partial.replace(path)
+        with new_file(path, ".safetensors") as partial:  # whole file or nothing
+            save_file({"bias": np.ascontiguousarray(self.bias, dtype=np.float32), "hot": self.hot.astype(np.uint8),
+                       "b_edge": self.b_edge.astype(np.float64)}, str(partial), metadata=meta)
         return path
 
 

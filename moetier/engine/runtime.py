@@ -57,17 +57,22 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     serving: dict[int, list[Tier]] = {layer: [] for layer in spec.moe_layers}
     costs: dict[str, TierCost] = {}
     built: dict[str, Tier] = {}
-    # the CPU lane first: a remote tier recomputes on it when its worker misses a deadline
-    for i, config in sorted(enumerate(layout.tiers), key=lambda item: item[1].kind != "cpu"):
-        placed = placement[config.name]
-        tier = built[config.name] = BUILDERS[config.kind](build, placed, f"[tiers.{i}]", built)
-        for layer in placed.layers:
-            serving[layer].append(tier)
-        costs[config.name] = tier_cost(layout, config, calibration, shape.expert_bytes, shape.hidden_bytes)
-    tiers = [built[config.name] for config in layout.tiers]  # the layout's order, for reports
-    executor = TierExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
-    engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
-    _apply_router(layout, engine)
+    try:
+        # the CPU lane first: a remote tier recomputes on it when its worker misses a deadline
+        for i, config in sorted(enumerate(layout.tiers), key=lambda item: item[1].kind != "cpu"):
+            placed = placement[config.name]
+            tier = built[config.name] = BUILDERS[config.kind](build, placed, f"[tiers.{i}]", built)
+            for layer in placed.layers:
+                serving[layer].append(tier)
+            costs[config.name] = tier_cost(layout, config, calibration, shape.expert_bytes, shape.hidden_bytes)
+        tiers = [built[config.name] for config in layout.tiers]  # the layout's order, for reports
+        executor = TierExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
+        engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
+        _apply_router(layout, engine)
+    except BaseException:  # a refused tier or router option: the tiers built so far stop their threads and sockets
+        for tier in built.values():
+            tier.close()
+        raise
     return LayoutRuntime(engine, executor, layout, calibration, emulated)
 
 

@@ -67,20 +67,20 @@ class Profile:
 
     def save(self, path: Path) -> Path:
         """.npz (compressed) or .safetensors, chosen by the suffix; written whole or not at all."""
+        from moetier.model.output import new_file
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix not in (".npz", ".safetensors"):
+            raise ProfileError(f"{path}: unknown profile suffix {path.suffix!r} (expected .npz or .safetensors)")
         arrays = {"mass": self.mass.astype(np.float64), "picks": self.picks.astype(np.int64),
                   "tokens": self.tokens.astype(np.int64), "brightness": self.brightness}
-        partial = path.with_name(path.name + ".partial" + path.suffix)
-        if path.suffix == ".safetensors":
-            from safetensors.numpy import save_file
+        with new_file(path, path.suffix) as partial:
+            if path.suffix == ".safetensors":
+                from safetensors.numpy import save_file
 
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(partial), metadata=self.metadata())
-        elif path.suffix == ".npz":
-            np.savez_compressed(partial, metadata=np.array(json.dumps(self.metadata())), **arrays)
-        else:
-            raise ProfileError(f"{path}: unknown profile suffix {path.suffix!r} (expected .npz or .safetensors)")
-        partial.replace(path)
+                save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(partial), metadata=self.metadata())
+            else:
+                np.savez_compressed(partial, metadata=np.array(json.dumps(self.metadata())), **arrays)
         return path
 
     @classmethod

@@ -130,13 +130,12 @@ def requests_from_ids(ids: np.ndarray, phase: str = "all", where: str = "") -> l
 
 
 def write_sessions(path: Path, records: Iterable[dict]) -> Path:
+    from moetier.model.output import new_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as out:
+    with new_file(path) as partial, open(partial, "w", encoding="utf-8") as out:  # whole file or nothing
         for record in records:
             out.write(json.dumps(record) + "\n")
-    partial.replace(path)  # whole file or nothing
     return path
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from moetier.model.output import new_file
 from moetier.profile.kl import kl_per_position, reference_logits, stepwise_logits
 from moetier.profile.sessions import Request
 
@@ -200,7 +201,8 @@ def plot(result: SweepResult, out_dir: Path) -> list[Path]:
         axes.legend(fontsize=8)
         figure.tight_layout()
         path = Path(out_dir) / name
-        figure.savefig(path)
+        with new_file(path, path.suffix) as partial:  # each file whole or not at all
+            figure.savefig(partial)
         plt.close(figure)
         paths.append(path)
     return paths
@@ -208,7 +210,7 @@ def plot(result: SweepResult, out_dir: Path) -> list[Path]:
 
 def write_outputs(result: SweepResult, out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sweep.md").write_text(markdown(result))
-    (out_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    for name, text in (("sweep.md", markdown(result)), ("sweep.json", json.dumps(result.to_dict(), indent=2) + "\n")):
+        with new_file(out_dir / name) as partial:  # each file whole or not at all
+            partial.write_text(text)
     return [out_dir / "sweep.md", out_dir / "sweep.json", *plot(result, out_dir)]
