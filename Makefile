@@ -3,7 +3,9 @@
 #   make demo        generate 32 tokens with the built-in model
 #   make test        fast suite (pyproject addopts deselect `slow`)
 #   make test-slow   only the `slow` tests
-#   make test-all    everything, slow included
+#   make test-all    everything but the peer tests, slow included
+#   make test-peer   the tests against llama.cpp (marker `peer`): installs the `peer` extra first
+#                    (llama-cpp-python builds llama.cpp from source: ~13 min on 2 cores once, then pip's cache)
 #   make bench       benchmarks/bench_decode.py
 #   make setup       re-run the setup check now;  make clean  remove .venv and caches
 # PYTEST_ARGS adds pytest options, e.g. make test PYTEST_ARGS='-k router -x'.
@@ -13,7 +15,9 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.moetier-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-all bench clean
+PEER_STAMP := $(VENV)/.moetier-peer
+
+.PHONY: setup demo test test-slow test-all test-peer bench clean
 
 # The script writes (or touches) the stamp only on success, so make reruns it
 # whenever pyproject.toml or the script is newer than the last good setup.
@@ -40,9 +44,17 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	@$(call run_pytest,-m slow)
 
-# An empty -m overrides addopts' "-m 'not slow'": nothing is deselected.
+# -m overrides addopts' "-m 'not slow and not peer'": only the peer tests are deselected.
 test-all: $(STAMP)
-	@$(call run_pytest,-m '')
+	@$(call run_pytest,-m 'not peer')
+
+# The peer extra pins llama-cpp-python; multimodal support is not built (LLAVA_BUILD=OFF).
+$(PEER_STAMP): $(STAMP) pyproject.toml
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $$CMAKE_ARGS" $(PY) -m pip install -e '.[peer]'
+	touch $@
+
+test-peer: $(PEER_STAMP)
+	@$(call run_pytest,-m peer)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py

@@ -43,6 +43,16 @@ def _cuda_available() -> bool:
 
 
 @pytest.fixture(autouse=True)
+def _peer_tests_need_llama_cpp(request: pytest.FixtureRequest) -> None:
+    """A peer test without llama.cpp fails (it is never skipped: the comparison would silently not happen)."""
+    if request.node.get_closest_marker("peer") is not None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as err:
+            pytest.fail(f"peer test without llama-cpp-python ({err}); run `make test-peer`, which installs it", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
 def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("gpu") is not None and not _cuda_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")

@@ -19,7 +19,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_env.sh"
-RUNTIME_DEPS = {"numpy", "torch", "pyzmq", "msgpack", "typer", "rich", "safetensors", "matplotlib"}  # matplotlib: sweep and simulate plots
+RUNTIME_DEPS = {"numpy", "torch", "pyzmq", "msgpack", "typer", "rich", "safetensors", "gguf", "matplotlib"}  # matplotlib: sweep and simulate plots
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -38,6 +38,7 @@ def test_pyproject_entry_point_and_dependencies():
     extras = project["optional-dependencies"]
     assert {n.split("-")[0] for n in _names(extras["cuda"])} == {"cupy"}
     assert _names(extras["dev"]) == {"pytest", "hypothesis", "transformers"}
+    assert extras["peer"] == ["llama-cpp-python==0.3.36"]  # pinned: the oracle's numbers must not move under the tests
 
 
 @pytest.mark.parametrize("script", ["scripts/setup_env.sh", "scripts/ab_bench.sh", ".ci/run"])

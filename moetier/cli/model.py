@@ -159,13 +159,17 @@ def info(
 
 @errors_to_exit
 def synth(
-    out: Path = typer.Option(..., help="folder to write the checkpoint into"),
+    out: Path = typer.Option(..., help="folder to write the checkpoint into (a .gguf file with --format gguf)"),
     arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral"),
     preset: str = typer.Option("tiny", help="tiny | small | medium"),
     seed: int = typer.Option(0),
     fused: bool = typer.Option(False, help="fused expert tensors (experts.gate_up_proj) instead of per-expert names"),
+    format: str = typer.Option("hf", "--format", help="hf (safetensors folder) | gguf (the file llama.cpp's converter writes)"),
+    gguf_type: str = typer.Option("F32", help="with --format gguf: F32 | F16 | BF16 | Q8_0 (convert_hf_to_gguf.py --outtype)"),
 ):
-    """Write a synthetic HF-format MoE checkpoint with realistic routing."""
+    """Write a synthetic HF-format MoE checkpoint with realistic routing (or, with --format gguf, its GGUF)."""
+    import tempfile
+
     from moetier.model.output import check_output
     from moetier.model.synth import ARCHES, PRESETS, write_synthetic
 
@@ -173,6 +177,21 @@ def synth(
         raise UsageError(f"--arch {arch!r} is not supported (expected one of {', '.join(ARCHES)})")
     if preset not in PRESETS:
         raise UsageError(f"--preset {preset!r} is unknown (expected one of {', '.join(PRESETS)})")
-    check_output(out, "--out", kind="new folder")
-    folder = write_synthetic(out, arch=arch, preset=preset, seed=seed, fused=fused)
-    console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)
+    if format not in ("hf", "gguf"):
+        raise UsageError(f"--format {format!r} is unknown (expected hf or gguf)")
+    if format == "hf":
+        check_output(out, "--out", kind="new folder")
+        folder = write_synthetic(out, arch=arch, preset=preset, seed=seed, fused=fused)
+        console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)
+        return
+    from moetier.model.gguf_write import OUT_TYPES, write_gguf
+
+    if gguf_type not in OUT_TYPES:
+        raise UsageError(f"--gguf-type {gguf_type!r} is unknown (expected one of {', '.join(OUT_TYPES)})")
+    if fused:
+        raise UsageError("--fused applies to --format hf (a GGUF stacks every layer's experts either way)")
+    check_output(out, "--out", suffixes=(".gguf",))
+    with tempfile.TemporaryDirectory(prefix="moetier-synth-") as tmp:  # the HF folder, converted, then removed
+        folder = write_synthetic(Path(tmp) / f"{arch}-{preset}", arch=arch, preset=preset, seed=seed)
+        paths = write_gguf(folder, out, gguf_type)
+    console.print(f"wrote {arch} {preset} (seed {seed}) as {gguf_type} GGUF to {paths[0]}", highlight=False)

@@ -12,7 +12,9 @@ tensor index (names, dtypes, shapes, byte offsets), so it identifies the
 weights without reading them. An index is trusted no further than it checks:
 its shard names stay inside the folder (no absolute path, no '..'; symlinks,
 as in the HF cache, are followed) and every tensor it names is in the shard it
-names.
+names. `open_checkpoint` is also the one place that tells formats apart: a
+.gguf file, or a folder holding one GGUF set, opens as moetier.model.gguf_file's
+GgufCheckpoint, which answers the same calls by the same HF names.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import torch
 
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec, read_config
 from moetier.model.untrusted import read_json
+
+if TYPE_CHECKING:
+    from moetier.model.gguf_file import GgufCheckpoint
 
 
 @dataclass(frozen=True)
@@ -222,11 +228,18 @@ def _fingerprint(config: dict, entries: dict[str, TensorEntry]) -> str:
     return digest.hexdigest()[:16]
 
 
-def open_checkpoint(folder: str | Path) -> Checkpoint:
-    """Open a HF model folder (config.json + safetensors); raises CheckpointError / SpecError with one clear line."""
+def open_checkpoint(folder: str | Path) -> "Checkpoint | GgufCheckpoint":
+    """Open a HF model folder (config.json + safetensors), or a .gguf file, the first file of a split set, or a
+    folder without config.json holding one GGUF set (moetier.model.gguf_file): the one place that tells the formats
+    apart. Raises CheckpointError / SpecError with one clear line."""
     folder = Path(folder)
+    if folder.suffix.lower() == ".gguf" or (folder.is_dir() and not (folder / "config.json").exists()
+                                           and any(p.suffix.lower() == ".gguf" for p in folder.iterdir())):
+        from moetier.model.gguf_file import open_gguf
+
+        return open_gguf(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a directory (expected a HF model folder with config.json)")
+        raise CheckpointError(f"{folder}: not a directory (expected a HF model folder with config.json, or a .gguf file)")
     config = read_config(folder / "config.json")
     spec = ModelSpec.from_hf_config(config, source=str(folder / "config.json"))
     index = folder / "model.safetensors.index.json"

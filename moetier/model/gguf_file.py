@@ -1,0 +1,438 @@
+"""GGUF files, as llama.cpp writes them, read into moetier's checkpoint interface by HF tensor name.
+
+`open_gguf(path)` opens a .gguf file, the first file of a split set
+(NAME-00001-of-0000N.gguf: all N are opened; one missing is one error), or the
+one GGUF set in a folder, through gguf.GGUFReader: memory-mapped, nothing read
+until used. The spec comes from the metadata (moetier.model.gguf_spec). A
+`GgufCheckpoint` answers what the engine asks a safetensors `Checkpoint`
+(spec, fingerprint, tensor/load by HF name, expert, router, dense and shared
+MLPs, sizes) with the values transformers sees in the HF checkpoint: where
+llama.cpp's converter changed a value (Mixtral's Q/K rows, permuted for its
+interleaved RoPE) the change is undone here. `dequantize` is the one place
+stored bytes become float32 (gguf.quants, numpy), called per tensor or per
+expert, so a reader that keeps experts in their stored bytes replaces only it.
+Every read of the file is bounds-checked before it is made, so a truncated or
+malformed file is one CheckpointError naming it, never a traceback or a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFValueType
+
+from moetier.model.checkpoint import ExpertWeights
+from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
+from moetier.model.safetensors_mmap import CheckpointError
+from moetier.model.untrusted import open_regular
+
+# the GGML types moetier reads (dequantized by gguf.quants to float32): the one table to extend
+DEQUANTIZED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0)
+SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf"
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
+_NOT_YET = {"attn_qkv.weight": "fused Q/K/V (convert_hf_to_gguf.py --fuse-qkv)",
+            "ffn_gate_up_exps.weight": "fused gate/up experts (--fuse-gate-up-exps)",
+            "rope_freqs.weight": "RoPE frequency factors (llama3 rope scaling)"}
+_READER_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError)  # what GGUFReader raises on garbage
+
+
+def dequantize(raw: np.ndarray, qtype: QType) -> np.ndarray:
+    """float32 values of GGUF tensor data as GGUFReader maps it (elements, or rows of quantized blocks), in numpy
+    order: a view of the mapping for F32, else a new array, bit for bit what gguf.quants computes."""
+    if qtype not in DEQUANTIZED:
+        raise CheckpointError(f"GGML type {qtype.name} is not supported yet (expected one of {', '.join(t.name for t in DEQUANTIZED)})")
+    return gguf.quants.dequantize(raw, qtype)
+
+
+class _PastEnd(Exception):
+    def __init__(self, where: str, end: int):
+        super().__init__(where)
+        self.where, self.end = where, end
+
+
+class _Malformed(Exception):
+    def __init__(self, where: str, error: Exception):
+        super().__init__(where)
+        self.where, self.error = where, error
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """GGUFReader whose every read is bounds-checked first (the reader itself slices the mapping short, which
+    turns a truncated file into a confusing error, or an array of 2**60 empty reads into a hang), and which
+    remembers what it was reading when an error came."""
+
+    where = "the header"
+
+    def __init__(self, path: Path):
+        try:
+            super().__init__(path, "r")  # a shared read-only mapping: not charged against the commit limit
+        except _READER_ERRORS as err:
+            raise _Malformed(self.where, err) from None
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > self.data.nbytes:
+            raise _PastEnd(self.where, end)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _build_fields(self, offs, count):
+        self.where = "the metadata"
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs, count):
+        self.where = "the tensor index"
+        return super()._build_tensor_info(offs, count)
+
+    def _build_tensors(self, start_offs, fields):
+        tensors = []
+        for field in fields:  # one at a time, so an error names the tensor
+            self.where = f"tensor {field.name!r}"
+            kind = int(field.parts[4][0])  # the parts of a tensor info: name length, name, n_dims, dims, type, offset
+            try:
+                QType(kind)
+            except ValueError:
+                raise ValueError(f"unknown GGML type {kind}") from None
+            super()._build_tensors(start_offs, [field])
+            tensors += self.tensors
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
+        self.tensors = tensors
+
+
+def _read(path: Path) -> gguf.GGUFReader:
+    with open_regular(path, CheckpointError) as handle:
+        size = os.fstat(handle.fileno()).st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (expected a GGUF file)")
+    try:
+        reader = _CheckedReader(path)
+    except _PastEnd as err:
+        raise CheckpointError(f"{path}: {err.where} runs past the end of the file (to byte {err.end} of {size}: "
+                              "truncated, or not a GGUF file)") from None
+    except _Malformed as err:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({err.where}: {err.error})") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    if reader.byte_order != "I":
+        raise CheckpointError(f"{path}: a GGUF file of the other byte order (big-endian): not supported")
+    return reader
+
+
+def _float32(value: float) -> float:
+    """The shortest decimal that rounds to this float32 (a config's 1e-06 comes back as 1e-06, not 9.99e-07)."""
+    return float(str(np.float32(value)))
+
+
+def _metadata(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """(key -> value, array key -> length): scalars, strings and the numeric arrays outside tokenizer.*
+    (per-layer counts); string arrays (the vocabulary) only by their length."""
+    meta: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or not field.types:
+            continue
+        kind = field.types[0]
+        try:
+            if kind == GGUFValueType.ARRAY:
+                lengths[key] = len(field.data)
+                element = field.types[1] if len(field.types) > 1 else None
+                if not key.startswith("tokenizer.") and element not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+                    values = field.contents() if element is not None else []
+                    meta[key] = [_float32(v) for v in values] if element == GGUFValueType.FLOAT32 else values
+            else:
+                meta[key] = _float32(field.contents()) if kind == GGUFValueType.FLOAT32 else field.contents()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{path}: key {key!r} is not UTF-8 text") from None
+    return meta, lengths
+
+
+@dataclass(frozen=True, eq=False)
+class _Source:
+    """Where one HF-named tensor lives: a GGUF tensor, one expert's slice of it, and the Q/K permutation to undo."""
+
+    tensor: gguf.ReaderTensor
+    expert: int | None = None
+    permuted_heads: int | None = None
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the float32 values alias the file mapping (stored as F32, nothing undone)."""
+        return self.tensor.tensor_type == QType.F32 and self.permuted_heads is None
+
+
+def _unpermute(values: np.ndarray, heads: int) -> np.ndarray:
+    """Undo LlamaModel.permute (conversion/llama.py): per head, rows [pairs..., 2] back to [2, pairs...]."""
+    rows = values.shape[0]
+    return values.reshape(heads, rows // heads // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+
+
+def _ne(shape) -> str:
+    return "{" + ", ".join(str(int(d)) for d in shape) + "}"
+
+
+class GgufCheckpoint:
+    """The tensors of one GGUF file or split set, by HF name; see the module docstring. `folder` is the path
+    opened (the first file of a set): where the model came from, as a Checkpoint's folder is."""
+
+    def __init__(self, path: Path, files: list[Path], readers: list[gguf.GGUFReader], meta: dict[str, Any], lengths: dict[str, int]):
+        self.folder = path
+        self.files = files
+        self.metadata = meta
+        self._tensors: dict[str, gguf.ReaderTensor] = {}
+        self._offsets: dict[str, str] = {}  # name -> "file index:offset in its data section", for the fingerprint
+        for index, (file, reader) in enumerate(zip(files, readers)):
+            for t in reader.tensors:
+                if t.name in self._tensors:
+                    raise CheckpointError(f"{file}: tensor {t.name!r} also appears in an earlier file of the set")
+                self._tensors[t.name] = t
+                self._offsets[t.name] = f"{index}:{t.data_offset - reader.data_offset}"
+        self.spec = spec_from_gguf(meta, list(self._tensors), lengths.get("tokenizer.ggml.tokens"), str(path))
+        self._check_complete()
+        self._sources = self._index()
+        for source in self._sources.values():
+            if source.tensor.tensor_type not in DEQUANTIZED:
+                raise CheckpointError(f"{path}: tensor {source.tensor.name!r} is {source.tensor.tensor_type.name}: not supported yet "
+                                      f"(expected one of {', '.join(t.name for t in DEQUANTIZED)})")
+        self.fingerprint = self._fingerprint()
+
+    # -- raw tensors --------------------------------------------------------
+    def names(self) -> list[str]:
+        """HF names of the tensors of the model that runs (NextN/MTP blocks left out), experts one by one."""
+        return sorted(self._sources)
+
+    def has(self, name: str) -> bool:
+        return name in self._sources
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """float32 tensor by HF name: a view of the mapping when stored as F32, else a dequantized copy."""
+        source = self._sources.get(name)
+        if source is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
+        raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
+        values = dequantize(raw, source.tensor.tensor_type)
+        if source.permuted_heads is not None:
+            values = _unpermute(values, source.permuted_heads)
+        if not values.flags.aligned:  # a file with an odd alignment: kernels read whole elements
+            values = values.copy()
+        with warnings.catch_warnings():
+            # weights are read-only by contract; torch warns that the mapping is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(values)
+
+    def load(self, name: str) -> torch.Tensor:
+        """float32 tensor by HF name, in process memory (never aliases the mapping)."""
+        tensor = self.tensor(name)
+        return tensor.clone() if self._sources[name].mapped else tensor
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(t.n_bytes) for t in self._tensors.values())
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one routed expert as stored (its slices of the three stacks)."""
+        layer = self.spec.moe_layers[0]
+        return sum(int(self._tensors[f"blk.{layer}.{stack}"].n_bytes) for stack in EXPERT_STACKS.values()) // self.spec.num_experts
+
+    # -- structured access ----------------------------------------------------
+    def router_weight(self, layer: int) -> torch.Tensor:
+        return self.tensor(f"model.layers.{layer}.{moe_prefix(self.spec.arch)}.gate.weight")  # [E, D]
+
+    def router_bias(self, layer: int) -> torch.Tensor | None:
+        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        return self.tensor(name) if self.has(name) else None  # [E]
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        gate, up, down = (expert_hf_name(self.spec.arch, layer, expert, part) for part in ("gate", "up", "down"))
+        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))  # [2I, D], [D, I]
+
+    def dense_mlp(self, layer: int) -> ExpertWeights:
+        return self._ffn(f"model.layers.{layer}.mlp")
+
+    def shared_experts(self, layer: int) -> ExpertWeights | None:
+        prefix = f"model.layers.{layer}.mlp.shared_experts"
+        return self._ffn(prefix) if self.has(f"{prefix}.gate_proj.weight") else None
+
+    def _ffn(self, prefix: str) -> ExpertWeights:
+        gate, up, down = (f"{prefix}.{n}_proj.weight" for n in ("gate", "up", "down"))
+        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))
+
+    # -- index and checks -------------------------------------------------------
+    def _index(self) -> dict[str, _Source]:
+        """HF name -> source, for every tensor of the blocks that run (layers past num_layers are NextN/MTP)."""
+        s, sources = self.spec, {}
+        stacks = {stack: part for part, stack in EXPERT_STACKS.items()}
+        for name, tensor in self._tensors.items():
+            match = _BLOCK.fullmatch(name)
+            if match and int(match.group(1)) >= s.num_layers:
+                continue
+            hf = hf_name(s.arch, name)
+            if hf is not None:
+                heads = None
+                if s.arch == "mixtral" and ".self_attn.q_proj." in hf:
+                    heads = s.num_heads
+                elif s.arch == "mixtral" and ".self_attn.k_proj." in hf:
+                    heads = s.num_kv_heads
+                sources[hf] = _Source(tensor, permuted_heads=heads)
+            elif match and match.group(2) in stacks:
+                for e in range(s.num_experts):
+                    sources[expert_hf_name(s.arch, int(match.group(1)), e, stacks[match.group(2)])] = _Source(tensor, e)
+        return sources
+
+    def _check_complete(self) -> None:
+        """Every tensor the engine reads exists with the shape (ggml order, as llama.cpp's loader checks it) the
+        metadata implies; the first that does not is the error."""
+        s, where = self.spec, self.folder
+        for name in self._tensors:
+            match = _BLOCK.fullmatch(name)
+            inner = match.group(2) if match else name
+            if inner in _NOT_YET and not (match and int(match.group(1)) >= s.num_layers):
+                raise CheckpointError(f"{where}: tensor {name!r}: {_NOT_YET[inner]} is not supported yet")
+
+        def expect(name: str, *dims: tuple[int, str]) -> None:
+            """dims: (size, the metadata it comes from) per dimension, ggml order (ne0 first)."""
+            ne = tuple(size for size, _ in dims)
+            if name not in self._tensors:
+                raise CheckpointError(f"{where}: tensor {name!r} is missing (expected shape {_ne(ne)}, ggml order)")
+            got = tuple(int(d) for d in self._tensors[name].shape)
+            if got != ne:
+                why = "; ".join(f"dim {i} is {origin} = {size}" for i, (size, origin) in enumerate(dims)
+                                if i >= len(got) or got[i] != size) or f"{len(got)} dims, not {len(ne)}"
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {_ne(got)} (expected {_ne(ne)} from the metadata, "
+                                      f"ggml order: {why})")
+
+        k = spec_keys(GGUF_ARCHITECTURES[s.arch], self.metadata)
+        D, V, d, E = (s.hidden_size, k["hidden_size"]), (s.vocab_size, k["vocab_size"]), (s.head_dim, k["head_dim"]), (s.num_experts, k["num_experts"])
+        q = (s.num_heads * s.head_dim, f"{k['num_heads']} x {k['head_dim']}")
+        kv = (s.num_kv_heads * s.head_dim, f"{k['num_kv_heads']} x {k['head_dim']}")
+        inter = (s.moe_intermediate_size, k["moe_intermediate_size"])
+        expect("token_embd.weight", D, V)
+        expect("output_norm.weight", D)
+        if not s.tie_word_embeddings:
+            expect("output.weight", D, V)
+        post_norm = "post_attention_norm" if s.arch == "glm4_moe" else "ffn_norm"
+        for layer in range(s.num_layers):
+            b = f"blk.{layer}."
+            expect(b + "attn_norm.weight", D)
+            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                expect(f"{b}{name}.weight", D, rows)
+                if s.attention_bias:
+                    expect(f"{b}{name}.bias", rows)
+            expect(b + "attn_output.weight", q, D)
+            if s.output_bias:
+                expect(b + "attn_output.bias", D)
+            if s.qk_norm:
+                expect(b + "attn_q_norm.weight", d)
+                expect(b + "attn_k_norm.weight", d)
+            expect(f"{b}{post_norm}.weight", D)
+            if not s.is_moe(layer):
+                F = (s.dense_intermediate_size, k["dense_intermediate_size"])
+                expect(b + "ffn_gate.weight", D, F)
+                expect(b + "ffn_up.weight", D, F)
+                expect(b + "ffn_down.weight", F, D)
+                continue
+            expect(b + "ffn_gate_inp.weight", D, E)
+            expect(b + "ffn_gate_exps.weight", D, inter, E)
+            expect(b + "ffn_up_exps.weight", D, inter, E)
+            expect(b + "ffn_down_exps.weight", inter, D, E)
+            if s.router == "sigmoid":
+                expect(b + "exp_probs_b.bias", E)
+            if s.n_shared_experts:
+                shared = (s.moe_intermediate_size * s.n_shared_experts, f"{k['moe_intermediate_size']} x {k['n_shared_experts']}")
+                expect(b + "ffn_gate_shexp.weight", D, shared)
+                expect(b + "ffn_up_shexp.weight", D, shared)
+                expect(b + "ffn_down_shexp.weight", shared, D)
+
+    def _fingerprint(self) -> str:
+        """Hashes the metadata that shapes the model and the tensor index (names, types, shapes, offsets): a
+        different quantization of the same model differs; a renamed model or another tokenizer does not."""
+        digest = hashlib.sha256()
+        arch = GGUF_ARCHITECTURES[self.spec.arch]
+        shaping = {k: v for k, v in self.metadata.items() if k == "general.architecture" or k.startswith(f"{arch}.")}
+        digest.update(json.dumps(shaping, sort_keys=True).encode())
+        for name in sorted(self._tensors):
+            t = self._tensors[name]
+            digest.update(f"{name}|{t.tensor_type.name}|{[int(d) for d in t.shape]}|{int(t.n_bytes)}|{self._offsets[name]}\n".encode())
+        return digest.hexdigest()[:16]
+
+
+# -- opening ----------------------------------------------------------------------
+
+
+def _first_file(folder: Path) -> Path:
+    """The one GGUF set in a folder: its file, or its split set's first file."""
+    sets: dict[tuple[str, str | None], list[Path]] = {}
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or path.suffix.lower() != ".gguf" or not path.is_file():
+            continue
+        match = SPLIT_NAME.fullmatch(path.name)
+        sets.setdefault((match.group(1), match.group(3)) if match else (path.name, None), []).append(path)
+    if not sets:
+        raise CheckpointError(f"{folder}: no config.json and no .gguf file (expected a HF model folder or a GGUF file)")
+    if len(sets) > 1:
+        names = ", ".join(name if count is None else f"{name}-*-of-{count}.gguf" for name, count in sets)
+        raise CheckpointError(f"{folder}: holds {len(sets)} GGUF sets ({names}; expected exactly one: name the file to open)")
+    (name, count), = sets
+    if count is None:
+        return folder / name
+    first = folder / f"{name}-00001-of-{count}.gguf"
+    if not first.exists():
+        raise CheckpointError(f"{first}: split file 1 of {int(count)} is missing (the set's first file holds its metadata)")
+    return first
+
+
+def _split_paths(first: Path, meta: dict[str, Any]) -> list[Path]:
+    """Every file of the set `first` opens (itself alone unless its split.count says more)."""
+    count, number = meta.get("split.count", 1), meta.get("split.no", 0)
+    if not (isinstance(count, int) and isinstance(number, int)) or count < 1 or not 0 <= number < count:
+        raise CheckpointError(f"{first}: keys 'split.count' = {count!r}, 'split.no' = {number!r} (expected 0 <= split.no < split.count)")
+    if number != 0:
+        raise CheckpointError(f"{first}: file {number + 1} of a {count}-file split set (expected the first file, "
+                              f"NAME-00001-of-{count:05d}.gguf, which holds the metadata)")
+    if count == 1:
+        return [first]
+    match = SPLIT_NAME.fullmatch(first.name)
+    if not match or int(match.group(3)) != count:
+        raise CheckpointError(f"{first}: the first of {count} split files (key 'split.count'), not named "
+                              f"NAME-00001-of-{count:05d}.gguf (expected llama.cpp's split names, to find the others)")
+    paths = [first.with_name(f"{match.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for i, path in enumerate(paths[1:], start=2):
+        if not path.exists():
+            raise CheckpointError(f"{first}: split file {i} of {count} is missing (expected {path.name} beside it)")
+    return paths
+
+
+def open_gguf(path: str | Path) -> GgufCheckpoint:
+    """Open a .gguf file, a split set by its first file, or a folder holding one GGUF set; raises CheckpointError /
+    SpecError with one line naming the file."""
+    path = Path(path)
+    first = _first_file(path) if path.is_dir() else path
+    reader = _read(first)
+    meta, lengths = _metadata(reader, first)
+    paths = _split_paths(first, meta)
+    readers = [reader]
+    for i, part in enumerate(paths[1:], start=1):
+        readers.append(_read(part))
+        part_meta, _ = _metadata(readers[-1], part)
+        if part_meta.get("split.no") != i or part_meta.get("split.count") != len(paths):
+            raise CheckpointError(f"{part}: keys 'split.no' = {part_meta.get('split.no')!r}, 'split.count' = "
+                                  f"{part_meta.get('split.count')!r} (expected {i} and {len(paths)}: a file of another set?)")
+    total = meta.get("split.tensors.count")
+    if total is not None and total != sum(len(r.tensors) for r in readers):
+        raise CheckpointError(f"{first}: key 'split.tensors.count' is {total} but the {len(paths)} files hold "
+                              f"{sum(len(r.tensors) for r in readers)} tensors")
+    return GgufCheckpoint(first, paths, readers, meta, lengths)
+

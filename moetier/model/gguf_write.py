@@ -1,0 +1,277 @@
+"""Write a HF MoE checkpoint as the GGUF llama.cpp's own converter writes for it, with a stand-in vocabulary.
+
+`write_gguf(folder, out, dtype)` writes what `convert_hf_to_gguf.py --outtype
+f32|f16|bf16|q8_0` writes for a Qwen3MoeForCausalLM, Glm4MoeForCausalLM or
+MixtralForCausalLM folder (conversion/{qwen,glm,llama}.py on conversion/base.py):
+the same architecture name, metadata keys in the same order and types
+(TextModel.set_gguf_parameters, then each class's own), tensor names (gguf's
+TensorNameMap, spelled out in moetier.model.gguf_spec), value transforms (routed
+experts stacked [E, ...]; Mixtral's Q/K rows permuted for llama.cpp's
+interleaved RoPE) and tensor types (1-D tensors, norms and routers in F32; a
+Q8_0 tensor whose rows are not whole blocks falls back to F16, as there). The
+vocabulary is a stand-in, since a synthetic checkpoint has no tokenizer: one
+token per id, the config's bos/eos/pad ids as control tokens, the 256 byte
+tokens, then pieces with a BPE merge (gpt2) or a score (llama) each, so
+llama.cpp can load the file and tokenize any text. A checkpoint llama.cpp would
+compute differently from transformers (a sliding window; Qwen3-MoE dense
+layers, unrenormalised top-k or an o_proj bias) is refused, not written.
+Tensors stream one at a time; the file, or every file of a split set, appears
+whole or not at all (moetier.model.output.new_file).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import LlamaFileType, TokenType
+from gguf.vocab import bytes_to_unicode
+
+from moetier.model.checkpoint import Checkpoint, open_checkpoint
+from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_layer, gguf_name
+from moetier.model.output import check_output, new_file
+from moetier.model.safetensors_mmap import CheckpointError
+from moetier.model.spec import SpecError
+
+# --outtype -> (general.file_type, the type of the tensors it quantizes)
+OUT_TYPES = {"F32": (LlamaFileType.ALL_F32, QType.F32), "F16": (LlamaFileType.MOSTLY_F16, QType.F16),
+             "BF16": (LlamaFileType.MOSTLY_BF16, QType.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, QType.Q8_0)}
+# the converter's vocabulary per architecture: (tokenizer.ggml.model, tokenizer.ggml.pre)
+TOKENIZERS = {"qwen3_moe": ("gpt2", "qwen2"), "glm4_moe": ("gpt2", "glm4"), "mixtral": ("llama", "default")}
+SPECIAL_NAMES = {"gpt2": {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"},
+                 "llama": {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}}
+
+
+@dataclass(frozen=True)
+class _Planned:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    qtype: QType
+    values: Callable[[], np.ndarray]  # float32, numpy order
+
+
+class _StagedWriter(gguf.GGUFWriter):
+    """A GGUFWriter that writes its file (or each file of a split set) to the staged path given for it."""
+
+    staged: tuple[Path, ...] = ()
+
+    def format_shard_names(self, path: Path) -> list[Path]:
+        return list(self.staged) or super().format_shard_names(path)
+
+
+def _permute(values: np.ndarray, heads: int) -> np.ndarray:
+    """LlamaModel.permute (conversion/llama.py): per head, rows [2, pairs...] -> [pairs..., 2]."""
+    return values.reshape(heads, 2, values.shape[0] // heads // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+
+
+def _tensor_type(name: str, ndim: int, row: int, qtype: QType) -> QType:
+    """ModelBase.prepare_tensors' choice: 1-D tensors, norms, routers and non-weights in F32; else the out type,
+    F16 where the rows do not split into its blocks (QuantError)."""
+    if ndim <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")) or not name.endswith(".weight"):
+        return QType.F32
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    return qtype if row % block == 0 else QType.F16
+
+
+def _nbytes(shape: tuple[int, ...], qtype: QType) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape)) // block * size
+
+
+def _plan(checkpoint: Checkpoint, arch: str, out_type: QType) -> list[_Planned]:
+    """Every GGUF tensor in the converter's order: files by name, tensors by name in each (ModelBase.index_tensors,
+    SafetensorsLocal); a layer's expert stacks where its last expert tensor is, merged down, gate, up as
+    conversion/{qwen,glm}.py do, w1, w2, w3 as conversion/llama.py does."""
+    spec, folder = checkpoint.spec, checkpoint.folder
+    blocks = _block_count(checkpoint)
+    planned: list[_Planned] = []
+
+    def add(name: str, shape: tuple[int, ...], values: Callable[[], np.ndarray]) -> None:
+        planned.append(_Planned(name, shape, _tensor_type(name, len(shape), shape[-1], out_type), values))
+
+    order = sorted(checkpoint.names(), key=lambda n: (checkpoint.entry(n).file.name, n))
+    last_expert = {expert_layer(arch, n): n for n in order if expert_layer(arch, n) is not None}  # layer -> its last
+    for name in order:
+        layer, target = expert_layer(arch, name), gguf_name(arch, name)
+        block = re.match(r"model\.layers\.(\d+)\.", name)
+        if (layer is None and target is None) or (block and int(block.group(1)) >= blocks):
+            raise CheckpointError(f"{folder}: tensor {name!r} has no GGUF name in {GGUF_ARCHITECTURES[arch]} "
+                                  "(llama.cpp's converter refuses it too: 'Can not map tensor')")
+        if layer is None:
+            add(target, checkpoint.entry(name).shape, lambda name=name: _value(checkpoint, name))
+        elif name == last_expert[layer]:
+            E, D, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+            for part in ("gate", "down", "up") if arch == "mixtral" else ("down", "gate", "up"):
+                shape = (E, D, inter) if part == "down" else (E, inter, D)
+                add(f"blk.{layer}.{EXPERT_STACKS[part]}", shape, lambda layer=layer, part=part: _stack(checkpoint, layer, part))
+    return planned
+
+
+def _block_count(checkpoint: Checkpoint) -> int:
+    """The layers, plus GLM-4 MoE's NextN/MTP blocks, which its converter keeps after them (Glm4MoeModel)."""
+    nextn = checkpoint.config.get("num_nextn_predict_layers") if checkpoint.spec.arch == "glm4_moe" else None
+    return checkpoint.spec.num_layers + (nextn or 0)
+
+
+def _value(checkpoint: Checkpoint, name: str) -> np.ndarray:
+    spec, values = checkpoint.spec, checkpoint.tensor(name).numpy()
+    if spec.arch == "mixtral" and ".self_attn.q_proj." in name:
+        return _permute(values, spec.num_heads)
+    if spec.arch == "mixtral" and ".self_attn.k_proj." in name:
+        return _permute(values, spec.num_kv_heads)
+    return values
+
+
+def _stack(checkpoint: Checkpoint, layer: int, part: str) -> np.ndarray:
+    return np.stack([getattr(checkpoint.expert(layer, e), part).numpy() for e in range(checkpoint.spec.num_experts)])
+
+
+def _check_convertible(checkpoint: Checkpoint) -> None:
+    spec, source = checkpoint.spec, checkpoint.folder / "config.json"
+    if spec.sliding_window is not None:
+        raise SpecError(f"{source}: key 'sliding_window' is {spec.sliding_window}: llama.cpp runs {spec.arch} without one, "
+                        "so no GGUF it reads computes this model (expected null)")
+    if spec.arch != "qwen3_moe":
+        return
+    if spec.moe_layers != tuple(range(spec.num_layers)):
+        raise SpecError(f"{source}: keys 'mlp_only_layers' / 'decoder_sparse_step' make dense layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))}: "
+                        "llama.cpp's qwen3moe runs every layer as MoE (expected none)")
+    if not spec.norm_topk_prob:
+        raise SpecError(f"{source}: key 'norm_topk_prob' is false: llama.cpp's qwen3moe always renormalises the top-k weights (expected true)")
+    if spec.output_bias:
+        raise SpecError(f"{source}: key 'attention_bias' is true: llama.cpp's qwen3moe has no o_proj bias (expected false)")
+
+
+def _add_parameters(writer: gguf.GGUFWriter, checkpoint: Checkpoint, file_type: LlamaFileType) -> None:
+    """TextModel.set_gguf_parameters, then Qwen2MoeModel's / Glm4MoeModel's / LlamaModel's own keys."""
+    spec, config = checkpoint.spec, checkpoint.config
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    nextn = config.get("num_nextn_predict_layers") if spec.arch == "glm4_moe" else None
+    writer.add_block_count(_block_count(checkpoint))
+    if spec.max_position_embeddings is not None:
+        writer.add_context_length(spec.max_position_embeddings)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(spec.dense_intermediate_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    if rope.get("rope_theta", config.get("rope_theta")) is not None:
+        writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    writer.add_expert_count(spec.num_experts)
+    writer.add_expert_used_count(spec.top_k)
+    if config.get("n_group") is not None:
+        writer.add_expert_group_count(spec.n_group)
+    if config.get("topk_group") is not None:
+        writer.add_expert_group_used_count(spec.topk_group)
+    if config.get("head_dim") is not None:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
+    writer.add_file_type(file_type)
+    if spec.arch == "qwen3_moe":
+        writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+    elif spec.arch == "glm4_moe":
+        # The converter writes each of these only when the config holds it, and llama.cpp's defaults for an absent
+        # one (no renormalisation, no shared expert count: a load error) are not transformers': written always.
+        writer.add_rope_dimension_count(spec.rotary_dim)
+        writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+        writer.add_expert_shared_count(spec.n_shared_experts)
+        writer.add_leading_dense_block_count(spec.moe_layers[0])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(spec.routed_scaling_factor)
+        writer.add_expert_weights_norm(spec.norm_topk_prob)
+        if nextn is not None:
+            writer.add_nextn_predict_layers(nextn)
+    else:
+        writer.add_vocab_size(spec.vocab_size)
+        writer.add_rope_dimension_count(spec.head_dim)
+
+
+def _pieces(alphabet: list[str]) -> Iterator[str]:
+    """Strings over the alphabet, shortest first: each one's prefix without its last character came before it."""
+    for length in itertools.count(2):
+        for chars in itertools.product(alphabet, repeat=length):
+            yield "".join(chars)
+
+
+def _add_vocabulary(writer: gguf.GGUFWriter, checkpoint: Checkpoint, arch: str) -> None:
+    """The stand-in vocabulary (see the module docstring), written as _set_vocab_gpt2 / _set_vocab_sentencepiece
+    write theirs: model, pre, tokens, (scores,) token types, (merges,) then SpecialVocab's ids."""
+    model, pre = TOKENIZERS[arch]
+    size, config = checkpoint.spec.vocab_size, checkpoint.config
+    special = {role: config.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
+    special = {role: i for role, i in special.items() if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size}
+    table = bytes_to_unicode()
+    byte_chars = [table[b] for b in range(256)]  # GPT-2's byte-level characters, in byte order
+    if model == "gpt2":
+        bytes_ = [(text, TokenType.NORMAL) for text in byte_chars]
+    else:
+        bytes_ = [(f"<0x{b:02X}>", TokenType.BYTE) for b in range(256)]
+    printable = [byte_chars[b] for b in range(0x21, 0x7F)] if model == "gpt2" else [chr(b) for b in range(0x21, 0x7F)]
+    fill = itertools.chain(bytes_, ((text, TokenType.NORMAL) for text in _pieces(printable)))
+    by_id = {i: (SPECIAL_NAMES[model][role], TokenType.CONTROL) for role, i in special.items()}
+    tokens, types = [], []
+    for i in range(size):
+        text, kind = by_id[i] if i in by_id else next(fill)
+        tokens.append(text)
+        types.append(kind)
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    if model == "llama":
+        writer.add_token_scores([-float(i) if kind == TokenType.NORMAL else 0.0 for i, kind in enumerate(types)])
+    writer.add_token_types(types)
+    if model == "gpt2":
+        writer.add_token_merges([f"{t[:-1]} {t[-1]}" for t, kind in zip(tokens, types) if kind == TokenType.NORMAL and len(t) > 1])
+    for role, i in special.items():
+        getattr(writer, f"add_{role}_token_id")(i)
+
+
+def write_gguf(folder: str | Path, out: str | Path, dtype: str = "F32", split_max_tensors: int = 0) -> list[Path]:
+    """Write the HF checkpoint in `folder` as the GGUF llama.cpp's converter writes (see the module docstring), at
+    `out`, or as split files NAME-0000i-of-0000N.gguf of at most `split_max_tensors` tensors each; returns the paths."""
+    if dtype not in OUT_TYPES:
+        raise ValueError(f"dtype {dtype!r} (expected one of {', '.join(OUT_TYPES)})")
+    folder, out = Path(folder), check_output(out, "out", [("model", folder)], suffixes=(".gguf",))
+    checkpoint = open_checkpoint(folder)
+    if not isinstance(checkpoint, Checkpoint):
+        raise CheckpointError(f"{folder}: a GGUF already (expected a HF model folder to convert)")
+    _check_convertible(checkpoint)
+    arch, (file_type, out_type) = checkpoint.spec.arch, OUT_TYPES[dtype]
+    plan = _plan(checkpoint, arch, out_type)
+    writer = _StagedWriter(path=None, arch=GGUF_ARCHITECTURES[arch], split_max_tensors=split_max_tensors)
+    for t in plan:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), _nbytes(t.shape, t.qtype), raw_dtype=t.qtype)
+    # ModelBase.prepare_metadata: general.type, the model card's names, the parameters, the quantization version; then the vocabulary
+    writer.add_type(gguf.GGUFType.MODEL)
+    total, shared, experts, count = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, folder, None, total)
+    metadata.name = metadata.name or folder.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, experts, count)
+    metadata.set_gguf_meta_model(writer)
+    _add_parameters(writer, checkpoint, file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_vocabulary(writer, checkpoint, arch)
+    paths = writer.format_shard_names(out)
+    with ExitStack() as stack:
+        writer.staged = tuple(stack.enter_context(new_file(path)) for path in paths)
+        try:
+            writer.write_header_to_file(out)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for t in plan:
+                writer.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(t.values(), dtype=np.float32), t.qtype))
+            for handle in writer.fout:
+                handle.flush()
+                os.fsync(handle.fileno())
+        finally:
+            writer.close()
+    return paths
