@@ -15,7 +15,7 @@ import importlib
 
 from moetier.model.spec import ARCHITECTURES, ModelSpec, SpecError
 
-_LAZY = {"Checkpoint": "moetier.model.checkpoint", "ExpertWeights": "moetier.model.checkpoint",
+_LAZY = {"Checkpoint": "moetier.model.checkpoint", "ExpertWeights": "moetier.model.expert_weights",
          "open_checkpoint": "moetier.model.checkpoint", "CheckpointError": "moetier.model.safetensors_mmap"}
 
 

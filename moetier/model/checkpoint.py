@@ -21,52 +21,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 import torch
 
+from moetier.model.expert_weights import ExpertWeights
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec, read_config
 from moetier.model.untrusted import read_json
 
 if TYPE_CHECKING:
     from moetier.model.gguf_file import GgufCheckpoint
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One routed (or shared, or dense) SwiGLU FFN: down(silu(gate x) * up x).
-
-    gate and up are stacked so one matmul computes both. `mapped` is True when
-    the tensors alias the checkpoint's file mapping (whose pages the OS may drop
-    and re-read at any time); `resident()` returns a copy in process memory.
-    """
-
-    gate_up: torch.Tensor  # [2I, D] gate rows, then up rows
-    down: torch.Tensor  # [D, I]
-    mapped: bool = False
-
-    @property
-    def gate(self) -> torch.Tensor:
-        return self.gate_up[: self.down.shape[1]]  # [I, D]
-
-    @property
-    def up(self) -> torch.Tensor:
-        return self.gate_up[self.down.shape[1] :]  # [I, D]
-
-    @property
-    def nbytes(self) -> int:
-        return (self.gate_up.numel() + self.down.numel()) * self.gate_up.element_size()
-
-    def resident(self) -> "ExpertWeights":
-        if not self.mapped:
-            return self
-        return ExpertWeights(self.gate_up.clone(), self.down.clone())
-
-    def to(self, device: torch.device | str) -> "ExpertWeights":
-        return ExpertWeights(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
 
 
 class Checkpoint:

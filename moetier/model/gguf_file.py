@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
-from moetier.model.checkpoint import ExpertWeights
+from moetier.model.expert_weights import ExpertWeights
 from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
