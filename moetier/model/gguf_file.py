@@ -38,7 +38,11 @@ from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
 
 # the GGML types moetier reads (dequantized by gguf.quants to float32): the one table to extend
-DEQUANTIZED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0)
+# the types the reference path reads: the list and the fallbacks llama.cpp's quantizer picks for rows
+# that are no whole K-quant block (Q4_0..Q5_1, IQ4_NL); each dequantized by the gguf package (numpy)
+DEQUANTIZED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
+               QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S,
+               QType.IQ3_XXS)
 SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
