@@ -108,7 +108,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError):  # another user's process; no pid at all: not ours to judge
-        pass
+        return True
     return True
 
 
