@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetier.model.expert_weights import ExpertWeights
+from moetier.model.expert_weights import ExpertWeights, NamedWeights
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec, read_config
 from moetier.model.untrusted import read_json
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from moetier.model.gguf_file import GgufCheckpoint
 
 
-class Checkpoint:
+class Checkpoint(NamedWeights):
     """Tensors of one model folder, mapped lazily; see the module docstring."""
 
     def __init__(self, folder: Path, spec: ModelSpec, files: list[SafetensorsFile], config: dict):
@@ -100,13 +100,6 @@ class Checkpoint:
     def layer_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}."
 
-    def router_weight(self, layer: int) -> torch.Tensor:
-        return self.tensor(f"model.layers.{layer}.{self._mlp}.gate.weight")  # [E, D]
-
-    def router_bias(self, layer: int) -> torch.Tensor | None:
-        name = f"model.layers.{layer}.{self._mlp}.gate.e_score_correction_bias"
-        return self.tensor(name) if self.has(name) else None  # [E]
-
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         experts = f"model.layers.{layer}.{self._mlp}.experts"
         if self._fused:
@@ -117,24 +110,6 @@ class Checkpoint:
                 mapped=self._mapped(stacked),
             )
         return self._ffn(f"{experts}.{expert}", self._expert_names)
-
-    def dense_mlp(self, layer: int) -> ExpertWeights:
-        """The SwiGLU MLP of a dense (non-MoE) layer."""
-        return self._ffn(f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj"))
-
-    def shared_experts(self, layer: int) -> ExpertWeights | None:
-        """A GLM MoE layer's shared experts (always applied), or None."""
-        prefix = f"model.layers.{layer}.mlp.shared_experts"
-        if not self.has(f"{prefix}.gate_proj.weight"):
-            return None
-        return self._ffn(prefix, ("gate_proj", "up_proj", "down_proj"))
-
-    def _ffn(self, prefix: str, names: tuple[str, str, str]) -> ExpertWeights:
-        gate, up, down = (f"{prefix}.{n}.weight" for n in names)
-        # gate and up must be stacked, which copies them anyway: copy down too, so the result owns its
-        # memory and a later resident() copies nothing a second time
-        gate_up = torch.cat([self.tensor(gate), self.tensor(up)])  # [2I, D]
-        return ExpertWeights(gate_up, self.load(down))
 
     def _check_complete(self) -> None:
         """Every tensor the engine will ask for exists with the shape the spec implies.

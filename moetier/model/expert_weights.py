@@ -2,7 +2,9 @@
 
 Both checkpoint readers (HF safetensors in moetier.model.checkpoint, GGUF in
 moetier.model.gguf_file) hand out experts, dense MLPs and shared experts as
-this type, so neither reader imports the other.
+this type, so neither reader imports the other. `NamedWeights` is what both
+readers answer the same way once a tensor is found by its HF name: the router,
+its correction bias, dense and shared MLPs.
 """
 
 from __future__ import annotations
@@ -44,3 +46,35 @@ class ExpertWeights:
 
     def to(self, device: torch.device | str) -> "ExpertWeights":
         return ExpertWeights(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
+
+
+DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class NamedWeights:
+    """The engine's structured reads over HF tensor names, for a reader with `tensor`, `load`, `has`, `spec`
+    and `_mlp` (the MoE block's name: "mlp", or "block_sparse_moe" for Mixtral)."""
+
+    _mlp: str
+
+    def router_weight(self, layer: int) -> torch.Tensor:
+        return self.tensor(f"model.layers.{layer}.{self._mlp}.gate.weight")  # [E, D]
+
+    def router_bias(self, layer: int) -> torch.Tensor | None:
+        name = f"model.layers.{layer}.{self._mlp}.gate.e_score_correction_bias"
+        return self.tensor(name) if self.has(name) else None  # [E]
+
+    def dense_mlp(self, layer: int) -> ExpertWeights:
+        """The SwiGLU MLP of a dense (non-MoE) layer."""
+        return self._ffn(f"model.layers.{layer}.mlp")
+
+    def shared_experts(self, layer: int) -> ExpertWeights | None:
+        """A GLM MoE layer's shared experts (always applied), or None."""
+        prefix = f"model.layers.{layer}.mlp.shared_experts"
+        return self._ffn(prefix) if self.has(f"{prefix}.gate_proj.weight") else None
+
+    def _ffn(self, prefix: str, names: tuple[str, str, str] = DENSE_NAMES) -> ExpertWeights:
+        gate, up, down = (f"{prefix}.{n}.weight" for n in names)
+        # gate and up must be stacked, which copies them anyway: copy down too, so the result owns its
+        # memory and a later resident() copies nothing a second time
+        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))  # [2I, D], [D, I]

@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
-from moetier.model.expert_weights import ExpertWeights
+from moetier.model.expert_weights import ExpertWeights, NamedWeights
 from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
@@ -187,7 +187,7 @@ def _ne(shape) -> str:
     return "{" + ", ".join(str(int(d)) for d in shape) + "}"
 
 
-class GgufCheckpoint:
+class GgufCheckpoint(NamedWeights):
     """The tensors of one GGUF file or split set, by HF name; see the module docstring. `folder` is the path
     opened (the first file of a set): where the model came from, as a Checkpoint's folder is."""
 
@@ -204,6 +204,7 @@ class GgufCheckpoint:
                 self._tensors[t.name] = t
                 self._offsets[t.name] = f"{index}:{t.data_offset - reader.data_offset}"
         self.spec = spec_from_gguf(meta, list(self._tensors), lengths.get("tokenizer.ggml.tokens"), str(path))
+        self._mlp = moe_prefix(self.spec.arch)  # HF names of the MoE block, for NamedWeights
         self._check_complete()
         self._sources = self._index()
         for source in self._sources.values():
@@ -252,27 +253,9 @@ class GgufCheckpoint:
         return sum(int(self._tensors[f"blk.{layer}.{stack}"].n_bytes) for stack in EXPERT_STACKS.values()) // self.spec.num_experts
 
     # -- structured access ----------------------------------------------------
-    def router_weight(self, layer: int) -> torch.Tensor:
-        return self.tensor(f"model.layers.{layer}.{moe_prefix(self.spec.arch)}.gate.weight")  # [E, D]
-
-    def router_bias(self, layer: int) -> torch.Tensor | None:
-        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
-        return self.tensor(name) if self.has(name) else None  # [E]
-
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         gate, up, down = (expert_hf_name(self.spec.arch, layer, expert, part) for part in ("gate", "up", "down"))
         return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))  # [2I, D], [D, I]
-
-    def dense_mlp(self, layer: int) -> ExpertWeights:
-        return self._ffn(f"model.layers.{layer}.mlp")
-
-    def shared_experts(self, layer: int) -> ExpertWeights | None:
-        prefix = f"model.layers.{layer}.mlp.shared_experts"
-        return self._ffn(prefix) if self.has(f"{prefix}.gate_proj.weight") else None
-
-    def _ffn(self, prefix: str) -> ExpertWeights:
-        gate, up, down = (f"{prefix}.{n}_proj.weight" for n in ("gate", "up", "down"))
-        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))
 
     # -- index and checks -------------------------------------------------------
     def _index(self) -> dict[str, _Source]:
