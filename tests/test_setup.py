@@ -37,7 +37,7 @@ def test_pyproject_entry_point_and_dependencies():
     assert _names(project["dependencies"]) == RUNTIME_DEPS
     extras = project["optional-dependencies"]
     assert {n.split("-")[0] for n in _names(extras["cuda"])} == {"cupy"}
-    assert _names(extras["dev"]) == {"pytest", "hypothesis", "transformers"}
+    assert _names(extras["dev"]) == {"pytest", "pytest-timeout", "hypothesis", "transformers"}
     assert extras["peer"] == ["llama-cpp-python==0.3.36"]  # pinned: the oracle's numbers must not move under the tests
 
 
