@@ -34,3 +34,17 @@ slots = {slots}
 name = "cpu"
 kind = "cpu"
 {threads_line}""" + (f"[scheduler]\n{scheduler}" if scheduler else "")
+
+
+# A remote tier on a 2.5 GbE link holding experts 0-5; `address` is filled in with str.format.
+REMOTE_TIER = """[[links]]
+name = "lan"
+rtt_us = 150.0
+gbps = 2.5
+[[tiers]]
+name = "i5"
+kind = "remote"
+address = "{address}"
+link = "lan"
+experts = "0:6"
+"""

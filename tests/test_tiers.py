@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from layouts import REMOTE_TIER
 from moetier.config import load_layout
 from moetier.engine import Engine, generate, score
 from moetier.engine.core import Partials
@@ -212,17 +213,7 @@ def test_run_layout_report_json(model, tmp_path):
     assert (saved["tiers"] >= 0).all()
 
 
-REMOTE = """[[links]]
-name = "lan"
-rtt_us = 150.0
-gbps = 2.5
-[[tiers]]
-name = "i5"
-kind = "remote"
-address = "{address}"
-link = "lan"
-experts = "0:6"
-"""
+REMOTE = REMOTE_TIER
 
 
 def test_a_remote_worker_layout_is_lossless(model, tmp_path):

@@ -20,6 +20,7 @@ import time
 import pytest
 import zmq
 
+from layouts import REMOTE_TIER
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
 from moetier.tiers.cpu import CpuTier
@@ -33,10 +34,6 @@ LAYOUT = """[[devices]]
 name = "gpu0"
 host = "local"
 kind = "cuda"
-[[links]]
-name = "lan"
-rtt_us = 150.0
-gbps = 2.5
 [[parts]]
 name = "all"
 device = "gpu0"
@@ -44,13 +41,7 @@ layers = "0:"
 [[tiers]]
 name = "cpu"
 kind = "cpu"
-[[tiers]]
-name = "i5"
-kind = "remote"
-address = "{address}"
-link = "lan"
-experts = "0:6"
-"""
+""" + REMOTE_TIER
 
 
 def moetier(*args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
