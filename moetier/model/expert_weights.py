@@ -13,39 +13,70 @@ from dataclasses import dataclass
 
 import torch
 
+from moetier.model.formats import F32, format_of
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
     """One routed (or shared, or dense) SwiGLU FFN: down(silu(gate x) * up x).
 
-    gate and up are stacked so one matmul computes both. `mapped` is True when
-    the tensors alias the checkpoint's file mapping (whose pages the OS may drop
-    and re-read at any time); `resident()` returns a copy in process memory.
+    gate and up are stacked (rows) so one matmul computes both. Each matrix is
+    held in its stored format (moetier.model.formats): a float tensor of its
+    dtype [rows, cols] for F32/F16/BF16, else uint8 [rows, row_bytes] of GGML
+    blocks; `gate_up_type` and `down_type` are the GGML type ids. `mapped` is
+    True when the tensors alias the checkpoint's file mapping (whose pages the
+    OS may drop and re-read at any time); `resident()` returns a copy in
+    process memory, in the same stored bytes.
     """
 
-    gate_up: torch.Tensor  # [2I, D] gate rows, then up rows
-    down: torch.Tensor  # [D, I]
+    gate_up: torch.Tensor  # [2I, D] gate rows, then up rows (uint8 [2I, row bytes] for a block format)
+    down: torch.Tensor  # [D, I] (uint8 [D, row bytes] for a block format)
     mapped: bool = False
+    gate_up_type: int = F32
+    down_type: int = F32
+
+    @property
+    def inter(self) -> int:
+        return self.gate_up.shape[0] // 2  # I
+
+    @property
+    def hidden(self) -> int:
+        return self.down.shape[0]  # D
+
+    @property
+    def float32(self) -> bool:
+        """Whether both matrices are held as float32 (the format every kernel reads directly)."""
+        return self.gate_up_type == F32 and self.down_type == F32
+
+    @property
+    def formats(self) -> str:
+        """What the matrices are held in, e.g. "Q4_K" or "Q4_K/Q6_K" (gate_up/down)."""
+        a, b = format_of(self.gate_up_type).name, format_of(self.down_type).name
+        return a if a == b else f"{a}/{b}"
 
     @property
     def gate(self) -> torch.Tensor:
-        return self.gate_up[: self.down.shape[1]]  # [I, D]
+        return self.gate_up[: self.inter]  # [I, D]
 
     @property
     def up(self) -> torch.Tensor:
-        return self.gate_up[self.down.shape[1] :]  # [I, D]
+        return self.gate_up[self.inter :]  # [I, D]
 
     @property
     def nbytes(self) -> int:
-        return (self.gate_up.numel() + self.down.numel()) * self.gate_up.element_size()
+        """Bytes of the stored matrices."""
+        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
     def resident(self) -> "ExpertWeights":
         if not self.mapped:
             return self
-        return ExpertWeights(self.gate_up.clone(), self.down.clone())
+        return self._with(self.gate_up.clone(), self.down.clone())
 
     def to(self, device: torch.device | str) -> "ExpertWeights":
-        return ExpertWeights(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
+        return self._with(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
+
+    def _with(self, gate_up: torch.Tensor, down: torch.Tensor, mapped: bool = False) -> "ExpertWeights":
+        return ExpertWeights(gate_up, down, mapped, self.gate_up_type, self.down_type)
 
 
 DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")
