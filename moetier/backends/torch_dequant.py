@@ -1,0 +1,244 @@
+"""GGML block formats dequantized with torch ops on the tensor's own device.
+
+`dequantize(data, qtype)` turns an expert matrix held in its stored format
+(moetier.model.formats: uint8 [rows, row_bytes] of blocks, or a float tensor)
+into float32 [rows, cols] on data.device: a CUDA tensor never visits host
+memory. Invariant: the result is bit for bit `gguf.quants.dequantize` (the
+numpy reference), because each format repeats that code's float32 operations
+in the same order, one elementwise kernel each (integer unpacking may differ:
+it is exact either way). Lookup tables (IQ grids, signs, kvalues) come from
+the gguf package at first use and are cached per device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from moetier.model.formats import Format, format_of
+
+Unpack = Callable[[torch.Tensor], torch.Tensor]  # uint8 blocks [n, block_bytes] -> float32 [n, block]
+
+
+def dequantize(data: torch.Tensor, qtype: int, cols: int | None = None) -> torch.Tensor:
+    """data [..., row_bytes] uint8 blocks of GGML type `qtype` (or [..., cols] F32/F16/BF16) -> float32 [..., cols]."""
+    fmt = format_of(qtype)
+    if not isinstance(data, torch.Tensor) or data.dim() == 0:
+        raise ValueError(f"{fmt.name}: expected a torch tensor of at least one dimension, got {_describe(data)}")
+    if fmt.dtype is not None:
+        if data.dtype != fmt.dtype:
+            raise ValueError(f"{fmt.name}: expected a {fmt.dtype} tensor, got {data.dtype}")
+        _check_cols(fmt, data.shape[-1], cols, f"a row of {data.shape[-1]} values")
+        return data if data.dtype == torch.float32 else data.float()
+    if data.dtype != torch.uint8:
+        raise ValueError(f"{fmt.name}: expected a uint8 tensor of {fmt.block_bytes}-byte blocks, got {data.dtype}")
+    row_bytes = data.shape[-1]
+    if row_bytes % fmt.block_bytes:
+        raise ValueError(f"{fmt.name}: a row of {row_bytes} bytes is not a whole number of {fmt.block_bytes}-byte blocks")
+    have = row_bytes // fmt.block_bytes * fmt.block
+    _check_cols(fmt, have, cols, f"a row of {row_bytes} bytes holds {have} values")
+    blocks = data.reshape(-1, fmt.block_bytes)  # [n, block_bytes]
+    values = _UNPACK[fmt.name](blocks)  # [n, block]
+    return values.reshape(*data.shape[:-1], have)  # [..., cols]
+
+
+def _check_cols(fmt: Format, have: int, cols: int | None, what: str) -> None:
+    if cols is not None and cols != have:
+        raise ValueError(f"{fmt.name}: cols={cols} disagrees with the data ({what}; expected cols={have})")
+
+
+def _describe(data: object) -> str:
+    return "a 0-d tensor" if isinstance(data, torch.Tensor) else type(data).__name__
+
+
+# ---- small pieces shared by the formats -------------------------------------------------------------
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 field at byte `at` of each block, as float32 [n, 1]."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()  # [n, 1]
+
+
+@functools.cache
+def _shifts(device: torch.device, dtype: torch.dtype, width: int, count: int) -> torch.Tensor:
+    return torch.arange(0, width * count, width, dtype=dtype, device=device)  # [count]
+
+
+def _unpack(x: torch.Tensor, width: int, count: int, last: bool = False) -> torch.Tensor:
+    """x integer [..., k] -> [..., count, k] (or [..., k, count] if last): field i is (x >> width*i) & (2^width - 1)."""
+    shifts = _shifts(x.device, x.dtype, width, count)  # [count]
+    mask = (1 << width) - 1
+    if last:
+        return (x.unsqueeze(-1) >> shifts) & mask  # [..., k, count]
+    return (x.unsqueeze(-2) >> shifts.unsqueeze(-1)) & mask  # [..., count, k]
+
+
+def _u32(x: torch.Tensor) -> torch.Tensor:
+    """Little-endian uint32 words of uint8 x [n, 4w], as int64 [n, w] (torch's uint32 lacks shifts on CUDA)."""
+    words = x.reshape(x.shape[0], -1, 4).long()  # [n, w, 4]
+    return (words << _shifts(x.device, torch.int64, 8, 4)).sum(-1)  # [n, w]: disjoint bits, so sum is or
+
+
+@functools.cache
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    """A gguf lookup table as a float32 torch tensor on `device` (built once per device)."""
+    import gguf.quants as q  # the reference package, read only when an IQ format is first met
+
+    if name in ("IQ3_XXS", "IQ3_S"):
+        cls = getattr(q, name)
+        cls.init_grid()
+        return torch.from_numpy(cls.grid.reshape(-1, 4).copy()).to(device)  # [256 or 512, 4]
+    if name == "ksigns":  # 7-bit sign index -> 8 signs (+1/-1), as IQ3_XXS's numpy code expands them
+        ksigns = torch.frombuffer(bytearray(q.IQ2_XXS.ksigns), dtype=torch.uint8)  # [128]
+        bits = _unpack(ksigns, 1, 8, last=True)  # [128, 8]
+        return (1 - 2 * bits.float()).to(device)  # [128, 8]
+    if name == "kvalues":
+        return torch.tensor(q.IQ4_NL.kvalues, dtype=torch.float32, device=device)  # [16]
+    raise ValueError(f"no lookup table named {name!r} (expected IQ3_XXS, IQ3_S, ksigns or kvalues)")
+
+
+# ---- the formats: each follows its gguf.quants dequantize_blocks, float ops in the same order -------
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)  # [n, 1]
+    q = _unpack(b[:, 2:], 4, 2).reshape(n, 32).to(torch.int8) - 8  # [n, 32]
+    return d * q.float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, m = _f16(b, 0), _f16(b, 2)  # [n, 1] each
+    q = _unpack(b[:, 4:], 4, 2).reshape(n, 32).float()  # [n, 32]
+    return d * q + m
+
+
+def _q5(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The 5-bit values (0..31) of Q5_0 / Q5_1 blocks whose qh starts at byte `at`: uint8 [n, 32]."""
+    n = b.shape[0]
+    qh = _unpack(b[:, at:at + 4], 1, 8, last=True).reshape(n, 32)  # [n, 32]: bit j of the uint32
+    ql = _unpack(b[:, at + 4:], 4, 2).reshape(n, 32)  # [n, 32]
+    return ql | (qh << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _q5(b, 2).to(torch.int8) - 16  # [n, 32]
+    return _f16(b, 0) * q.float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _q5(b, 4).float()  # [n, 32]
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    x = b[:, 2:].view(torch.int8).float()  # [n, 32]
+    return x * _f16(b, 0)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, :16]  # [n, 16]
+    d, dmin = _f16(b, 80), _f16(b, 82)  # [n, 1] each
+    dl = (d * (scales & 0xF).float()).reshape(n, 16, 1)  # [n, 16, 1]
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)  # [n, 16, 1]
+    q = _unpack(b[:, 16:80].reshape(n, 2, 32), 2, 4).reshape(n, 16, 16).float()  # [n, 16, 16]
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
+    low = _unpack(scales[:, :8], 4, 2).reshape(n, 16)  # [n, 16]
+    high = _unpack(scales[:, 8:], 2, 4).reshape(n, 16)  # [n, 16]
+    s = ((low | (high << 4)).to(torch.int8) - 32).float()  # [n, 16]
+    dl = (_f16(b, 108) * s).reshape(n, 16, 1)  # [n, 16, 1]
+    ql = _unpack(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)  # [n, 16, 16]
+    qh = _unpack(hmask, 1, 8).reshape(n, 16, 16) ^ 1  # [n, 16, 16]: the offset is zero when the bit is set
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()  # [n, 16, 16]
+    return (dl * q).reshape(n, 256)
+
+
+def _scale_min_k4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit scales and mins of Q4_K / Q5_K (bytes 4..15): two float32 [n, 8]."""
+    s = b[:, 4:16].reshape(-1, 3, 4)  # [n, 3, 4]
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]  # [n, 4] each
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)  # [n, 8]
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)  # [n, 8]
+    return sc.float(), mn.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _scale_min_k4(b)  # [n, 8] each
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)  # [n, 8, 1]
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)  # [n, 8, 1]
+    q = _unpack(b[:, 16:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32).float()  # [n, 8, 32]
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _scale_min_k4(b)  # [n, 8] each
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)  # [n, 8, 1]
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)  # [n, 8, 1]
+    ql = _unpack(b[:, 48:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)  # [n, 8, 32]
+    qh = _unpack(b[:, 16:48], 1, 8)  # [n, 8, 32]
+    q = (ql | (qh << 4)).float()  # [n, 8, 32]
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, 192:208].view(torch.int8).float()  # [n, 16]
+    d = (_f16(b, 208) * scales).reshape(n, 16, 1)  # [n, 16, 1]
+    ql = _unpack(b[:, :128].reshape(n, 2, 64), 4, 2).reshape(n, 8, 32)  # [n, 8, 32]
+    qh = _unpack(b[:, 128:192].reshape(n, 2, 32), 2, 4).reshape(n, 8, 32)  # [n, 8, 32]
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()  # [n, 16, 16]
+    return (d * q).reshape(n, 256)
+
+
+def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    words = _u32(b[:, 66:98])  # [n, 8]: a 4-bit scale and four 7-bit sign indices per 32 values
+    db = (_f16(b, 0) * (0.5 + (words >> 28).float()) * 0.5).reshape(n, 8, 1, 1)  # [n, 8, 1, 1]
+    sign_index = _unpack(words, 7, 4, last=True)  # [n, 8, 4]
+    signs = _table("ksigns", b.device)[sign_index]  # [n, 8, 4, 8]
+    grid = _table("IQ3_XXS", b.device)[b[:, 2:66].long()].reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
+    return (db * grid * signs).reshape(n, 256)
+
+
+def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = _unpack(b[:, 106:110], 4, 2, last=True).reshape(n, 8)  # [n, 8]
+    db = (_f16(b, 0) * (1 + 2 * scales).float()).reshape(n, 8, 1, 1)  # [n, 8, 1, 1]
+    bits = _unpack(b[:, 74:106], 1, 8, last=True).reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
+    signs = 1 - 2 * bits.float()  # [n, 8, 4, 8]: +1 or -1, exact
+    qh = _unpack(b[:, 66:74], 1, 8, last=True).reshape(n, 64).long()  # [n, 64]
+    index = b[:, 2:66].long() | (qh << 8)  # [n, 64]: 9-bit grid rows
+    grid = _table("IQ3_S", b.device)[index].reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
+    return (db * grid * signs).reshape(n, 256)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    q = _unpack(b[:, 2:], 4, 2).reshape(n, 32)  # [n, 32]
+    return _f16(b, 0) * _table("kvalues", b.device)[q.long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    high = _unpack(b[:, 2:4], 2, 4, last=True).reshape(n, 8)  # [n, 8]: the uint16's 2-bit fields in order
+    low = _unpack(b[:, 4:8], 4, 2, last=True).reshape(n, 8)  # [n, 8]
+    s = ((low | (high << 4)).to(torch.int8) - 32).float()  # [n, 8]
+    dl = (_f16(b, 0) * s).reshape(n, 8, 1)  # [n, 8, 1]
+    q = _unpack(b[:, 8:].reshape(n, 8, 16), 4, 2).reshape(n, 8, 32)  # [n, 8, 32]
+    return (dl * _table("kvalues", b.device)[q.long()]).reshape(n, 256)
+
+
+_UNPACK: dict[str, Unpack] = {
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+    "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
+}  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)
