@@ -70,8 +70,8 @@ def _unpack(x: torch.Tensor, width: int, count: int, last: bool = False) -> torc
     shifts = _shifts(x.device, x.dtype, width, count)  # [count]
     mask = (1 << width) - 1
     if last:
-        return (x.unsqueeze(-1) >> shifts) & mask  # [..., k, count]
-    return (x.unsqueeze(-2) >> shifts.unsqueeze(-1)) & mask  # [..., count, k]
+        return (x.unsqueeze(-1) >> shifts).bitwise_and_(mask)  # [..., k, count]
+    return (x.unsqueeze(-2) >> shifts.unsqueeze(-1)).bitwise_and_(mask)  # [..., count, k]
 
 
 def _u32(x: torch.Tensor) -> torch.Tensor:
@@ -99,19 +99,21 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 
 # ---- the formats: each follows its gguf.quants dequantize_blocks, float ops in the same order -------
+# The last float ops run in place on a fresh temporary: the same kernels, so the same bits, without
+# a new multi-MB buffer per op (fresh pages cost the CPU path 2-13 ms per Q4_K matrix, in place 1.5 ms).
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = _f16(b, 0)  # [n, 1]
     q = _unpack(b[:, 2:], 4, 2).reshape(n, 32).to(torch.int8) - 8  # [n, 32]
-    return d * q.float()
+    return q.float().mul_(d)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d, m = _f16(b, 0), _f16(b, 2)  # [n, 1] each
     q = _unpack(b[:, 4:], 4, 2).reshape(n, 32).float()  # [n, 32]
-    return d * q + m
+    return q.mul_(d).add_(m)
 
 
 def _q5(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -124,17 +126,17 @@ def _q5(b: torch.Tensor, at: int) -> torch.Tensor:
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     q = _q5(b, 2).to(torch.int8) - 16  # [n, 32]
-    return _f16(b, 0) * q.float()
+    return q.float().mul_(_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     q = _q5(b, 4).float()  # [n, 32]
-    return _f16(b, 0) * q + _f16(b, 2)
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     x = b[:, 2:].view(torch.int8).float()  # [n, 32]
-    return x * _f16(b, 0)
+    return x.mul_(_f16(b, 0))
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -144,7 +146,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     dl = (d * (scales & 0xF).float()).reshape(n, 16, 1)  # [n, 16, 1]
     ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)  # [n, 16, 1]
     q = _unpack(b[:, 16:80].reshape(n, 2, 32), 2, 4).reshape(n, 16, 16).float()  # [n, 16, 16]
-    return (dl * q - ml).reshape(n, 256)
+    return q.mul_(dl).sub_(ml).reshape(n, 256)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
@@ -157,7 +159,7 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     ql = _unpack(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)  # [n, 16, 16]
     qh = _unpack(hmask, 1, 8).reshape(n, 16, 16) ^ 1  # [n, 16, 16]: the offset is zero when the bit is set
     q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()  # [n, 16, 16]
-    return (dl * q).reshape(n, 256)
+    return q.mul_(dl).reshape(n, 256)
 
 
 def _scale_min_k4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +177,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d = (_f16(b, 0) * sc).reshape(n, 8, 1)  # [n, 8, 1]
     dm = (_f16(b, 2) * mn).reshape(n, 8, 1)  # [n, 8, 1]
     q = _unpack(b[:, 16:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32).float()  # [n, 8, 32]
-    return (d * q - dm).reshape(n, 256)
+    return q.mul_(d).sub_(dm).reshape(n, 256)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     ql = _unpack(b[:, 48:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)  # [n, 8, 32]
     qh = _unpack(b[:, 16:48], 1, 8)  # [n, 8, 32]
     q = (ql | (qh << 4)).float()  # [n, 8, 32]
-    return (d * q - dm).reshape(n, 256)
+    return q.mul_(d).sub_(dm).reshape(n, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -196,7 +198,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql = _unpack(b[:, :128].reshape(n, 2, 64), 4, 2).reshape(n, 8, 32)  # [n, 8, 32]
     qh = _unpack(b[:, 128:192].reshape(n, 2, 32), 2, 4).reshape(n, 8, 32)  # [n, 8, 32]
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()  # [n, 16, 16]
-    return (d * q).reshape(n, 256)
+    return q.mul_(d).reshape(n, 256)
 
 
 def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
@@ -206,7 +208,7 @@ def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     sign_index = _unpack(words, 7, 4, last=True)  # [n, 8, 4]
     signs = _table("ksigns", b.device)[sign_index]  # [n, 8, 4, 8]
     grid = _table("IQ3_XXS", b.device)[b[:, 2:66].long()].reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
-    return (db * grid * signs).reshape(n, 256)
+    return grid.mul_(db).mul_(signs).reshape(n, 256)
 
 
 def _iq3_s(b: torch.Tensor) -> torch.Tensor:
@@ -218,13 +220,13 @@ def _iq3_s(b: torch.Tensor) -> torch.Tensor:
     qh = _unpack(b[:, 66:74], 1, 8, last=True).reshape(n, 64).long()  # [n, 64]
     index = b[:, 2:66].long() | (qh << 8)  # [n, 64]: 9-bit grid rows
     grid = _table("IQ3_S", b.device)[index].reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
-    return (db * grid * signs).reshape(n, 256)
+    return grid.mul_(db).mul_(signs).reshape(n, 256)
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     q = _unpack(b[:, 2:], 4, 2).reshape(n, 32)  # [n, 32]
-    return _f16(b, 0) * _table("kvalues", b.device)[q.long()]
+    return _table("kvalues", b.device)[q.long()].mul_(_f16(b, 0))
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -234,7 +236,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     s = ((low | (high << 4)).to(torch.int8) - 32).float()  # [n, 8]
     dl = (_f16(b, 0) * s).reshape(n, 8, 1)  # [n, 8, 1]
     q = _unpack(b[:, 8:].reshape(n, 8, 16), 4, 2).reshape(n, 8, 32)  # [n, 8, 32]
-    return (dl * _table("kvalues", b.device)[q.long()]).reshape(n, 256)
+    return _table("kvalues", b.device)[q.long()].mul_(dl).reshape(n, 256)
 
 
 _UNPACK: dict[str, Unpack] = {
