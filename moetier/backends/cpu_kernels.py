@@ -3,13 +3,17 @@
 `decode_kernel()` returns a `DecodeKernel`, or None when this machine cannot
 build one (no C compiler, a failed build, or MOETIER_NATIVE=0); `status()`
 says which and why, in one line. moetier.native builds the library once per
-machine (-O3 -march=native, content-hashed, atomic). The router's C
+machine (-O3 -march=native, content-hashed, atomic), and cpu_formats.c, the
+row dequantizers, apart with strict IEEE flags. The router's C
 (`DecodeKernel.route`, called by moetier.engine.router) lives in the same file
 because it shares the expert kernels' vectorised gemv.
 
 Guarantee: `DecodeKernel.run` computes what the torch decode path computes
 (the gate-weighted sum of k SwiGLU experts over one token) in float32, with
 sums in another order (differences of float32 rounding, ~1e-6 relative).
+`DecodeKernel.dequantize` turns rows of any stored format of
+moetier.model.formats into float32, bit for bit gguf.quants.dequantize's
+values (tests/test_native_formats.py).
 `NativeLane` queues the same calls to the library's own threads, which never
 take the GIL: the CPU lane's work then costs the engine's thread one ctypes
 call to hand over and one to collect. With one part per call its result is
@@ -29,21 +33,46 @@ from typing import Sequence
 import torch
 
 from moetier.model.checkpoint import ExpertWeights
-from moetier.native import FAST_FLAGS, library
+from moetier.model.formats import FORMATS, Format, format_of
+from moetier.native import FAST_FLAGS, STRICT_FLAGS, library
 
 SOURCE = Path(__file__).with_suffix(".c")
+FORMATS_SOURCE = Path(__file__).with_name("cpu_formats.c")
+
+
+def _width(fmt: Format, cols: int) -> int:
+    """Elements per stored row of `cols` values: cols for a float format, bytes for a block format."""
+    return cols if fmt.dtype is not None else fmt.row_bytes(cols)
+
+
+def _matrix_error(what: str, t: torch.Tensor, qtype: int, rows: int, cols: int) -> str | None:
+    """Why t cannot be read as `rows` rows of `cols` values of GGML type qtype in place, or None."""
+    fmt = FORMATS.get(qtype)
+    if fmt is None:
+        return f"{what}: GGML type {qtype} is not a stored format (expected one of {', '.join(f.name for f in FORMATS.values())})"
+    if fmt.block > 1 and cols % fmt.block:
+        return f"{what}: {fmt.name} rows of {cols} values are not a whole number of {fmt.block}-value blocks"
+    dtype = fmt.dtype or torch.uint8
+    shape = (rows, _width(fmt, cols))
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        return f"{what}: {fmt.name} [{rows}, {cols}] is {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return f"{what}: must be contiguous in host memory (got {t.device}, contiguous={t.is_contiguous()})"
+    return None
 
 
 class DecodeKernel:
     """The loaded library; thread-safe (no state of its own), releases the GIL while it runs."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path):
+    def __init__(self, library: ctypes.CDLL, path: Path, formats: ctypes.CDLL):
+        """library: cpu_kernels.c built; formats: cpu_formats.c built, its tables already given (`_load`)."""
         self.path = path
         self._fn = library.moe_decode_f32
         self._fn.restype = None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, i64, i64, i64, p, p, p, p]
-        self.library = library
+        self.library, self.formats = library, formats
+        formats.dequantize_rows.restype, formats.dequantize_rows.argtypes = None, [i64, p, i64, i64, p]
         library.lane_open.restype, library.lane_open.argtypes = p, [i64, ctypes.c_double]
         library.lane_threads.restype, library.lane_threads.argtypes = i64, [p]
         library.lane_submit.restype, library.lane_submit.argtypes = i64, [p, p, i64, i64, i64, p, p, i64]
@@ -80,6 +109,21 @@ class DecodeKernel:
         """Whether an expert can be read in place: float32, contiguous, in host memory."""
         return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
                    for t in (weights.gate_up, weights.down))
+
+    def dequantize(self, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+        """data: rows of `cols` values of GGML type qtype (float [rows, cols] of its dtype, or uint8
+        [rows, row_bytes] of blocks), contiguous in host memory -> float32 [rows, cols], the values the
+        kernel computes with (bit for bit gguf.quants.dequantize's)."""
+        fmt = format_of(qtype)
+        if data.dim() != 2:
+            raise ValueError(f"{fmt.name}: expected a matrix [rows, row width], got {data.dim()} dimension(s) {list(data.shape)}")
+        why = _matrix_error(fmt.name, data, fmt.id, data.shape[0], cols)
+        if why is not None:
+            raise ValueError(why)
+        out = torch.empty(data.shape[0], cols)  # [rows, cols] float32
+        if out.numel():
+            self.formats.dequantize_rows(fmt.id, data.data_ptr(), data.shape[0], cols, out.data_ptr())
+        return out
 
     def run(self, x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
         """x [1, D] float32 -> [1, D] = sum_j scales[j] * ffn_j(x); every expert must `fit`."""
@@ -184,12 +228,56 @@ class LaneTicket:
             self._lane._lib.lane_release(self._lane._handle, self._ticket)
 
 
+def _tables() -> tuple[bytes, bytes, bytes, bytes] | str:
+    """The IQ lookup tables cpu_formats.c reads, from the gguf package (the reference): IQ3_XXS's and
+    IQ3_S's grids as bytes [256, 4] and [512, 4], IQ2_XXS's 128 sign patterns, IQ4_NL's 16 kvalues as
+    int8; or why the package's tables do not have that form."""
+    import gguf.quants as q  # the grids' hex is decoded only once a kernel is loaded
+    import numpy as np
+
+    grids = []
+    for cls, rows in ((q.IQ3_XXS, 256), (q.IQ3_S, 512)):
+        cls.init_grid()
+        grid = np.asarray(cls.grid, dtype=np.float32)
+        if grid.size != 4 * rows or not np.array_equal(grid, grid.astype(np.uint8)):
+            return f"gguf's {cls.__name__} grid is not [{rows}, 4] whole numbers in 0..255 (shape {grid.shape})"
+        grids.append(grid.astype(np.uint8).tobytes())
+    signs, kvalues = bytes(q.IQ2_XXS.ksigns), np.array(q.IQ4_NL.kvalues)
+    if len(signs) != 128 or kvalues.shape != (16,) or not np.array_equal(kvalues, kvalues.astype(np.int8)):
+        return f"gguf's IQ2_XXS signs ({len(signs)} bytes) or IQ4_NL kvalues (shape {kvalues.shape}) are not 128 bytes and 16 int8s"
+    return grids[0], grids[1], signs, kvalues.astype(np.int8).tobytes()
+
+
+def _open_formats(formats: ctypes.CDLL) -> str | None:
+    """Check cpu_formats.c's block geometry against moetier.model.formats, give it its tables; None, or why not."""
+    i64 = ctypes.c_int64
+    formats.format_geometry.restype, formats.format_geometry.argtypes = i64, [i64, ctypes.POINTER(i64), ctypes.POINTER(i64)]
+    formats.format_tables.restype, formats.format_tables.argtypes = None, [ctypes.c_char_p] * 4
+    for fmt in FORMATS.values():
+        block, nbytes = i64(), i64()
+        if not formats.format_geometry(fmt.id, ctypes.byref(block), ctypes.byref(nbytes)) or (block.value, nbytes.value) != (fmt.block, fmt.block_bytes):
+            return (f"cpu_formats.c reads {fmt.name} (type {fmt.id}) as {block.value} values in {nbytes.value} bytes, "
+                    f"formats.py as {fmt.block} in {fmt.block_bytes}")
+    tables = _tables()
+    if isinstance(tables, str):
+        return tables
+    formats.format_tables(*tables)
+    return None
+
+
 @functools.cache
 def _load() -> tuple[DecodeKernel | None, str]:
+    formats, _, why = library(FORMATS_SOURCE, STRICT_FLAGS)
+    if formats is None:
+        return None, f"{why}: torch kernels"
     lib, path, why = library(SOURCE, FAST_FLAGS)
     if lib is None:
         return None, f"{why}: torch kernels"
-    return DecodeKernel(lib, path), f"on ({path})"
+    why = _open_formats(formats)
+    if why is not None:
+        return None, f"off: {why}: torch kernels"
+    return DecodeKernel(lib, path, formats), f"on ({path})"
+
 
 
 def decode_kernel() -> DecodeKernel | None:
