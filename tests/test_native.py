@@ -113,10 +113,10 @@ def test_without_a_kernel_decode_falls_back_to_torch_ops(tmp_path, env, why):
 
 
 def lane_call(experts, scales):
-    """The native lane's arguments for these experts: (gate_up, down) addresses and float32 scales."""
+    """The native lane's arguments for these experts: their records (addresses and formats) and float32 scales."""
     from array import array
 
-    return array("q", [a for w in experts for a in (w.gate_up.data_ptr(), w.down.data_ptr())]).tobytes(), array("f", scales)
+    return b"".join(map(cpu_kernels.expert_record, experts)), array("f", scales)
 
 
 @needs_kernel
@@ -156,7 +156,7 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
             lane.submit(x, addresses, floats, 8)  # waits for the queued calls, then says why it cannot
         assert all(torch.equal(ticket.result(), expected) for ticket in held)
         assert torch.equal(lane.submit(x, addresses, floats, 8).result(), expected)
-        with pytest.raises(ValueError, match="48 address bytes for 2 scales"):
+        with pytest.raises(ValueError, match="96 address bytes for 2 scales"):
             lane.submit(x, addresses, floats[:2], 8)
     finally:
         lane.close()

@@ -1,15 +1,20 @@
-"""The native kernel on every stored format: its dequantizers are gguf's bit for bit."""
+"""The native kernel on every stored format: its dequantizers are gguf's bit for bit; decode on stored
+experts is the float32 math on gguf's values up to summation order, and bit for bit the kernel's own
+result on those values dequantized; the native lane with one part is bit for bit `run`."""
 
 from __future__ import annotations
+
+from array import array
 
 import gguf.quants
 import numpy as np
 import pytest
 import torch
+from quant_blocks import BLOCK_FORMATS, random_float_rows, random_rows
 
 from moetier.backends import cpu_kernels
+from moetier.model import ExpertWeights
 from moetier.model.formats import BY_NAME, FORMATS, Format
-from quant_blocks import BLOCK_FORMATS, random_float_rows, random_rows
 
 kernel = cpu_kernels.decode_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason=f"native kernel {cpu_kernels.status()}")
@@ -70,3 +75,64 @@ def test_bad_input_is_refused_before_c_with_one_line():
         with pytest.raises(ValueError, match=message) as caught:
             call()
         assert "\n" not in str(caught.value)
+    down = stored(BY_NAME["Q6_K"], 512, 256, rng)
+    with pytest.raises(ValueError, match="expert down: Q4_K"):  # down's bytes labelled with the wrong format
+        cpu_kernels.expert_record(ExpertWeights(stored(q4k, 512, 512, rng), down, False, q4k.id, q4k.id))
+    with pytest.raises(ValueError, match="expert gate_up: Q4_K \\[512, 256\\]"):  # a call of another hidden size
+        cpu_kernels.expert_record(ExpertWeights(stored(q4k, 512, 512, rng), down, False, q4k.id, BY_NAME["Q6_K"].id), 256)
+
+
+DIM, INTER, K = 512, 256, 3
+DECODE_CASES = [(f.name, f.name) for f in BLOCK_FORMATS + FLOAT_FORMATS] + [("Q4_K", "Q6_K"), ("Q8_0", "F32"), ("F16", "IQ4_XS")]
+
+
+def decode_case(gate_up_name: str, down_name: str, seed: int):
+    """K random experts (gate_up in one format, down in another), their gguf-dequantized float32 twins, and an
+    x [1, D] scaled so the gate's pre-activations are of order one."""
+    rng = np.random.default_rng(seed)
+    gate_up_fmt, down_fmt = BY_NAME[gate_up_name], BY_NAME[down_name]
+    experts = [ExpertWeights(stored(gate_up_fmt, 2 * INTER, DIM, rng), stored(down_fmt, DIM, INTER, rng), False,
+                             gate_up_fmt.id, down_fmt.id) for _ in range(K)]
+    twins = [ExpertWeights(torch.from_numpy(reference(w.gate_up, gate_up_fmt)), torch.from_numpy(reference(w.down, down_fmt)))
+             for w in experts]  # [2I, D], [D, I] float32
+    rms = float(np.sqrt(np.mean([t.gate_up.double().pow(2).mean().item() for t in twins])))
+    x = torch.from_numpy(rng.standard_normal((1, DIM)).astype(np.float32)) / (rms * DIM ** 0.5)  # [1, D]
+    return experts, twins, x, [0.5, 0.3, 0.2]
+
+
+def float64_decode(x: torch.Tensor, twins: list[ExpertWeights], scales: list[float]) -> torch.Tensor:
+    out = torch.zeros(1, DIM, dtype=torch.float64)
+    for w, s in zip(twins, scales):
+        gate_up = x.double() @ w.gate_up.double().t()  # [1, 2I]
+        hidden = torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]  # [1, I]
+        out += s * (hidden @ w.down.double().t())  # [1, D]
+    return out
+
+
+@pytest.mark.parametrize("gate_up_name, down_name", DECODE_CASES, ids=lambda name: name)
+def test_decode_on_stored_experts_is_the_float32_math_on_their_values(gate_up_name, down_name):
+    experts, twins, x, scales = decode_case(gate_up_name, down_name, seed=len(gate_up_name) * 31 + len(down_name))
+    got = kernel.run(x, experts, scales)  # [1, D]
+    exact = float64_decode(x, twins, scales)
+    scale = exact.abs().max().item()
+    assert scale > 0 and (got.double() - exact).abs().max().item() <= 2e-6 * scale  # seen: 1.2e-7 .. 3.0e-7
+    assert torch.equal(got, kernel.run(x, twins, scales))  # the same dot products over the same float32 values
+    lane = cpu_kernels.NativeLane(kernel, 1)
+    try:
+        records = b"".join(map(cpu_kernels.expert_record, experts))
+        assert torch.equal(lane.submit(x, records, array("f", scales), INTER).result(), got)
+    finally:
+        lane.close()
+
+
+def test_a_lane_split_over_threads_sums_stored_experts_the_same_way_every_time():
+    experts, _, x, scales = decode_case("Q4_K", "Q6_K", seed=7)
+    expected = kernel.run(x, experts, scales)
+    lane = cpu_kernels.NativeLane(kernel, 2)
+    try:
+        records = b"".join(map(cpu_kernels.expert_record, experts))
+        outs = [ticket.result() for ticket in [lane.submit(x, records, array("f", scales), INTER) for _ in range(4)]]
+    finally:
+        lane.close()
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert (outs[0] - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()

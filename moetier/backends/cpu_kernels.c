@@ -1,20 +1,27 @@
-/* moetier native decode kernel: one token through k SwiGLU experts, float32.
+/* moetier native decode kernel: one token through k SwiGLU experts, each matrix in its stored format.
  *
  *   out[D] = sum_j scale[j] * down_j @ (silu(gate_j @ x) * (up_j @ x))
  *
  * gate_up_j is [2I, D] (gate rows, then up rows) and down_j is [D, I], both
- * row-major and contiguous, anywhere in memory: the caller passes their
- * addresses, so experts are read in place, each byte once. Decode is bound by
- * those bytes: each matrix is read row after row, in address order, one
- * sequential stream the hardware prefetchers follow (8 rows interleaved read
- * half as fast on a Zen 3 VM), each row's dot product over four vector
+ * row-major and contiguous, anywhere in memory, each in any GGML format of
+ * moetier.model.formats: the caller passes their addresses and types, so
+ * experts are read in place, each byte once. A float32 matrix is read as it
+ * lies; any other has each row turned to float32 in a row of scratch (that
+ * fits L1) by cpu_formats.c's dequantize_row, bit for bit gguf's values, and
+ * dotted with the same code: so a stored format's result is bit for bit what
+ * this kernel computes on the matrices dequantized to float32, which is the
+ * float32 math up to summation order (against float64 on gguf's values,
+ * tests/test_native_formats.py saw 1.2e-7..3e-7 of the output's scale). Decode is
+ * bound by those bytes: each matrix is read row after row, in address order,
+ * one sequential stream the hardware prefetchers follow (8 rows interleaved
+ * read half as fast on a Zen 3 VM), each row's dot product over four vector
  * accumulators. One call per layer's group replaces ~5 framework ops per expert.
  * Also here: the native CPU lane (threads that never take the GIL) and the
- * decode router (gate, scores, top-k and weights in one call).
+ * decode router (gate, scores, top-k and weights in one call; float32 gate).
  *
  * Built once per machine by moetier/native.py (cc -O3 -march=native,
  * with reassociation allowed so the dot products vectorize); called through
- * ctypes, which releases the GIL.
+ * ctypes, which releases the GIL. moe_decode_init must be called once first.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,49 +40,80 @@ static inline float sum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* y[r] = W[r, :] . x for r in [0, rows): row after row, so W streams from memory in address order
- * (one sequential stream is what the hardware prefetchers follow best), each row's dot product
- * over 4 vector accumulators (independent FMA chains), then its tail columns. */
-static void gemv(const float *restrict W, const float *restrict x, float *restrict y, int64_t rows, int64_t cols) {
+/* w . x over cols: 4 vector accumulators (independent FMA chains), then the tail columns.
+ * Not inlined: the float32 rows read in place and the dequantized rows run the very same code. */
+__attribute__((noinline)) static float dot(const float *restrict w, const float *restrict x, int64_t cols) {
     const int64_t wide = cols & ~(int64_t)31, eights = cols & ~(int64_t)7;
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t c = 0;
+    for (; c < wide; c += 32) {
+        a0 += load8(w + c) * load8(x + c);
+        a1 += load8(w + c + 8) * load8(x + c + 8);
+        a2 += load8(w + c + 16) * load8(x + c + 16);
+        a3 += load8(w + c + 24) * load8(x + c + 24);
+    }
+    for (; c < eights; c += 8) a0 += load8(w + c) * load8(x + c);
+    float s = sum8((a0 + a1) + (a2 + a3));
+    for (; c < cols; c++) s += w[c] * x[c];
+    return s;
+}
+
+/* y[r] = W[r, :] . x for r in [0, rows): row after row, so W streams from memory in address order
+ * (one sequential stream is what the hardware prefetchers follow best). */
+static void gemv(const float *restrict W, const float *restrict x, float *restrict y, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) y[r] = dot(W + r * cols, x, cols);
+}
+
+enum { TYPE_F32 = 0 };  /* GGML type ids; every other format goes through dequantize_row */
+
+/* cpu_formats.c's row dequantizer: one row of `cols` values of GGML type `type` -> dst; returns the next row */
+typedef const uint8_t *(*row_fn)(int64_t type, const uint8_t *src, float *dst, int64_t cols);
+static row_fn dequantize_row;
+
+/* Once, before any decode: the row dequantizer of the formats library (cpu_formats.c, built apart with
+ * strict IEEE flags so its values are gguf's bit for bit). */
+void moe_decode_init(void *row) { dequantize_row = (row_fn)row; }
+
+/* Scratch floats moe_decode needs for widths D and I: gate_up [2I], hidden [I], y [D], one row [max(D, I)]. */
+int64_t moe_scratch_floats(int64_t D, int64_t I) { return 3 * I + D + (D > I ? D : I); }
+
+/* y[rows] = W x, W [rows, cols] in GGML type `type` at address W; row: scratch of cols floats */
+static void matvec(const void *W, int64_t type, const float *x, float *y, int64_t rows, int64_t cols, float *row) {
+    if (type == TYPE_F32) {
+        gemv(W, x, y, rows, cols);
+        return;
+    }
+    const uint8_t *w = W;
     for (int64_t r = 0; r < rows; r++) {
-        const float *w = W + r * cols;
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t c = 0;
-        for (; c < wide; c += 32) {
-            a0 += load8(w + c) * load8(x + c);
-            a1 += load8(w + c + 8) * load8(x + c + 8);
-            a2 += load8(w + c + 16) * load8(x + c + 16);
-            a3 += load8(w + c + 24) * load8(x + c + 24);
-        }
-        for (; c < eights; c += 8) a0 += load8(w + c) * load8(x + c);
-        float s = sum8((a0 + a1) + (a2 + a3));
-        for (; c < cols; c++) s += w[c] * x[c];
-        y[r] = s;
+        w = dequantize_row(type, w, row, cols);
+        y[r] = dot(row, x, cols);
     }
 }
 
 /* out[D] = sum over j = first, first + stride, ... < k of scale[j] * ffn_j(x), summed in that order.
- * experts: 2k addresses, gate_up_0, down_0, gate_up_1, down_1, ...; scratch: 3I + D floats. */
+ * experts: 4k int64s, (gate_up address, down address, gate_up type, down type) per expert;
+ * scratch: moe_scratch_floats(D, I) floats. */
 static void decode_strided(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts, const float *scale,
                            int64_t first, int64_t stride, float *out, float *scratch) {
-    float *gate_up = scratch, *hidden = scratch + 2 * I, *y = scratch + 3 * I;
+    float *gate_up = scratch, *hidden = scratch + 2 * I, *y = scratch + 3 * I, *row = scratch + 3 * I + D;
     for (int64_t d = 0; d < D; d++) out[d] = 0.f;
     for (int64_t j = first; j < k; j += stride) {
-        gemv((const float *)(intptr_t)experts[2 * j], x, gate_up, 2 * I, D);
+        const int64_t *e = experts + 4 * j;
+        matvec((const void *)(intptr_t)e[0], e[2], x, gate_up, 2 * I, D, row);
         for (int64_t i = 0; i < I; i++) {
             const float g = gate_up[i];
             hidden[i] = g / (1.f + expf(-g)) * gate_up[I + i];
         }
-        gemv((const float *)(intptr_t)experts[2 * j + 1], hidden, y, D, I);
+        matvec((const void *)(intptr_t)e[1], e[3], hidden, y, D, I, row);
         const float s = scale[j];
         for (int64_t d = 0; d < D; d++) out[d] += s * y[d];
     }
 }
 
-/* every expert, in order. out: D floats, overwritten. */
-void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
-                    const float *scale, float *out, float *scratch) {
+/* every expert, in order. experts: 4k int64s (see decode_strided); out: D floats, overwritten;
+ * scratch: moe_scratch_floats(D, I) floats. */
+void moe_decode(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                const float *scale, float *out, float *scratch) {
     decode_strided(x, D, I, k, experts, scale, 0, 1, out, scratch);
 }
 
@@ -83,7 +121,7 @@ void moe_decode_f32(const float *x, int64_t D, int64_t I, int64_t k, const int64
  * The native CPU lane: decode calls queued to threads that never touch Python.
  *
  * A lane owns `threads` pthreads and LANE_SLOTS job slots. lane_submit copies a
- * call (x, the experts' addresses, their scales) into a free slot and returns
+ * call (x, the experts' addresses and types, their scales) into a free slot and returns
  * its ticket at once (with all slots queued, once one is done); the threads split the call's experts into `parts`
  * (expert j goes to part j % parts, each part summed in order into its own
  * row) and the thread that finishes the last part adds the rows in part order,
@@ -112,10 +150,10 @@ typedef struct {
     int64_t ticket, D, I, k, parts, claimed, finished;
     double done_s;                     /* CLOCK_MONOTONIC seconds when the last part finished */
     float *x;                          /* [D] */
-    int64_t *experts;                  /* [2k] */
+    int64_t *experts;                  /* [4k]: per expert gate_up, down addresses and types */
     float *scale;                      /* [k] */
     float *rows;                       /* [parts, D] partial sums; row 0 ends as the total */
-    float *scratch;                    /* [parts, 3I + D] */
+    float *scratch;                    /* [parts, moe_scratch_floats(D, I)] */
     int64_t cap_x, cap_experts, cap_scale, cap_rows, cap_scratch;
 } lane_slot;
 
@@ -175,7 +213,7 @@ static void *lane_main(void *arg) {
         const int64_t part = s->claimed++;
         pthread_mutex_unlock(&lane->mu);
         decode_strided(s->x, s->D, s->I, s->k, s->experts, s->scale, part, s->parts,  /* experts part, part + parts, ... */
-                       s->rows + part * s->D, s->scratch + part * (3 * s->I + s->D));
+                       s->rows + part * s->D, s->scratch + part * moe_scratch_floats(s->D, s->I));
         pthread_mutex_lock(&lane->mu);
         if (++s->finished < s->parts) continue;
         pthread_mutex_unlock(&lane->mu);  /* the last part: every other row is written */
@@ -217,8 +255,8 @@ moe_lane *lane_open(int64_t threads, double spin_s) {
 
 int64_t lane_threads(const moe_lane *lane) { return lane->threads; }
 
-/* Queue one call; returns its ticket. With every slot taken it waits for a queued call to finish;
- * -1 when all are done but uncollected, -2 when out of memory. */
+/* Queue one call (experts: 4k int64s, as moe_decode's); returns its ticket. With every slot taken it waits
+ * for a queued call to finish; -1 when all are done but uncollected, -2 when out of memory. */
 int64_t lane_submit(moe_lane *lane, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
                     const float *scale, int64_t parts) {
     if (parts > k) parts = k;
@@ -238,12 +276,12 @@ int64_t lane_submit(moe_lane *lane, const float *x, int64_t D, int64_t I, int64_
     if (s) {
         ticket = -2;
         if (!grow((void **)&s->x, &s->cap_x, D, sizeof(float)) &&
-            !grow((void **)&s->experts, &s->cap_experts, 2 * k, sizeof(int64_t)) &&
+            !grow((void **)&s->experts, &s->cap_experts, 4 * k, sizeof(int64_t)) &&
             !grow((void **)&s->scale, &s->cap_scale, k, sizeof(float)) &&
             !grow((void **)&s->rows, &s->cap_rows, parts * D, sizeof(float)) &&
-            !grow((void **)&s->scratch, &s->cap_scratch, parts * (3 * I + D), sizeof(float))) {
+            !grow((void **)&s->scratch, &s->cap_scratch, parts * moe_scratch_floats(D, I), sizeof(float))) {
             memcpy(s->x, x, (size_t)D * sizeof(float));
-            memcpy(s->experts, experts, (size_t)(2 * k) * sizeof(int64_t));
+            memcpy(s->experts, experts, (size_t)(4 * k) * sizeof(int64_t));
             memcpy(s->scale, scale, (size_t)k * sizeof(float));
             s->D = D, s->I = I, s->k = k, s->parts = parts, s->claimed = 0, s->finished = 0, s->released = 0;
             s->ticket = ticket = lane->next_ticket;

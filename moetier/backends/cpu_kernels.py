@@ -10,14 +10,16 @@ because it shares the expert kernels' vectorised gemv.
 
 Guarantee: `DecodeKernel.run` computes what the torch decode path computes
 (the gate-weighted sum of k SwiGLU experts over one token) in float32, with
-sums in another order (differences of float32 rounding, ~1e-6 relative).
-`DecodeKernel.dequantize` turns rows of any stored format of
-moetier.model.formats into float32, bit for bit gguf.quants.dequantize's
-values (tests/test_native_formats.py).
+sums in another order (differences of float32 rounding, ~1e-6 relative), for
+experts held in any stored format of moetier.model.formats, read in place.
+A stored format's values are gguf.quants.dequantize's bit for bit
+(`DecodeKernel.dequantize` exposes them), and its result is bit for bit what
+`run` gives on the same matrices dequantized to float32 (tests/test_native_formats.py).
 `NativeLane` queues the same calls to the library's own threads, which never
 take the GIL: the CPU lane's work then costs the engine's thread one ctypes
 call to hand over and one to collect. With one part per call its result is
 bit for bit `run`'s; with several, the same for any thread timing.
+Every argument is checked here (`expert_record`); the C validates nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 import weakref
 from array import array
 from pathlib import Path
@@ -38,6 +41,7 @@ from moetier.native import FAST_FLAGS, STRICT_FLAGS, library
 
 SOURCE = Path(__file__).with_suffix(".c")
 FORMATS_SOURCE = Path(__file__).with_name("cpu_formats.c")
+RECORD = struct.Struct("qqqq")  # one expert as moe_decode reads it: gate_up address, down address, their GGML types
 
 
 def _width(fmt: Format, cols: int) -> int:
@@ -58,7 +62,28 @@ def _matrix_error(what: str, t: torch.Tensor, qtype: int, rows: int, cols: int) 
         return f"{what}: {fmt.name} [{rows}, {cols}] is {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
     if t.device.type != "cpu" or not t.is_contiguous():
         return f"{what}: must be contiguous in host memory (got {t.device}, contiguous={t.is_contiguous()})"
-    return None
+    return None  # (`_readable` is the same test, for the hot path)
+
+
+def _readable(t: torch.Tensor, qtype: int, rows: int, cols: int) -> bool:
+    """The hot path's form of `_matrix_error(...) is None` (a decode call checks every expert it is given)."""
+    fmt = FORMATS.get(qtype)
+    return (fmt is not None and t.dtype is (fmt.dtype or torch.uint8) and t.is_cpu and t.is_contiguous()
+            and cols % fmt.block == 0 and t.shape == (rows, cols if fmt.dtype is not None else cols // fmt.block * fmt.block_bytes))
+
+
+def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | None = None) -> bytes:
+    """One expert as the native kernel and lane read it: 32 bytes, RECORD (gate_up address, down address,
+    gate_up type, down type). Raises ValueError (one line) unless both matrices are their formats' shapes
+    ([2I, D] and [D, I] values; D and I, when given, those of the call), contiguous in host memory.
+    The tensors must outlive every use of the record."""
+    gate_up, down, gate_up_type, down_type = weights.gate_up, weights.down, weights.gate_up_type, weights.down_type
+    dim = down.shape[0] if dim is None else dim
+    inter = gate_up.shape[0] // 2 if inter is None else inter
+    if not (_readable(gate_up, gate_up_type, 2 * inter, dim) and _readable(down, down_type, dim, inter)):
+        raise ValueError(_matrix_error("expert gate_up", gate_up, gate_up_type, 2 * inter, dim)
+                         or _matrix_error("expert down", down, down_type, dim, inter))
+    return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type)
 
 
 class DecodeKernel:
@@ -67,12 +92,14 @@ class DecodeKernel:
     def __init__(self, library: ctypes.CDLL, path: Path, formats: ctypes.CDLL):
         """library: cpu_kernels.c built; formats: cpu_formats.c built, its tables already given (`_load`)."""
         self.path = path
-        self._fn = library.moe_decode_f32
-        self._fn.restype = None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, i64, i64, i64, p, p, p, p]
-        self.library, self.formats = library, formats
+        self._fn = library.moe_decode
+        self._fn.restype, self._fn.argtypes = None, [p, i64, i64, i64, p, p, p, p]
+        library.moe_scratch_floats.restype, library.moe_scratch_floats.argtypes = i64, [i64, i64]
+        library.moe_decode_init.restype, library.moe_decode_init.argtypes = None, [p]
+        library.moe_decode_init(ctypes.cast(formats.dequantize_row, p).value)
         formats.dequantize_rows.restype, formats.dequantize_rows.argtypes = None, [i64, p, i64, i64, p]
+        self.library, self.formats = library, formats
         library.lane_open.restype, library.lane_open.argtypes = p, [i64, ctypes.c_double]
         library.lane_threads.restype, library.lane_threads.argtypes = i64, [p]
         library.lane_submit.restype, library.lane_submit.argtypes = i64, [p, p, i64, i64, i64, p, p, i64]
@@ -106,9 +133,11 @@ class DecodeKernel:
 
     @staticmethod
     def fits(weights: ExpertWeights) -> bool:
-        """Whether an expert can be read in place: float32, contiguous, in host memory."""
-        return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-                   for t in (weights.gate_up, weights.down))
+        """Whether an expert can be read in place: both matrices in a format of moetier.model.formats,
+        contiguous, in host memory (`expert_record` then checks their shapes)."""
+        gate_up, down = weights.gate_up, weights.down
+        return (weights.gate_up_type in FORMATS and weights.down_type in FORMATS
+                and gate_up.is_cpu and down.is_cpu and gate_up.is_contiguous() and down.is_contiguous())
 
     def dequantize(self, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
         """data: rows of `cols` values of GGML type qtype (float [rows, cols] of its dtype, or uint8
@@ -125,18 +154,24 @@ class DecodeKernel:
             self.formats.dequantize_rows(fmt.id, data.data_ptr(), data.shape[0], cols, out.data_ptr())
         return out
 
+    def scratch_floats(self, dim: int, inter: int) -> int:
+        """Floats of scratch one decode call (or one lane part) needs for widths D and I."""
+        return self.library.moe_scratch_floats(dim, inter)
+
     def run(self, x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
-        """x [1, D] float32 -> [1, D] = sum_j scales[j] * ffn_j(x); every expert must `fit`."""
+        """x [1, D] float32 -> [1, D] = sum_j scales[j] * ffn_j(x); every expert must `fit`, all of
+        hidden size D and the first one's width I (checked: ValueError)."""
         k = len(experts)
-        dim, inter = x.shape[1], experts[0].down.shape[1]
+        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_cpu:
+            raise ValueError(f"decode kernel: x must be float32 [1, D] in host memory, got {x.dtype} {list(x.shape)} on {x.device}")
+        if k == 0 or len(scales) != k:
+            raise ValueError(f"decode kernel: {k} experts and {len(scales)} scales (expected as many, at least one)")
+        dim, inter = x.shape[1], experts[0].inter
+        records = b"".join([expert_record(w, dim, inter) for w in experts])  # [k] RECORDs, each checked against D and I
         x = x.contiguous()
-        addresses = (ctypes.c_int64 * (2 * k))()
-        for j, w in enumerate(experts):
-            addresses[2 * j] = w.gate_up.data_ptr()
-            addresses[2 * j + 1] = w.down.data_ptr()
         scale = (ctypes.c_float * k)(*scales)
-        buffer = torch.empty(2 * dim + 3 * inter, dtype=torch.float32)  # out [D], then scratch [3I + D]
-        self._fn(x.data_ptr(), dim, inter, k, addresses, scale, buffer.data_ptr(), buffer.data_ptr() + 4 * dim)
+        buffer = torch.empty(dim + self.scratch_floats(dim, inter), dtype=torch.float32)  # out [D], then scratch
+        self._fn(x.data_ptr(), dim, inter, k, records, scale, buffer.data_ptr(), buffer.data_ptr() + 4 * dim)
         return buffer[:dim].view(1, dim)
 
 
@@ -166,15 +201,15 @@ class NativeLane:
             raise RuntimeError(f"native lane: started {self.threads} of {threads} threads")
 
     def submit(self, x: torch.Tensor, addresses: bytes, scales: array, inter: int) -> "LaneTicket":
-        """x [1, D] float32 contiguous in host memory; addresses: 2k native int64 (gate_up, down)
-        addresses, packed (struct "qq" per expert); scales: array("f") of k gate weights; inter: I,
+        """x [1, D] float32 contiguous in host memory; addresses: k expert records joined (`expert_record`:
+        32 bytes each, struct "qqqq", which checked them); scales: array("f") of k gate weights; inter: I,
         each expert's width."""
         k, dim = len(scales), x.shape[1]
         if self._forked:
             raise RuntimeError("native lane: used in a forked child process (its threads stayed in the parent); open a new one")
-        if len(addresses) != 16 * k or scales.itemsize != 4:
-            raise ValueError(f"native lane: {len(addresses)} address bytes for {k} scales (expected 16 per expert: "
-                             "two native int64s; float32 scales)")
+        if len(addresses) != RECORD.size * k or scales.itemsize != 4:
+            raise ValueError(f"native lane: {len(addresses)} address bytes for {k} scales (expected {RECORD.size} per expert: "
+                             "an expert_record; float32 scales)")
         ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses,
                                        scales.buffer_info()[0], self.threads)
         if ticket < 0:
@@ -277,7 +312,6 @@ def _load() -> tuple[DecodeKernel | None, str]:
     if why is not None:
         return None, f"off: {why}: torch kernels"
     return DecodeKernel(lib, path, formats), f"on ({path})"
-
 
 
 def decode_kernel() -> DecodeKernel | None:

@@ -15,7 +15,6 @@ float32 summation order when the native lane splits a call over threads.
 
 from __future__ import annotations
 
-import struct
 import time
 from array import array
 from collections import deque
@@ -24,7 +23,7 @@ from typing import Sequence
 import torch
 
 from moetier.backends import Backend, get_backend
-from moetier.backends.cpu_kernels import DecodeKernel
+from moetier.backends.cpu_kernels import DecodeKernel, expert_record
 from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts, run_jobs
 from moetier.tiers.host_experts import HostExperts
 from moetier.tiers.lane_threads import LaneThreads
@@ -68,15 +67,16 @@ class CpuTier(Tier):
         return run_jobs(self.backend, x.cpu(), jobs, placed).to(x.device)
 
     def _open_native(self, threads: int):
-        """The backend's native lane and, per layer, each expert's (gate_up, down) addresses; or (None, None)."""
+        """The backend's native lane and, per layer, each expert's record (its matrices' addresses and
+        formats, checked: `expert_record`); or (None, None)."""
         if not all(DecodeKernel.fits(w) for ws in self.placed.values() for w in ws):
             return None, None
         lane = self.backend.native_lane(threads)
         if lane is None:
             return None, None
-        addresses = {layer: [struct.pack("qq", w.gate_up.data_ptr(), w.down.data_ptr()) for w in placed]  # per expert, packed
-                     for layer, placed in self.placed.items()}
-        return lane, addresses
+        records = {layer: [expert_record(w, inter=self.inter) for w in placed]  # per expert, 32 bytes
+                   for layer, placed in self.placed.items()}
+        return lane, records
 
     def _submit(self, layer: int, x: torch.Tensor, jobs: Sequence[ExpertJob]):
         if self._native is not None and x.shape[0] == 1 and x.is_cpu and x.dtype is torch.float32:

@@ -14,9 +14,10 @@
  *
  * Worker: `wire_serve` receives on the worker's ROUTER socket (pyzmq's own
  * libzmq handle), serves fast RUNs of admitted sessions with the native
- * decode kernel (moe_decode.c's moe_decode_f32, passed in as a pointer:
- * the same function, the same arguments, hence the same bits as the Python
- * path through TorchBackend), and returns to Python for anything else, when
+ * decode kernel (backends/cpu_kernels.c's moe_decode, passed in as a
+ * pointer: the same function, the same arguments, hence the same bits as the
+ * Python path through TorchBackend, for experts in any stored format the
+ * kernel reads), and returns to Python for anything else, when
  * idle, or after a batch. Client: `wire_send_run` encodes and sends a RUN,
  * `wire_recv_reply` takes the next message and, if it is the awaited RUN
  * reply, copies y out; otherwise the frames wait in the client's inbox for
@@ -453,10 +454,14 @@ static uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN -> 0x7fc0: 
 /* ================================================================================================ */
 /* Worker                                                                                              */
 /* ================================================================================================ */
+/* cpu_kernels.c's moe_decode (experts: 4k int64s, a record per expert) and the scratch floats it needs */
 typedef void (*decode_fn)(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts, const float *scale,
                           float *out, float *scratch);
+typedef int64_t (*scratch_fn)(int64_t D, int64_t I);
 
-typedef struct { int64_t gate_up, down, inter; } native_expert; /* addresses of [2I, D] and [D, I] float32 */
+/* an expert the kernel reads in place: its record (gate_up [2I, D] and down [D, I] addresses, their GGML
+ * types; cpu_kernels.expert_record checked it) and I */
+typedef struct { int64_t record[4], inter; } native_expert;
 
 typedef struct {
     uint8_t identity[256];
@@ -468,6 +473,7 @@ typedef struct {
 typedef struct {
     inbox in;  /* the last message Python must handle: identity, frame 0, ... */
     decode_fn decode;
+    scratch_fn scratch_floats_for;
     int64_t hidden, layers, experts, max_message_bytes;
     native_expert *table;  /* [layers * experts]; inter == -1: not held here */
     int64_t *seen;         /* [experts] stamps: an expert twice in one RUN */
@@ -476,16 +482,17 @@ typedef struct {
     int64_t n_sessions, max_sessions;
     int64_t messages, fast_runs, pings, dropped;
     buffer reply;
-    float *scratch;  /* x [D], out [D], kernel scratch [3I + D] */
+    float *scratch;  /* x [D], out [D], kernel scratch [scratch_floats_for(D, I)] */
     int64_t scratch_floats;
     header parsed;   /* the message being served (~16 KiB: kept here, not allocated per call) */
 } worker;
 
 worker *wire_worker_open(int64_t hidden, int64_t layers, int64_t experts, int64_t max_message_bytes, int64_t max_sessions,
-                         void *decode) {
+                         void *decode, void *scratch_floats) {
     worker *w = calloc(1, sizeof *w);
     if (!w) return NULL;
     w->decode = (decode_fn)decode;
+    w->scratch_floats_for = (scratch_fn)scratch_floats;
     w->hidden = hidden;
     w->layers = layers;
     w->experts = experts;
@@ -510,10 +517,13 @@ void wire_worker_close(worker *w) {
 
 inbox *wire_worker_inbox(worker *w) { return &w->in; }
 
-/* An expert the worker holds, float32 and contiguous, which the fast path may compute. */
-void wire_worker_expert(worker *w, int64_t layer, int64_t expert, int64_t gate_up, int64_t down, int64_t inter) {
-    if (layer >= 0 && layer < w->layers && expert >= 0 && expert < w->experts)
-        w->table[layer * w->experts + expert] = (native_expert){gate_up, down, inter};
+/* An expert the worker holds, which the fast path may compute: record, 4 int64s (cpu_kernels.expert_record). */
+void wire_worker_expert(worker *w, int64_t layer, int64_t expert, const int64_t *record, int64_t inter) {
+    if (layer >= 0 && layer < w->layers && expert >= 0 && expert < w->experts) {
+        native_expert *e = &w->table[layer * w->experts + expert];
+        memcpy(e->record, record, sizeof e->record);
+        e->inter = inter;
+    }
 }
 
 static session *find_session(worker *w, const uint8_t *identity, int64_t size) {
@@ -563,7 +573,7 @@ static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const u
     if (x->dims[0] != 1 || x->dims[1] != w->hidden || x->dtype == F16 || r->layer >= w->layers || r->m == 0) return 0;
     const int64_t D = w->hidden, k = r->m;
     const uint8_t *rows = frame + r->offset[1];
-    int64_t addresses[2 * MAX_PICKS];
+    int64_t records[4 * MAX_PICKS];
     float scales[MAX_PICKS];
     int64_t inter = -1;
     w->stamp++;
@@ -577,11 +587,10 @@ static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const u
         if (e->inter < 0 || (inter >= 0 && e->inter != inter) || w->seen[r->experts[j]] == w->stamp) return 0;
         w->seen[r->experts[j]] = w->stamp;
         inter = e->inter;
-        addresses[2 * j] = e->gate_up;
-        addresses[2 * j + 1] = e->down;
+        memcpy(&records[4 * j], e->record, sizeof e->record);
         memcpy(&scales[j], frame + r->offset[2] + 4 * j, 4);
     }
-    const int64_t floats = 2 * D + 3 * inter + D;
+    const int64_t floats = 2 * D + w->scratch_floats_for(D, inter);
     if (floats > w->scratch_floats) {
         float *grown = realloc(w->scratch, sizeof(float) * (size_t)floats);
         if (!grown) return 0;
@@ -593,7 +602,7 @@ static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const u
     const uint8_t *xb = frame + r->offset[0];
     if (x->dtype == F32) memcpy(xf, xb, sizeof(float) * (size_t)D);
     else for (int64_t d = 0; d < D; d++) { uint16_t h; memcpy(&h, xb + 2 * d, 2); xf[d] = bf16_to_f32(h); }
-    w->decode(xf, D, inter, k, addresses, scales, out, w->scratch + 2 * D);
+    w->decode(xf, D, inter, k, records, scales, out, w->scratch + 2 * D);
     const double compute_us = (now_s() - begin) * 1e6;
 
     /* reply: {"v", "c", "id", "compute_us", "t": [[dtype, [1, D]]]} then y in x's dtype */

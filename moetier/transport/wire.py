@@ -3,9 +3,10 @@
 `FastClient` encodes and sends a RUN or a PING and takes its reply in C, on
 the client's own pyzmq socket; `FastWorker` is the worker's receive loop in
 C, which echoes a PING, serves a decode RUN (one row, all tensors in the
-header frame, every expert held as float32) with the worker backend's native
-decode kernel, and hands every other message to Python. A PING so measures
-the same path a decode RUN takes (`moetier ping`, RemoteTier's cost model).
+header frame, every expert in a stored format the kernel reads in place)
+with the worker backend's native decode kernel, and hands every other
+message to Python. A PING so measures the same path a decode RUN takes
+(`moetier ping`, RemoteTier's cost model).
 Python's protocol module stays the only judge: the C code accepts just
 messages that `protocol.decode_*` accepts with the same fields, and defers
 everything else, errors included, to it. The worker's reply is bit for bit
@@ -72,10 +73,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "wire_inbox_peer": (ctypes.c_char_p, [p, i64]),
         "wire_parse_run": (i64, [p, i64, i64, p]),
         "wire_parse_ping": (i64, [p, i64, i64, p]),
-        "wire_worker_open": (p, [i64, i64, i64, i64, i64, p]),
+        "wire_worker_open": (p, [i64, i64, i64, i64, i64, p, p]),
         "wire_worker_close": (None, [p]),
         "wire_worker_inbox": (p, [p]),
-        "wire_worker_expert": (None, [p, i64, i64, i64, i64, i64]),
+        "wire_worker_expert": (None, [p, i64, i64, ctypes.c_char_p, i64]),
         "wire_session_open": (i64, [p, ctypes.c_char_p, i64]),
         "wire_session_close": (None, [p, ctypes.c_char_p, i64]),
         "wire_session_activity": (None, [p, ctypes.c_char_p, i64, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
@@ -202,19 +203,20 @@ class FastWorker:
     BATCH = 256  # RUNs served before the loop returns to look at the stop flag and socket events
 
     def __init__(self, lib: ctypes.CDLL, kernel: cpu_kernels.DecodeKernel, spec, max_message_bytes: int, max_sessions: int):
-        self._lib, self._kernel = lib, kernel
-        decode = ctypes.cast(kernel.library.moe_decode_f32, ctypes.c_void_p).value
+        self._lib, self._kernel, self._hidden = lib, kernel, spec.hidden_size
+        decode, scratch = (ctypes.cast(fn, ctypes.c_void_p).value for fn in (kernel.library.moe_decode, kernel.library.moe_scratch_floats))
         self._handle = lib.wire_worker_open(spec.hidden_size, max(spec.moe_layers) + 1, spec.num_experts, max_message_bytes,
-                                            max_sessions, decode)
+                                            max_sessions, decode, scratch)
         if not self._handle:
             raise MemoryError("wire_worker_open")
         self._inbox = lib.wire_worker_inbox(self._handle)
 
     def expert(self, layer: int, expert: int, placed) -> None:
-        """An expert the backend placed: served here if it is float32 weights the kernel reads in place."""
+        """An expert the backend placed: served here if the kernel reads it in place (any stored format;
+        its record is checked by `cpu_kernels.expert_record`, which raises ValueError for a malformed one)."""
         if isinstance(placed, ExpertWeights) and self._kernel.fits(placed):
-            self._lib.wire_worker_expert(self._handle, layer, expert, placed.gate_up.data_ptr(), placed.down.data_ptr(),
-                                         placed.down.shape[1])
+            self._lib.wire_worker_expert(self._handle, layer, expert, cpu_kernels.expert_record(placed, self._hidden),
+                                         placed.inter)
 
     def open_session(self, identity: bytes) -> None:
         if not self._lib.wire_session_open(self._handle, identity, len(identity)):
