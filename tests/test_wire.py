@@ -6,7 +6,8 @@ fields, and it accepts every RUN and PING that `protocol.encode` frames as one
 frame. Serving, over real sockets to worker threads: a C or Python client
 against a C or Python worker gives the same reply bits; errors get the same
 codes; BYE and eviction reach the C loop's sessions, and RUNs served in C
-count as activity when the least recent session is evicted.
+count as activity when the least recent session is evicted; experts held
+in a stored format (Q8_0) are served in C with the local kernel's bits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moetier.backends import cpu_kernels
 from moetier.model import open_checkpoint
+from moetier.model.gguf_write import write_gguf
 from moetier.model.synth import write_synthetic
 from moetier.transport import wire
 from moetier.transport import protocol as P
@@ -146,13 +149,21 @@ def checkpoint(tmp_path_factory):
     return open_checkpoint(write_synthetic(tmp_path_factory.mktemp("wire") / "tiny", arch="qwen3_moe", preset="tiny", seed=2))
 
 
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, checkpoint):
+    """The same tiny model as llama.cpp's converter writes it with --outtype Q8_0 (experts held as Q8_0 blocks)."""
+    folder = tmp_path_factory.mktemp("wire-q8")
+    return open_checkpoint(write_gguf(write_synthetic(folder / "tiny", arch="qwen3_moe", preset="tiny", seed=2), folder / "tiny-q8_0.gguf", "Q8_0")[0])
+
+
 @pytest.fixture
 def workers(checkpoint):
-    """start(native, **worker options) -> (endpoint, ExpertWorker); each serves in a thread until teardown."""
+    """start(native, **worker options) -> (endpoint, ExpertWorker); each serves in a thread until teardown.
+    options may name another checkpoint (`of=`)."""
     running = []
 
-    def start(native: bool, **options):
-        worker, stop, ready = ExpertWorker(checkpoint, **options), threading.Event(), []
+    def start(native: bool, of=None, **options):
+        worker, stop, ready = ExpertWorker(of or checkpoint, **options), threading.Event(), []
         thread = threading.Thread(target=serve, args=(worker, "tcp://127.0.0.1:0"), kwargs=dict(stop=stop, on_ready=ready.append, native=native))
         thread.start()
         running.append((thread, stop))
@@ -192,6 +203,29 @@ def test_every_pairing_of_c_and_python_ends_gives_the_same_bits(checkpoint, work
     assert served_in_c[True, True][0] == 2 and served_in_c[True, False][0] == 4
     assert served_in_c[True, False][1] >= served_in_c[True, True][1] + 3 >= 6
     assert served_in_c[False, True] == served_in_c[False, False] == (0, 0)
+
+
+def test_a_c_worker_serves_stored_format_experts_with_the_local_kernels_bits(quantized, workers):
+    """Q8_0 experts: the C loop serves one-row RUNs with moe_decode on the stored blocks, the same bits as the
+    Python worker and as the local CPU path (DecodeKernel.run on the same placed experts)."""
+    spec, layer = quantized.spec, quantized.spec.moe_layers[1]
+    picks, scales = (3, 1, 6), torch.tensor([0.5, 0.3, 0.2])
+    torch.manual_seed(1)
+    x = torch.randn(1, spec.hidden_size)
+    requests = [P.Run(layer, picks, (1, 1, 1), x.to(dtype), torch.zeros(3, dtype=torch.int32), scales) for dtype in (torch.float32, torch.bfloat16)]
+    load = P.Load(torch.tensor([[layer, e] for e in picks], dtype=torch.int32))
+    replies = {}
+    for native in (True, False):
+        endpoint, worker = workers(native, of=quantized)
+        with WorkerClient(endpoint, quantized.fingerprint, setup=lambda: [load]) as client:
+            replies[native] = [client.call(r, 10.0).y for r in requests]
+            served = client.call(P.Stats(), 10.0).stats.get("fast_runs", 0)
+        assert served == (2 if native else 0)
+        placed = [worker.placed[layer][e] for e in picks]
+    assert placed[0].formats == "Q8_0"
+    local = cpu_kernels.decode_kernel().run(requests[0].x, placed, scales.tolist())  # the CPU tier's arithmetic
+    assert torch.equal(replies[True][0], local) and torch.equal(replies[False][0], local)
+    assert torch.equal(replies[True][1], replies[False][1])  # bf16: the same x rounded, the same kernel, y rounded alike
 
 
 def _dealer(endpoint: str) -> zmq.Socket:
