@@ -185,7 +185,7 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
                f"{'cuda ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}")
     streaming = Calibration(cpu_us_per_expert=cpu_one, cpu_us_per_token_expert=max(0.0, (cpu_many - cpu_one) / 15),
                             gpu_us_per_expert=gpu_one, gpu_us_per_token_expert=max(0.0, (gpu_many - gpu_one) / 15),
-                            expert_bytes=checkpoint.spec.expert_bytes, machine=machine)
+                            expert_bytes=checkpoint.expert_nbytes, machine=machine)
     if layout is None:
         calibration = timed_decode(Engine(checkpoint), None, streaming)
     else:

@@ -102,13 +102,15 @@ def test_sharded_index_and_bare_shards_load_the_same_weights(qwen_folder, tmp_pa
         assert np.array_equal(score(Engine(open_checkpoint(folder)), np.arange(10)), expected)
 
 
-def test_bfloat16_checkpoint_is_computed_in_float32(qwen_folder, tmp_path):
+def test_bfloat16_checkpoint_keeps_bf16_experts_and_computes_in_float32(qwen_folder, tmp_path):
     folder = tmp_path / "bf16"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(QWEN))
     save_file({n: t.to(torch.bfloat16) for n, t in qwen_tensors(QWEN).items()}, folder / "model.safetensors")
     checkpoint = open_checkpoint(folder)
-    assert checkpoint.expert(0, 1).gate_up.dtype == torch.float32
+    expert = checkpoint.expert(0, 1)
+    assert expert.gate_up.dtype == torch.bfloat16 and expert.formats == "BF16"
+    assert checkpoint.tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.float32  # the trunk
     assert checkpoint.expert_nbytes == 3 * 16 * 8 * 2
     assert np.isfinite(score(Engine(checkpoint), np.arange(6))).all()
 

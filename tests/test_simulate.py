@@ -256,9 +256,9 @@ def test_reproduce_seed_fit_never_ends_worse_than_it_started():
 
 
 def test_bf16_checkpoint_gets_the_same_slots_in_the_simulator_as_at_run_time(tmp_path):
-    """The runtime holds experts as float32 copies; `calibrate` once recorded the file's (bf16) bytes, and a
-    simulation sized from that calibration got twice the runtime's slots. Runtime, `layout show` and
-    `simulate` now read one placement."""
+    """The runtime once held experts as float32 copies while `calibrate` recorded the file's (bf16) bytes, and a
+    simulation sized from that calibration got twice the runtime's slots. Every tier now holds the stored bf16
+    bytes, and runtime, `layout show` and `simulate` read one placement."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -277,10 +277,10 @@ def test_bf16_checkpoint_gets_the_same_slots_in_the_simulator_as_at_run_time(tmp
             (folder / path.name).write_bytes(path.read_bytes())
     checkpoint = open_checkpoint(folder)
     spec = checkpoint.spec
-    assert checkpoint.expert_nbytes * 2 == spec.expert_bytes  # stored bf16, held as float32
+    assert checkpoint.expert_nbytes == 3 * spec.hidden_size * spec.moe_intermediate_size * 2  # stored bf16, held so
     slots = 3
     layout_path = tmp_path / "layout.toml"
-    layout_path.write_text(cache_layout().replace("slots = 4", f"capacity_bytes = {slots * spec.expert_bytes * len(spec.moe_layers)}"))
+    layout_path.write_text(cache_layout().replace("slots = 4", f"capacity_bytes = {slots * checkpoint.expert_nbytes * len(spec.moe_layers)}"))
     calibration = tmp_path / "cal.json"
     done = subprocess.run([sys.executable, "-m", "moetier.cli", "calibrate", "--model", str(folder), "--out", str(calibration),
                            "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -1,7 +1,9 @@
 """The backend interface: how expert FFN math runs on one device.
 
 A backend is a short table of operations. `place` puts one expert's weights
-where the backend computes, in memory it owns (a copy in RAM, an upload to a GPU);
+where the backend computes, in memory it owns (a copy in RAM, an upload to a GPU),
+in the stored format they come in, which must be one of the backend's
+`caps.formats`;
 `run_experts` computes a group of experts over the rows routed to each and
 returns their gate-weighted sum as one [T, D] tensor — one call per layer's
 group, so a backend is free to batch; `run_decode` is the same for one token
@@ -19,11 +21,13 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 import torch
 
 from moetier.model.checkpoint import ExpertWeights
+from moetier.model.formats import F32, FORMATS
 
 
 @dataclass(frozen=True)
 class BackendCaps:
-    dtypes: tuple[str, ...]  # weight dtypes it computes in
+    dtypes: tuple[str, ...]  # activation dtypes it computes in
+    formats: frozenset[int] = frozenset({F32})  # the stored formats (GGML type ids, moetier.model.formats) of weights it reads
 
 
 class ExpertWork(NamedTuple):  # a tuple: built per expert per layer on the hot path
@@ -50,9 +54,13 @@ class Backend:
         self.device = device
 
     def place(self, weights: ExpertWeights) -> Any:
-        for tensor in (weights.gate_up, weights.down):
-            if tensor.dtype != torch.float32:
-                raise TypeError(f"{self.name} backend: expert weights must be float32, got {tensor.dtype}")
+        for tensor, qtype in ((weights.gate_up, weights.gate_up_type), (weights.down, weights.down_type)):
+            fmt = FORMATS.get(qtype)
+            if qtype not in self.caps.formats or fmt is None:
+                names = ", ".join(FORMATS[t].name for t in sorted(self.caps.formats))
+                raise TypeError(f"{self.name} backend: expert weights held as {weights.formats} (it reads {names})")
+            if tensor.dtype != (fmt.dtype or torch.uint8):
+                raise TypeError(f"{self.name} backend: a {fmt.name} matrix held as {tensor.dtype} (expected {fmt.dtype or torch.uint8})")
         return self._place(weights)
 
     def run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """CuPy backend (extra `cuda`): expert FFNs as CuPy matmuls on a CUDA device.
 
-Weights are uploaded once per expert by `place`; activations cross between
+Weights are uploaded once per expert by `place`, float32 experts only (a
+stored format is refused by `place`: the torch backend reads those); activations cross between
 torch and CuPy through DLPack without copies. Imported only when asked for,
 so a machine without CUDA never imports cupy.
 """

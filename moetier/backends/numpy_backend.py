@@ -2,7 +2,10 @@
 
 Plain float32 numpy (BLAS matmuls), written to be obviously right: the parity
 tests hold every other backend to it. `place` keeps zero-copy numpy views of
-the expert's resident copy.
+the expert's resident copy, in its stored format; each call dequantizes the
+matrices it computes with to float32 through the `gguf` package (llama.cpp's
+own numpy dequantization: the reference for every stored format), then
+computes in float32.
 """
 
 from __future__ import annotations
@@ -10,28 +13,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import gguf
 import numpy as np
 import torch
 
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.model.checkpoint import ExpertWeights
+from moetier.model.formats import BF16, F32, FORMATS
 
 
 @dataclass(frozen=True)
 class NumpyExpert:
-    gate_up: np.ndarray  # [2I, D]
-    down: np.ndarray  # [D, I]
+    gate_up: np.ndarray  # [2I, D] float, or uint8 [2I, row bytes] of gate_up_type's blocks
+    down: np.ndarray  # [D, I] float, or uint8 [D, row bytes]
+    gate_up_type: int = F32
+    down_type: int = F32
+
+
+def reference_float32(data: np.ndarray, qtype: int) -> np.ndarray:
+    """A stored matrix as float32 values [rows, cols]: gguf.quants' dequantization (the reference)."""
+    if qtype == F32:
+        return data
+    return gguf.quants.dequantize(data.view(np.uint8) if qtype == BF16 else data, qtype)
 
 
 def swiglu(x: np.ndarray, w: NumpyExpert) -> np.ndarray:
     """x [n, D] -> [n, D] = down(silu(gate x) * up x)."""
-    gate, up = np.split(x @ w.gate_up.T, 2, axis=-1)  # [n, I] each
-    return ((gate / (1.0 + np.exp(-gate))) * up) @ w.down.T
+    gate, up = np.split(x @ reference_float32(w.gate_up, w.gate_up_type).T, 2, axis=-1)  # [n, I] each
+    return ((gate / (1.0 + np.exp(-gate))) * up) @ reference_float32(w.down, w.down_type).T
 
 
 class NumpyBackend(Backend):
     name = "numpy"
-    caps = BackendCaps(dtypes=("float32",))
+    caps = BackendCaps(dtypes=("float32",), formats=frozenset(FORMATS))
 
     def __init__(self, device: str = "cpu"):
         if device != "cpu":
@@ -44,7 +58,7 @@ class NumpyBackend(Backend):
 
     def _place(self, weights: ExpertWeights) -> NumpyExpert:
         resident = weights.resident()
-        return NumpyExpert(resident.gate_up.numpy(), resident.down.numpy())
+        return NumpyExpert(_numpy(resident.gate_up), _numpy(resident.down), weights.gate_up_type, weights.down_type)
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         xs = x.detach().cpu().numpy()  # [T, D]
@@ -54,3 +68,8 @@ class NumpyBackend(Backend):
             # a scatter-add that counts a row given twice twice (a RUN may list it so; the router never does)
             np.add.at(out, rows, swiglu(xs[rows], item.expert) * item.weights.numpy()[:, None])
         return torch.from_numpy(out).to(x.device)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view (bfloat16, which numpy lacks, as its raw uint16 bits)."""
+    return tensor.view(torch.uint16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()

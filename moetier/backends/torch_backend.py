@@ -16,6 +16,12 @@ so five framework ops per expert cost as much as reading its bytes (a
 microbenchmark here, 160 experts per token: torch ops 10.5 GB/s, the kernel
 22.5 GB/s, which is what one core reads).
 
+Experts are held in their stored format (moetier.model.formats). The native
+kernel reads every format in place; the torch path (CUDA, prefill, a machine
+without the kernel) dequantizes an expert's matrices to float32 on their own
+device for each call (moetier.backends.torch_dequant), so VRAM holds stored
+bytes and only a call's transient copy is float32.
+
 With `lanes > 1` (default 1) a CPU decode group is split over that many
 threads, each streaming its share of the experts single-threaded into its own
 partial sum, added in lane order.
@@ -31,11 +37,22 @@ import torch.nn.functional as F
 
 from moetier.backends import cpu_kernels
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
+from moetier.backends.torch_dequant import dequantize
 from moetier.model.checkpoint import ExpertWeights
+from moetier.model.formats import FORMATS
+
+
+def as_float32(w: ExpertWeights) -> ExpertWeights:
+    """w itself when held as float32, else its matrices dequantized to float32 on their own device
+    (moetier.backends.torch_dequant, bit for bit gguf's values): a transient copy for one call."""
+    if w.float32:
+        return w
+    return ExpertWeights(dequantize(w.gate_up, w.gate_up_type), dequantize(w.down, w.down_type))  # [2I, D], [D, I]
 
 
 def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """x [n, D] -> [n, D] = down(silu(gate x) * up x)."""
+    w = as_float32(w)
     gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [n, I] each
     return F.linear(F.silu(gate) * up, w.down)
 
@@ -44,6 +61,7 @@ def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: S
     """One token through some experts with torch ops: x [1, D] -> sum of scale * ffn(x) [1, D]."""
     out = torch.zeros_like(x)
     for w, scale in zip(experts, scales):
+        w = as_float32(w)
         gate_up = F.linear(x, w.gate_up)  # [1, 2I]
         inter = w.down.shape[1]
         hidden = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [1, I]
@@ -53,7 +71,7 @@ def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: S
 
 class TorchBackend(Backend):
     name = "torch"
-    caps = BackendCaps(dtypes=("float32",))
+    caps = BackendCaps(dtypes=("float32",), formats=frozenset(FORMATS))
 
     def __init__(self, device: str = "cpu", lanes: int | None = None, native_kernel: bool = True):
         """lanes: CPU decode threads (default 1); native_kernel: False keeps CPU decode on torch ops."""
@@ -76,7 +94,7 @@ class TorchBackend(Backend):
         if self.torch_device.type == "cpu":
             weights = weights.resident()
             if self._kernel is not None and not self._kernel.fits(weights):  # read in place by the kernel
-                weights = ExpertWeights(weights.gate_up.contiguous(), weights.down.contiguous())
+                weights = weights.with_tensors(weights.gate_up.contiguous(), weights.down.contiguous())
             return weights
         return weights.to(self.torch_device)
 
@@ -113,7 +131,7 @@ class TorchBackend(Backend):
         if self.torch_device.type != "cpu":
             return super().describe()
         if self._kernel is not None:
-            decode = "native kernel"
+            decode = "native kernel (every stored format read in place)"
         else:
             decode = f"torch ops; native kernel {cpu_kernels.status() if self._native_asked else 'not asked for'}"
         return f"{super().describe()}, decode: {decode}" + (f", {self.lanes} lanes" if self.lanes > 1 else "")

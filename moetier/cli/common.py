@@ -131,3 +131,15 @@ def default_prompt(engine, length: int = 16) -> list[int]:
     if (folder / SYNTH_META).exists():
         return [int(i) for _, ids in sample_session(folder, tokens_per_phase=length, seed=0)[:1] for i in ids[:length]]
     return [int(i) for i in np.linspace(1, engine.spec.vocab_size - 1, length).astype(int)]
+
+
+def expert_formats(checkpoint) -> str:
+    """The stored formats of a checkpoint's experts, layer counts where they differ: "Q4_K" or
+    "Q4_K x 5 layers, Q4_K/Q6_K x 3 layers" (gate and up / down)."""
+    counts: dict[str, int] = {}
+    for layer in checkpoint.spec.moe_layers:
+        name = checkpoint.expert_format(layer)
+        counts[name] = counts.get(name, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{name} x {count} layers" for name, count in counts.items())

@@ -139,7 +139,7 @@ def check(file: Path = typer.Argument(..., help="cluster.toml"),
 @layout_app.command("show")
 @errors_to_exit
 def show(file: Path = typer.Argument(..., help="cluster.toml"),
-         model: Optional[Path] = typer.Option(None, help="model folder (default: the layout's, else the built-in)"),
+         model: Optional[Path] = typer.Option(None, help="model folder or GGUF file (default: the layout's, else the built-in)"),
          as_json: bool = typer.Option(False, "--json")):
     """Per tier: slots, bytes, initial residency; and the per-token cost the layout implies."""
     from moetier.config import load_layout
@@ -158,6 +158,8 @@ def show(file: Path = typer.Argument(..., help="cluster.toml"),
         table.add_row(t["name"], t["kind"], t["where"], str(t["slots_per_layer"] or "-"), f"{t['bytes']:,}",
                       t["policy"] or "-", t["initial_residency"], f"{t['us_per_expert']:.0f}")
     console.print(table)
+    console.print(f"experts held as {summary['expert_formats']}: {summary['expert_bytes']:,} bytes each (stored bytes; "
+                  "the largest layer's)", highlight=False)
     c = summary["per_token"]
     console.print(f"implied per token: {c['ms']:.2f} ms ({c['tok_per_s']:.1f} tok/s) = trunk {c['trunk_ms']:.2f} ms + "
                   f"MoE layers {c['moe_ms']:.2f} ms at an estimated VRAM hit rate of {c['hit_rate']:.0%} "

@@ -16,12 +16,12 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from moetier.cli.common import UsageError, console, default_prompt, errors_to_exit, load_ids, open_engine, parse_list
+from moetier.cli.common import UsageError, console, default_prompt, errors_to_exit, expert_formats, load_ids, open_engine, parse_list
 
 
 @errors_to_exit
 def run(
-    model: Optional[Path] = typer.Option(None, help="HF model folder; default: the built-in synthetic model"),
+    model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
     max_new_tokens: int = typer.Option(32, help="tokens to generate"),
     prompt_ids: Optional[str] = typer.Option(None, help="prompt token ids, e.g. 1,2,3"),
     seed: Optional[int] = typer.Option(None, help="sample with this seed (greedy when omitted and temperature is 0)"),
@@ -66,6 +66,7 @@ def run(
         "model": str(engine.checkpoint.folder),
         "fingerprint": engine.checkpoint.fingerprint,
         "backend": engine.backend.describe(),
+        "experts": expert_formats(engine.checkpoint),
         "prompt_ids": result.prompt_ids,
         "generated_ids": result.ids,
         "prefill_tokens": len(result.prompt_ids),
@@ -78,7 +79,8 @@ def run(
     if as_json:
         print(json.dumps(report))
         return
-    console.print(f"model {report['model']} ({report['fingerprint']}), backend {report['backend']}", highlight=False)
+    console.print(f"model {report['model']} ({report['fingerprint']}), experts {report['experts']}, backend {report['backend']}",
+                  highlight=False)
     console.print(f"prompt    {result.prompt_ids}", highlight=False)
     console.print(f"generated {result.ids}", highlight=False)
     table = Table("phase", "tokens", "seconds", "tok/s")
@@ -89,7 +91,7 @@ def run(
 
 @errors_to_exit
 def score(
-    model: Path = typer.Argument(..., help="HF model folder"),
+    model: Path = typer.Argument(..., help="HF model folder or GGUF file"),
     ids: Path = typer.Option(..., help="token ids: a 1-D integer .npy file"),
     out: Path = typer.Option(..., help="where to write float32 logits [T, vocab] (.npy)"),
     backend: str = typer.Option("torch"),
@@ -121,10 +123,13 @@ def score(
 
 @errors_to_exit
 def info(
-    model: Path = typer.Argument(..., help="HF model folder"),
+    model: Path = typer.Argument(..., help="HF model folder or GGUF file"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Layers, experts, router and sizes of a checkpoint (reads headers only)."""
+    """Layers, experts, router and sizes of a checkpoint (reads headers only).
+
+    Experts are held in their stored formats (expert_formats, bytes_per_expert: the largest layer's); the trunk is
+    held as float32 (trunk_float32_bytes of RAM)."""
     from moetier.model import open_checkpoint
 
     checkpoint = open_checkpoint(model)
@@ -143,8 +148,10 @@ def info(
         "hidden_size": s.hidden_size,
         "moe_intermediate_size": s.moe_intermediate_size,
         "vocab_size": s.vocab_size,
+        "expert_formats": expert_formats(checkpoint),
         "bytes_per_expert": checkpoint.expert_nbytes,
-        "expert_bytes_total": checkpoint.expert_nbytes * s.num_experts * len(s.moe_layers),
+        "expert_bytes_total": sum(checkpoint.expert_nbytes_at(layer) for layer in s.moe_layers) * s.num_experts,
+        "trunk_float32_bytes": checkpoint.trunk_float32_bytes,
         "total_bytes": checkpoint.total_bytes,
         "fingerprint": checkpoint.fingerprint,
     }
@@ -161,7 +168,7 @@ def info(
 def synth(
     out: Path = typer.Option(..., help="folder to write the checkpoint into (a .gguf file with --format gguf)"),
     arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral"),
-    preset: str = typer.Option("tiny", help="tiny | small | medium"),
+    preset: str = typer.Option("tiny", help="tiny | small | blocks | medium"),
     seed: int = typer.Option(0),
     fused: bool = typer.Option(False, help="fused expert tensors (experts.gate_up_proj) instead of per-expert names"),
     format: str = typer.Option("hf", "--format", help="hf (safetensors folder) | gguf (the file llama.cpp's converter writes)"),

@@ -58,7 +58,7 @@ def example_sessions(out: Path = typer.Option(..., help="session file to write (
 @errors_to_exit
 def profile(sessions: List[Path] = typer.Argument(..., metavar="SESSIONS...", help="session files (.jsonl)"),
             out: Path = typer.Option(..., help="profile to write (.npz or .safetensors)"),
-            model: Optional[Path] = typer.Option(None, help="HF model folder; default: the built-in synthetic model"),
+            model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
             npy: Optional[Path] = typer.Option(None, help="also write the brightness [MoE layers, experts] as .npy (a static cache's profile in cluster.toml)"),
             as_json: bool = typer.Option(False, "--json")):
     """Run sessions teacher-forced and record each layer's router mass per expert and phase."""
@@ -191,7 +191,7 @@ def bias_write(model: Path = typer.Option(..., help="glm4_moe model folder"),
 
 
 @errors_to_exit
-def kl(model: Optional[Path] = typer.Option(None, help="HF model folder; default: the built-in synthetic model"),
+def kl(model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
        sessions: Optional[List[Path]] = typer.Option(None, help="session file(s) (.jsonl); repeatable"),
        ids: Optional[Path] = typer.Option(None, help="token ids: a 1-D integer .npy file"),
        bias: Optional[Path] = typer.Option(None, help="candidate: bias table"),
@@ -233,7 +233,7 @@ def kl(model: Optional[Path] = typer.Option(None, help="HF model folder; default
 def sweep(sessions: List[Path] = typer.Option(..., help="session file(s) (.jsonl); repeatable"),
           layout: Path = typer.Option(..., help="cluster.toml with a vram tier"),
           out: Path = typer.Option(..., help="folder for sweep.md, sweep.json, the plots and the tables"),
-          model: Optional[Path] = typer.Option(None, help="HF model folder; default: the built-in synthetic model"),
+          model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
           caps: Optional[str] = typer.Option(None, help="static table arms: caps, comma-separated [default: -0.25,-0.5,-1; sigmoid routers /10]"),
           lambdas: Optional[str] = typer.Option(None, help="affinity arms: lambdas, comma-separated [default: 0.1,0.25,0.5; sigmoid routers /10]"),
           profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile for the tables; default: profile the sessions"),

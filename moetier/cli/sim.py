@@ -42,13 +42,14 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
 def resolve_shape(layout, trace, model: Optional[Path], shape: Optional[str], expert_bytes: Optional[int],
                   hidden_bytes: Optional[int], calibration):
     """The model shape: --model (or the layout's model), a named --shape, else the trace plus --expert-bytes."""
-    from moetier.model.spec import ModelSpec
     from moetier.sched.placement import ModelShape
     from moetier.sim.layout_sim import SHAPES
 
     if model is not None or (layout.model and shape is None and expert_bytes is None):
+        from moetier.model.checkpoint import open_checkpoint  # the headers only, but the readers import torch
+
         folder = model or layout.relative(layout.model)
-        return ModelShape.from_spec(ModelSpec.from_config_file(Path(folder) / "config.json"), str(model or layout.model))
+        return ModelShape.from_checkpoint(open_checkpoint(folder), str(model or layout.model))
     if shape is not None:
         if shape not in SHAPES:
             raise ValueError(f"--shape {shape!r} is unknown (expected one of {', '.join(SHAPES)}, or --model)")
@@ -139,7 +140,7 @@ def _save(fig, path: Path) -> str:
 def simulate(
     layout: Path = typer.Option(..., help="cluster.toml"),
     trace: Path = typer.Option(..., help="routing trace (.npz): RoutingTrace format or `run --layout --trace` output"),
-    model: Optional[Path] = typer.Option(None, help="model folder for the shape (default: the layout's model)"),
+    model: Optional[Path] = typer.Option(None, help="model folder or GGUF file for the shape (default: the layout's model)"),
     shape: Optional[str] = typer.Option(None, help="a named shape instead of a model, e.g. glm-4.5-air-q4k"),
     expert_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one expert (the rest from the trace)"),
     hidden_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one hidden state on the wire"),

@@ -44,7 +44,7 @@ def _check_link_model(layers: int | None, bar: float, token_ms: float, cpu_lane_
 @errors_to_exit
 def worker(
     listen: str = typer.Option("tcp://127.0.0.1:5555", help="ZeroMQ endpoint to bind, tcp://HOST:PORT (port 0: any free port)"),
-    model: Optional[Path] = typer.Option(None, help="HF model folder (its own copy); default: the built-in model"),
+    model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file (its own copy); default: the built-in model"),
     backend: str = typer.Option("torch", help="expert backend: torch, numpy, or an entry point"),
     keys: Optional[Path] = typer.Option(None, help="key folder from `moetier keys gen`: CurveZMQ, listed clients only"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -100,7 +100,7 @@ def ping(
     sizes: str = typer.Option("64,4096,8192", help="payload sizes in bytes"),
     count: int = typer.Option(200, help="round trips per size (after 20 warm-up ones)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-    model: Optional[Path] = typer.Option(None, help="model folder: its MoE layers and a float32 hidden state's bytes"),
+    model: Optional[Path] = typer.Option(None, help="model folder or GGUF file: its MoE layers and a float32 hidden state's bytes"),
     layers: Optional[int] = typer.Option(None, help="MoE layers per token (without --model); the largest size is the hidden state"),
     bar: float = typer.Option(1.4, help="speedup that would justify building expert parallelism"),
     token_ms: float = typer.Option(53.76, help="ms per token now (seed: 18.6 tok/s)"),
@@ -181,7 +181,7 @@ def ping(
 @errors_to_exit
 def launch(
     file: Path = typer.Argument(..., help="cluster.toml with kind = \"remote\" tiers"),
-    model: Optional[Path] = typer.Option(None, help="model folder on the worker hosts (default: the layout's model)"),
+    model: Optional[Path] = typer.Option(None, help="model folder or GGUF file on the worker hosts (default: the layout's model)"),
     logs: Optional[Path] = typer.Option(None, help="folder for each worker's log"),
     ready_timeout_s: float = typer.Option(120.0, help="seconds to wait for each worker's HELLO"),
 ):

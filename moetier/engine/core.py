@@ -159,6 +159,7 @@ class Engine:
         self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.router_bias: RouterBias | None = None  # None: the reference router (route_gate)
+        checkpoint.drop_pages()  # what runs holds its own copies now: the file's pages leave the resident set
 
     def set_router_bias(self, bias: "RouterBias | None") -> None:
         if bias is not None and tuple(bias.table.shape) != (len(self.spec.moe_layers), self.spec.num_experts):

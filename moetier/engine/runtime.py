@@ -51,7 +51,7 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
     _check_threads(layout, thread_limit())
     emulated = {d.name: d.torch_device(cuda) == "cpu" and d.kind == "cuda" for d in layout.devices}
     parts = [(p.layers(spec.num_layers), layout.device(p.device).torch_device(cuda)) for p in layout.parts]
-    shape = ModelShape.from_spec(spec)
+    shape = ModelShape.from_checkpoint(checkpoint)
     placement = place(layout, shape)
     build = _Build(layout, checkpoint, HostExperts(checkpoint, spec.moe_layers, pin=cuda), calibration, cuda, emulated)
     serving: dict[int, list[Tier]] = {layer: [] for layer in spec.moe_layers}

@@ -6,8 +6,10 @@ or any `*.safetensors` in the folder — and maps the files without reading
 tensor data. Experts are reached lazily per (layer, expert) in either layout a
 checkpoint may use: per-expert tensors (`experts.{e}.gate_proj.weight`, Mixtral's
 `w1/w3/w2`) or fused stacks (`experts.gate_up_proj` [E, 2I, D],
-`experts.down_proj` [E, D, I]). Tensors come back in float32, as views of the
-mapping when stored in float32. The fingerprint hashes the config and the
+`experts.down_proj` [E, D, I]). `tensor(name)` comes back in float32 (a view of the
+mapping when stored in float32): the trunk's matrices; experts keep the format
+they are stored in (F32, F16, BF16), as views of the mapping or, stacked, as
+copies in those bytes. The fingerprint hashes the config and the
 tensor index (names, dtypes, shapes, byte offsets), so it identifies the
 weights without reading them. An index is trusted no further than it checks:
 its shard names stay inside the folder (no absolute path, no '..'; symlinks,
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetier.model.expert_weights import ExpertWeights, NamedWeights
-from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
+from moetier.model.formats import BY_DTYPE, F32
+from moetier.model.safetensors_mmap import DTYPES, CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec, read_config
 from moetier.model.untrusted import read_json
 
@@ -78,6 +81,12 @@ class Checkpoint(NamedWeights):
         tensor = self.tensor(name)
         return tensor.clone() if self._mapped(name) else tensor
 
+    def drop_pages(self) -> None:
+        """Release the file pages read so far from this process's resident set (SafetensorsFile.drop_pages): called
+        once what runs holds its own copies, so a model is resident once, in its own bytes."""
+        for file in {id(f): f for f in self._where.values()}.values():
+            file.drop_pages()
+
     def _mapped(self, name: str) -> bool:
         return self.entry(name).dtype == "F32"
 
@@ -96,20 +105,50 @@ class Checkpoint(NamedWeights):
             return stacked // self.spec.num_experts
         return sum(self.entry(f"{experts}.0.{n}.weight").nbytes for n in self._expert_names)
 
+    def expert_format(self, layer: int) -> str:
+        """The stored format of a MoE layer's experts: "F32", "BF16" or "F16" ("BF16/F32" when gate and up / down differ)."""
+        experts = f"model.layers.{layer}.{self._mlp}.experts"
+        names = (f"{experts}.gate_up_proj", f"{experts}.down_proj") if self._fused else \
+            (f"{experts}.0.{self._expert_names[0]}.weight", f"{experts}.0.{self._expert_names[2]}.weight")
+        gate, down = (self.entry(n).dtype if self.entry(n).dtype in ("F32", "F16", "BF16") else "F32" for n in names)
+        return gate if gate == down else f"{gate}/{down}"
+
+    @property
+    def trunk_float32_bytes(self) -> int:
+        """RAM the trunk takes as float32 (every tensor but the routed experts; a bf16 file's trunk is converted at load)."""
+        return sum(4 * (e.nbytes // DTYPES[e.dtype].itemsize) for n, f in self._where.items()
+                   if ".experts." not in n and not n.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+                   for e in (f.entries[n],))
+
+    def expert_nbytes_at(self, layer: int) -> int:
+        """Bytes of one routed expert of a MoE layer as stored (the same for every layer of a safetensors model)."""
+        return self.expert_nbytes
+
     # -- structured access ----------------------------------------------------
     def layer_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}."
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
+        """One routed expert in its stored format (F32, F16 or BF16; another dtype as a float32 copy)."""
         experts = f"model.layers.{layer}.{self._mlp}.experts"
         if self._fused:
-            stacked = f"{experts}.gate_up_proj"
-            return ExpertWeights(
-                self.tensor(stacked)[expert],  # [2I, D], a view
-                self.tensor(f"{experts}.down_proj")[expert],  # [D, I]
-                mapped=self._mapped(stacked),
-            )
-        return self._ffn(f"{experts}.{expert}", self._expert_names)
+            (gate_up, gate_up_type), (down, down_type) = self.stored(f"{experts}.gate_up_proj"), self.stored(f"{experts}.down_proj")
+            return ExpertWeights(gate_up[expert], down[expert], True, gate_up_type, down_type)  # [2I, D], [D, I]: views
+        (gate, gate_type), (up, up_type), (down, down_type) = (self.stored(f"{experts}.{expert}.{n}.weight") for n in self._expert_names)
+        if gate_type != up_type:  # stacked, they must share a format
+            gate, up, gate_type = gate.float(), up.float(), F32
+        # gate and up are copied by the stacking anyway: copy down too, so the result owns its memory
+        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type)  # [2I, D], [D, I]
+
+    def stored(self, name: str) -> tuple[torch.Tensor, int]:
+        """(tensor, its GGML type id) in the format stored: a view of the mapping for F32, F16 and BF16,
+        a float32 copy of any other dtype."""
+        try:
+            raw = self._where[name].tensor(name)
+        except KeyError:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found") from None
+        qtype = BY_DTYPE.get(raw.dtype)
+        return (raw.float(), F32) if qtype is None else (raw, qtype)
 
     def _check_complete(self) -> None:
         """Every tensor the engine will ask for exists with the shape the spec implies.

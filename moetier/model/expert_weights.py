@@ -70,12 +70,13 @@ class ExpertWeights:
     def resident(self) -> "ExpertWeights":
         if not self.mapped:
             return self
-        return self._with(self.gate_up.clone(), self.down.clone())
+        return self.with_tensors(self.gate_up.clone(), self.down.clone())
 
     def to(self, device: torch.device | str) -> "ExpertWeights":
-        return self._with(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
+        return self.with_tensors(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
 
-    def _with(self, gate_up: torch.Tensor, down: torch.Tensor, mapped: bool = False) -> "ExpertWeights":
+    def with_tensors(self, gate_up: torch.Tensor, down: torch.Tensor, mapped: bool = False) -> "ExpertWeights":
+        """The same formats over other tensors (a copy, a device upload, a slot of an arena)."""
         return ExpertWeights(gate_up, down, mapped, self.gate_up_type, self.down_type)
 
 

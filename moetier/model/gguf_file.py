@@ -8,9 +8,12 @@ until used. The spec comes from the metadata (moetier.model.gguf_spec). A
 (spec, fingerprint, tensor/load by HF name, expert, router, dense and shared
 MLPs, sizes) with the values transformers sees in the HF checkpoint: where
 llama.cpp's converter changed a value (Mixtral's Q/K rows, permuted for its
-interleaved RoPE) the change is undone here. `dequantize` is the one place
-stored bytes become float32 (gguf.quants, numpy), called per tensor or per
-expert, so a reader that keeps experts in their stored bytes replaces only it.
+interleaved RoPE) the change is undone here. Routed experts come out in their
+stored bytes (`expert`, `stored`: uint8 GGML blocks, or F32/F16/BF16 values),
+which every tier holds and computes from; the trunk (`tensor`, `load`) is
+dequantized to float32 once, by `dequantize` (gguf.quants, numpy), and held
+so (`trunk_float32_bytes` of RAM). A layer's gate and up stacks must share a
+format (they are stacked into one matrix).
 Every read of the file is bounds-checked before it is made, so a truncated or
 malformed file is one CheckpointError naming it, never a traceback or a hang.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import warnings
@@ -33,16 +37,17 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
 from moetier.model.expert_weights import ExpertWeights, NamedWeights
+from moetier.model.formats import BF16, FORMATS
 from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
 
-# the GGML types moetier reads (dequantized by gguf.quants to float32): the one table to extend
-# the types the reference path reads: the issue's list and the fallbacks llama.cpp's quantizer picks for rows
-# that are no whole K-quant block (Q4_0..Q5_1, IQ4_NL); each dequantized by the gguf package (numpy)
-DEQUANTIZED = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
-               QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S,
-               QType.IQ3_XXS)
+# the GGML types moetier reads experts in: the stored formats (moetier.model.formats, the one table to extend)
+EXPERT_TYPES = tuple(QType(qtype) for qtype in FORMATS)
+# and the trunk in: those and the other types the gguf package dequantizes (llama.cpp's low-bit mixes put, e.g.,
+# attn_q in IQ2_S), each dequantized to float32 once at load
+DEQUANTIZED = EXPERT_TYPES + (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M, QType.TQ1_0,
+                              QType.TQ2_0, QType.MXFP4)
 SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
@@ -194,6 +199,7 @@ class GgufCheckpoint(NamedWeights):
     def __init__(self, path: Path, files: list[Path], readers: list[gguf.GGUFReader], meta: dict[str, Any], lengths: dict[str, int]):
         self.folder = path
         self.files = files
+        self._readers = readers
         self.metadata = meta
         self._tensors: dict[str, gguf.ReaderTensor] = {}
         self._offsets: dict[str, str] = {}  # name -> "file index:offset in its data section", for the fingerprint
@@ -208,9 +214,15 @@ class GgufCheckpoint(NamedWeights):
         self._check_complete()
         self._sources = self._index()
         for source in self._sources.values():
-            if source.tensor.tensor_type not in DEQUANTIZED:
+            kind, allowed = ("experts", EXPERT_TYPES) if source.expert is not None else ("trunk tensors", DEQUANTIZED)
+            if source.tensor.tensor_type not in allowed:
                 raise CheckpointError(f"{path}: tensor {source.tensor.name!r} is {source.tensor.tensor_type.name}: not supported yet "
-                                      f"(expected one of {', '.join(t.name for t in DEQUANTIZED)})")
+                                      f"for {kind} (expected one of {', '.join(t.name for t in allowed)})")
+        for layer in self.spec.moe_layers:
+            gate, up = (self._tensors[f"blk.{layer}.{EXPERT_STACKS[part]}"] for part in ("gate", "up"))
+            if gate.tensor_type != up.tensor_type:
+                raise CheckpointError(f"{path}: tensors {gate.name!r} and {up.name!r} are {gate.tensor_type.name} and "
+                                      f"{up.tensor_type.name} (expected one format: moetier stacks an expert's gate and up rows)")
         self.fingerprint = self._fingerprint()
 
     # -- raw tensors --------------------------------------------------------
@@ -237,6 +249,28 @@ class GgufCheckpoint(NamedWeights):
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(values)
 
+    def drop_pages(self) -> None:
+        """Release the file pages read so far from this process's resident set (they stay in the page cache; a later
+        read maps them again): called once what runs holds its own copies, so a model is resident once."""
+        for reader in self._readers:
+            mapping = getattr(reader.data, "_mmap", None)  # np.memmap's mmap.mmap
+            if mapping is not None:
+                mapping.madvise(mmap.MADV_DONTNEED)
+
+    def stored(self, name: str) -> tuple[torch.Tensor, int]:
+        """(tensor, its GGML type id) by HF name, in the bytes stored, a view of the mapping: float32 / float16 /
+        bfloat16 [rows, cols] for F32 / F16 / BF16, uint8 [rows, row bytes] for a block format."""
+        source = self._sources.get(name)
+        if source is None or source.permuted_heads is not None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found" if source is None else
+                                  f"{self.folder}: tensor {name!r} is stored permuted (read it with tensor())")
+        raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
+        qtype = int(source.tensor.tensor_type)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # weights are read-only by contract
+            tensor = torch.from_numpy(raw)
+        return (tensor.view(torch.bfloat16) if qtype == BF16 else tensor), qtype
+
     def load(self, name: str) -> torch.Tensor:
         """float32 tensor by HF name, in process memory (never aliases the mapping)."""
         tensor = self.tensor(name)
@@ -248,14 +282,30 @@ class GgufCheckpoint(NamedWeights):
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes of one routed expert as stored (its slices of the three stacks)."""
-        layer = self.spec.moe_layers[0]
-        return sum(int(self._tensors[f"blk.{layer}.{stack}"].n_bytes) for stack in EXPERT_STACKS.values()) // self.spec.num_experts
+        """Bytes of one routed expert as stored, the largest over the MoE layers (see expert_nbytes_at)."""
+        return max(self.expert_nbytes_at(layer) for layer in self.spec.moe_layers)
 
     # -- structured access ----------------------------------------------------
     def expert(self, layer: int, expert: int) -> ExpertWeights:
-        gate, up, down = (expert_hf_name(self.spec.arch, layer, expert, part) for part in ("gate", "up", "down"))
-        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))  # [2I, D], [D, I]
+        """One routed expert in its stored bytes (gate and up stacked: a copy; down copied beside it)."""
+        (gate, gate_type), (up, _), (down, down_type) = (self.stored(expert_hf_name(self.spec.arch, layer, expert, part))
+                                                         for part in ("gate", "up", "down"))
+        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type)  # [2I, D], [D, I]
+
+    def expert_format(self, layer: int) -> str:
+        """The stored format of a MoE layer's experts, e.g. "Q4_K" or "Q4_K/Q6_K" (gate and up / down)."""
+        gate, down = (self._tensors[f"blk.{layer}.{EXPERT_STACKS[part]}"].tensor_type.name for part in ("gate", "down"))
+        return gate if gate == down else f"{gate}/{down}"
+
+    @property
+    def trunk_float32_bytes(self) -> int:
+        """RAM the trunk takes once dequantized to float32 at load (every tensor of the blocks that run but the experts)."""
+        return sum(4 * int(source.tensor.n_elements) for source in self._sources.values()
+                   if source.expert is None)
+
+    def expert_nbytes_at(self, layer: int) -> int:
+        """Bytes of one routed expert of a MoE layer as stored (a mixed file's layers differ)."""
+        return sum(int(self._tensors[f"blk.{layer}.{stack}"].n_bytes) for stack in EXPERT_STACKS.values()) // self.spec.num_experts
 
     # -- index and checks -------------------------------------------------------
     def _index(self) -> dict[str, _Source]:

@@ -90,6 +90,12 @@ class SafetensorsFile:
             if entry.nbytes:
                 end, last = entry.offset + entry.nbytes, name
 
+    def drop_pages(self) -> None:
+        """Unmap the pages this process has read (they stay in the OS page cache; a later read maps them again), so
+        weights copied out of the file are not counted twice in the resident set."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def tensor(self, name: str) -> torch.Tensor:
         entry = self.entries[name]
         dtype = DTYPES[entry.dtype]

@@ -73,12 +73,6 @@ class ModelSpec:
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes one routed expert (gate, up, down) takes in a tier: the float32 copy moetier.tiers.host_experts
-        holds, whatever the checkpoint stores (a bf16 file's experts take twice their stored bytes there)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size * 4
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -55,6 +55,8 @@ PRESETS: dict[str, SynthPreset] = {
     "tiny": SynthPreset(64, 3, 4, 2, 16, 16, 4, 32, 128, 512),
     # the built-in demo model; ~60 MB
     "small": SynthPreset(256, 4, 8, 4, 32, 48, 6, 96, 1024, 4096),
+    # every expert row a whole 256-value block (the K-quant and IQ formats' rows), for quantized GGUF files; ~14 MB
+    "blocks": SynthPreset(256, 2, 4, 2, 64, 8, 2, 256, 256, 512),
     # ~1.1 GB, fine-grained like Qwen3-Next (many small experts, top-10, many layers):
     # decode touches ~200 MB of weights per token, far beyond the caches (memory-bound)
     "medium": SynthPreset(512, 16, 8, 2, 64, 80, 10, 128, 1024, 16384, shard_bytes=300_000_000),

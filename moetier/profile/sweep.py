@@ -104,7 +104,7 @@ def vram_slots(layout, checkpoint) -> int:
     """Expert slots per layer of the layout's first VRAM tier (the natural hot-set size), as the runtime places them."""
     from moetier.sched.placement import ModelShape, place
 
-    vram = [placed for placed in place(layout, ModelShape.from_spec(checkpoint.spec)).values() if placed.kind == "vram"]
+    vram = [placed for placed in place(layout, ModelShape.from_checkpoint(checkpoint)).values() if placed.kind == "vram"]
     if not vram:
         raise ValueError(f"{layout.path}: the layout has no vram tier (a sweep measures the hit rate of its cache)")
     return vram[0].slots

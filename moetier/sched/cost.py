@@ -31,7 +31,7 @@ class Calibration:
     dispatch_us_per_layer: float = 30.0  # router + scheduler + dispatch bookkeeping
     cpu_lane_fixed_us: float = 30.0  # per CPU-lane call: handing the lane its work, waking it, its Python around the math
     remote_extra_us: float = 0.0  # per remote call beyond its link's round trip (framing, Python at both ends; < 0: less)
-    expert_bytes: int = 0  # bytes one expert of the calibrated model takes in a tier (ModelSpec.expert_bytes)
+    expert_bytes: int = 0  # stored bytes one expert of the calibrated model takes in a tier (Checkpoint.expert_nbytes)
     machine: str = ""
 
     def to_json(self) -> str:

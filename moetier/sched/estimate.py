@@ -15,16 +15,19 @@ from pathlib import Path
 import numpy as np
 
 from moetier.config import Layout
-from moetier.model.spec import ModelSpec
 from moetier.sched.cost import Calibration, tier_cost
 from moetier.sched.placement import ModelShape, place
 from moetier.sched.plan import plan_layer
 
 
 def describe_layout(layout: Layout, folder: Path) -> dict:
-    """The `layout show` summary of a layout for the model in `folder` (its config.json is all it reads)."""
-    spec = ModelSpec.from_config_file(Path(folder) / "config.json")
-    shape = ModelShape.from_spec(spec)
+    """The `layout show` summary of a layout for the model at `folder` (a HF folder or a GGUF file: its headers are
+    all it reads)."""
+    from moetier.model.checkpoint import open_checkpoint  # the headers only, but the readers import torch
+
+    checkpoint = open_checkpoint(folder)
+    spec = checkpoint.spec
+    shape = ModelShape.from_checkpoint(checkpoint)
     calibration = Calibration.for_layout(layout)
     tiers, hit_rates = [], []
     for name, placed in place(layout, shape).items():
@@ -48,7 +51,9 @@ def describe_layout(layout: Layout, folder: Path) -> dict:
     trunk_us = calibration.attention_us_per_layer * spec.num_layers + calibration.head_us
     moe_us = (layer_us + calibration.dispatch_us_per_layer) * len(shape.moe_layers)
     total_ms = (trunk_us + moe_us) / 1e3
+    formats = sorted({checkpoint.expert_format(layer) for layer in spec.moe_layers})
     return {"layout": str(layout.path), "model": str(folder), "calibration": layout.scheduler.calibration or "defaults",
+            "expert_formats": ", ".join(formats), "expert_bytes": shape.expert_bytes,
             "tiers": tiers, "per_token": {"ms": total_ms, "tok_per_s": 1e3 / total_ms, "trunk_ms": trunk_us / 1e3,
                                           "moe_ms": moe_us / 1e3, "hit_rate": hit_rate}}
 

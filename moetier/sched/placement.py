@@ -5,8 +5,9 @@ estimate (`layout show`), the simulator and the bias sweep read `place`, so a
 layout gets the same slots and the same held experts whether it runs, is
 estimated or is simulated. Rules: a VRAM tier serves the MoE layers of the
 parts on its device, every other tier all MoE layers; slots are `slots`, else
-`capacity_bytes` split evenly over the layers served (in the bytes an expert
-takes in a tier, ModelSpec.expert_bytes), capped at the experts per layer;
+`capacity_bytes` over the layers served, the same count per layer (in the
+stored bytes an expert takes in a tier: a Q4_K expert about 1/7 of a float32
+one; in a mixed-type file each layer's own), capped at the experts per layer;
 the CPU lane holds every expert; helper and remote tiers hold a fixed set per
 layer by their `experts` rule (helper default "hot", remote default "all"),
 ranked by the tier's profile. A VRAM tier's initial residency is its policy's
@@ -31,15 +32,26 @@ class ModelShape:
     moe_layers: tuple[int, ...]
     num_experts: int  # E
     top_k: int  # k
-    expert_bytes: int  # one routed expert as the tiers hold it
+    expert_bytes: int  # one routed expert as the tiers hold it (its stored bytes; the largest layer's in a mixed file)
     hidden_bytes: int  # one token's hidden state as shipped to helper / remote tiers
     name: str = ""
+    layer_bytes: tuple[int, ...] = ()  # per MoE layer (moe_layers' order) where layers differ; () = expert_bytes each
 
     @classmethod
-    def from_spec(cls, spec, name: str = "") -> "ModelShape":
-        """The shape the runtime has: experts in the bytes a tier holds them (spec.expert_bytes), float32 hidden states."""
-        return cls(spec.num_layers, tuple(spec.moe_layers), spec.num_experts, spec.top_k, spec.expert_bytes,
-                   spec.hidden_size * 4, name)
+    def from_checkpoint(cls, checkpoint, name: str = "") -> "ModelShape":
+        """The shape the runtime has: experts in their stored bytes, layer by layer; float32 hidden states."""
+        spec = checkpoint.spec
+        per_layer = tuple(checkpoint.expert_nbytes_at(layer) for layer in spec.moe_layers)
+        return cls(spec.num_layers, tuple(spec.moe_layers), spec.num_experts, spec.top_k, max(per_layer, default=0),
+                   spec.hidden_size * 4, name, per_layer if len(set(per_layer)) > 1 else ())
+
+    def bytes_at(self, layer: int) -> int:
+        """Stored bytes of one routed expert of MoE layer `layer`."""
+        return self.layer_bytes[self.moe_layers.index(layer)] if self.layer_bytes else self.expert_bytes
+
+    def layers_bytes(self, layers) -> int:
+        """Stored bytes of one expert of each of `layers`: what one slot per layer takes."""
+        return sum(self.bytes_at(layer) for layer in layers) if self.layer_bytes else self.expert_bytes * len(layers)
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ class TierPlacement:
     slots: int  # experts it holds per layer (every expert for the CPU lane)
     profile: np.ndarray | None  # [len(layers), E] float64 brightness of its layers, or None
     held: dict[int, list[int]] | None  # helper / remote: the experts it holds per layer (fixed); None otherwise
-    bytes: int  # at full residency: slots x layers x bytes per expert
+    bytes: int  # at full residency: slots x the stored bytes of one expert of each layer served
 
     @property
     def name(self) -> str:
@@ -68,7 +80,7 @@ def place(layout: Layout, shape: ModelShape, profiles: Mapping[str, np.ndarray] 
     for index, tier in enumerate(layout.tiers):
         where = f"[tiers.{index}]"
         layers = tuple(served_layers(layout, tier, shape))
-        slots = _slots(layout, tier, shape, len(layers), where)
+        slots = _slots(layout, tier, shape, layers, where)
         if profiles and tier.name in profiles:
             profile = np.asarray(profiles[tier.name], np.float64)
         else:
@@ -78,7 +90,7 @@ def place(layout: Layout, shape: ModelShape, profiles: Mapping[str, np.ndarray] 
             rule = replace(tier, experts=tier.experts or ("all" if tier.kind == "remote" else "hot"))
             held = {layer: _chosen(layout, rule, slots, shape.num_experts, None if profile is None else profile[j], where)
                     for j, layer in enumerate(layers)}
-        placed[tier.name] = TierPlacement(tier, layers, slots, profile, held, slots * len(layers) * shape.expert_bytes)
+        placed[tier.name] = TierPlacement(tier, layers, slots, profile, held, slots * shape.layers_bytes(layers))
     return placed
 
 
@@ -90,13 +102,14 @@ def served_layers(layout: Layout, tier: TierConfig, shape: ModelShape) -> list[i
     return [l for part in layout.parts if part.device == tier.device for l in part.layers(shape.num_layers) if l in moe]
 
 
-def _slots(layout: Layout, tier: TierConfig, shape: ModelShape, layers: int, where: str) -> int:
+def _slots(layout: Layout, tier: TierConfig, shape: ModelShape, layers: tuple[int, ...], where: str) -> int:
     if tier.kind == "cpu" or (tier.kind == "remote" and not tier.slots and not tier.capacity_bytes):
         return shape.num_experts
-    count = tier.slots or tier.capacity_bytes // max(1, shape.expert_bytes * max(layers, 1))
+    per_slot = shape.layers_bytes(layers) if layers else shape.expert_bytes
+    count = tier.slots or tier.capacity_bytes // max(1, per_slot)
     if count < 1:
-        raise ConfigError(f"{layout.path}: {where}.capacity_bytes: {tier.capacity_bytes} holds no expert of "
-                          f"{shape.expert_bytes} bytes per layer")
+        raise ConfigError(f"{layout.path}: {where}.capacity_bytes: {tier.capacity_bytes} holds no expert per layer "
+                          f"(one per layer of its {len(layers)} takes {per_slot} bytes)")
     return min(int(count), shape.num_experts)
 
 

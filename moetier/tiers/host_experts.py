@@ -1,9 +1,11 @@
-"""Host memory holding every routed expert of the layers a machine serves.
+"""Host memory holding every routed expert of the layers a machine serves, in its stored bytes.
 
 The CPU lane computes from it and the VRAM / helper tiers upload from it, so
-each expert lives in RAM once. Copies are made out of the checkpoint's file
-mapping (whose pages the OS may drop) into process memory; with CUDA present
-they are pinned, so uploads run at full PCIe rate and asynchronously.
+each expert lives in RAM once, in the format the checkpoint stores it (a
+Q4_K expert as its Q4_K blocks, a bf16 one as bf16: never a float32 copy).
+Copies are made out of the checkpoint's file mapping (whose pages the OS may
+drop) into process memory; with CUDA present they are pinned, so uploads run
+at full PCIe rate and asynchronously.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class HostExperts:
     def __init__(self, checkpoint: Checkpoint, layers: Sequence[int], pin: bool = False):
         self.spec = checkpoint.spec
         self.layers = tuple(layers)
-        self.expert_bytes = self.spec.expert_bytes
+        self.expert_bytes = checkpoint.expert_nbytes  # stored bytes of one expert (the largest layer's)
         self._weights: dict[int, list[ExpertWeights]] = {}
         for layer in self.layers:
             experts = [checkpoint.expert(layer, e) for e in range(self.spec.num_experts)]
@@ -28,10 +30,15 @@ class HostExperts:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._weights[layer][expert]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every expert held."""
+        return sum(w.nbytes for experts in self._weights.values() for w in experts)
+
 
 def _pinned(weights: ExpertWeights) -> ExpertWeights:
-    gate_up = torch.empty(weights.gate_up.shape, pin_memory=True)
-    down = torch.empty(weights.down.shape, pin_memory=True)
+    gate_up = torch.empty(weights.gate_up.shape, dtype=weights.gate_up.dtype, pin_memory=True)
+    down = torch.empty(weights.down.shape, dtype=weights.down.dtype, pin_memory=True)
     gate_up.copy_(weights.gate_up)
     down.copy_(weights.down)
-    return ExpertWeights(gate_up, down)
+    return weights.with_tensors(gate_up, down)

@@ -1,7 +1,9 @@
 """The VRAM tier: a fixed number of expert slots per MoE layer on one device, kept by a residency policy.
 
-Each layer owns an arena of `slots` experts on the device (gate_up [S, 2I, D],
-down [S, D, I]). `access(layer, picks)` asks the policy which picks were
+Each layer owns an arena of `slots` experts on the device in their stored
+format (gate_up [S, 2I, D], down [S, D, I] for a float format; the rows' GGML
+blocks for a quantized one, dequantized on the device as they are computed),
+so a slot takes an expert's stored bytes. `access(layer, picks)` asks the policy which picks were
 resident (the hits) and which experts it admits and evicts; admitted experts
 are uploaded from host memory over the link on the tier's own link thread
 (emulated time without CUDA), so a miss can be served elsewhere now and be a
@@ -76,9 +78,13 @@ class _LinkThread:
 
 
 class _LayerSlots:
-    def __init__(self, slots: int, inter: int, hidden: int, device: torch.device):
-        self.gate_up = torch.empty(slots, 2 * inter, hidden, device=device)  # [S, 2I, D]
-        self.down = torch.empty(slots, hidden, inter, device=device)  # [S, D, I]
+    """`slots` experts of one layer on the device, in the stored format of the layer's experts (`like`)."""
+
+    def __init__(self, slots: int, like: ExpertWeights, device: torch.device):
+        self.like = like
+        # [S, 2I, D] and [S, D, I] for a float format; uint8 [S, 2I, row bytes] and [S, D, row bytes] for a block format
+        self.gate_up = torch.empty(slots, *like.gate_up.shape, dtype=like.gate_up.dtype, device=device)
+        self.down = torch.empty(slots, *like.down.shape, dtype=like.down.dtype, device=device)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(slots - 1, -1, -1))
         self.ready: dict[int, _Landing] = {}  # expert -> set when its upload has landed
@@ -86,7 +92,7 @@ class _LayerSlots:
 
     def weights(self, expert: int) -> ExpertWeights:
         slot = self.slot_of[expert]
-        return ExpertWeights(self.gate_up[slot], self.down[slot])
+        return self.like.with_tensors(self.gate_up[slot], self.down[slot])
 
 
 class VramTier(Tier):
@@ -102,10 +108,9 @@ class VramTier(Tier):
         self.slots = slots
         self.device = torch.device(device)
         self.backend = TorchBackend(device)
-        spec = host.spec
         self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> the policy's layer index
         self._layer_at = {i: layer for layer, i in self.index.items()}
-        self.arenas = {layer: _LayerSlots(slots, spec.moe_intermediate_size, spec.hidden_size, self.device) for layer in layers}
+        self.arenas = {layer: _LayerSlots(slots, host.get(layer, 0), self.device) for layer in layers}
         self._uploads = _LinkThread(f"link-{name}")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.upload_wait_us = 0.0
@@ -187,7 +192,7 @@ class VramTier(Tier):
         for expert, slot in zip(experts, slots):
             source = self.host.get(layer, expert)
             if timed:
-                self.link.transfer(self.host.expert_bytes)
+                self.link.transfer(source.nbytes)
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     arena.gate_up[slot].copy_(source.gate_up, non_blocking=True)

@@ -201,6 +201,7 @@ class ExpertWorker:
                 if self.fast is not None:
                     self.fast.expert(layer, expert, experts[expert])
         self.placed_bytes += placed_bytes
+        self.checkpoint.drop_pages()  # the placed copies are what serves: the file's pages leave the resident set
         return LoadReply(self.held, placed_bytes)
 
     def _run(self, run: Run) -> RunReply:
