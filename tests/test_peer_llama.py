@@ -2,9 +2,10 @@
 
 llama.cpp is the oracle for what a GGUF means. For each architecture moetier
 reads from GGUF (qwen3moe, glm4moe with dense first layers and shared experts,
-llama-architecture Mixtral) and two sizes (tiny: Q8_0; small: Q4_K_M, Q6_K,
+llama-architecture Mixtral) and three sizes (tiny: Q8_0; small: Q4_K_M, Q6_K,
 IQ3_S, with llama.cpp's fallback types on rows that are no whole K-quant
-block, so the files mix types), a synthetic HF checkpoint is written as an F32
+block, so the files mix types; blocks: BF16, Q2_K, Q3_K_M, Q5_K_M, IQ4_XS,
+IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1), a synthetic HF checkpoint is written as an F32
 GGUF by moetier (the conventions of llama.cpp's converter), and quantized by
 llama.cpp's own quantizer. Teacher-forced logits over POSITIONS positions,
 llama.cpp with an F32 KV cache (`type_k = type_v = 0`), no mmap and no
@@ -87,7 +88,11 @@ def kl_and_top1(reference: np.ndarray, other: np.ndarray) -> tuple[float, float]
 
 # tiny: every row a whole Q8_0 block; small: hidden 256, so gate/up rows are whole K-quant blocks and the
 # down rows (96 wide) get the fallback type llama.cpp's quantizer picks: a file of mixed types
-QUANTIZED = {"tiny": [("Q8_0", 7)], "small": [("Q4_K_M", 15), ("Q6_K", 18), ("IQ3_S", 26)]}  # LLAMA_FTYPE_MOSTLY_*
+# blocks: hidden and expert width 256, every expert row whole blocks of any type: the other types (Q2_K and
+# Q3_K_M mix two K-quants, Q5_K_M Q5_K with Q6_K)
+QUANTIZED = {"tiny": [("Q8_0", 7)], "small": [("Q4_K_M", 15), ("Q6_K", 18), ("IQ3_S", 26)],  # LLAMA_FTYPE_MOSTLY_*
+             "blocks": [("BF16", 32), ("Q2_K", 10), ("Q3_K_M", 12), ("Q5_K_M", 17), ("IQ4_XS", 30), ("IQ4_NL", 25),
+                        ("Q4_0", 2), ("Q4_1", 3), ("Q5_0", 8), ("Q5_1", 9)]}
 
 
 @pytest.fixture(scope="module", params=[(arch, preset) for preset in QUANTIZED for arch in ARCHES], ids="-".join)
@@ -133,27 +138,35 @@ def test_quantized_gguf_kl_against_llama_cpp(model, quantized_logits):
         assert kl <= 1e-3, (model[0], name, kl)
 
 
-def test_quantized_experts_read_as_the_gguf_package_dequantizes_them(model, quantized_logits):
-    """Every expert of the first MoE layer, read through moetier, equals gguf.quants.dequantize of the stored
-    stack it is a slice of, bit for bit, whatever types llama.cpp's quantizer chose."""
+def test_quantized_experts_are_their_stored_bytes_and_dequantize_as_gguf_does(model, quantized_logits):
+    """Every expert of the first MoE layer, read through moetier, is the stored bytes of its slice of the stacks,
+    and moetier's two dequantizers (native C, torch) of those bytes equal gguf.quants.dequantize bit for bit,
+    whatever types llama.cpp's quantizer chose."""
     import gguf
+    import torch
 
+    from moetier.backends.cpu_kernels import decode_kernel
+    from moetier.backends.torch_dequant import dequantize
     from moetier.model.gguf_spec import EXPERT_STACKS
 
+    kernel = decode_kernel()
+    assert kernel is not None
     for name, (_, _, path) in quantized_logits.items():
         checkpoint = open_checkpoint(path)
         layer = checkpoint.spec.moe_layers[0]
         tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
         types = set()
-        stacks = {}
         for part, stack in EXPERT_STACKS.items():
             t = tensors[f"blk.{layer}.{stack}"]
             types.add(t.tensor_type.name)
-            stacks[part] = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])  # [E, rows, cols]
-        for e in range(checkpoint.spec.num_experts):
-            w = checkpoint.expert(layer, e)
-            assert np.array_equal(w.gate.numpy(), stacks["gate"][e]) and np.array_equal(w.up.numpy(), stacks["up"][e])
-            assert np.array_equal(w.down.numpy(), stacks["down"][e]), (name, e)
+            values = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])  # [E, rows, cols]
+            for e in range(checkpoint.spec.num_experts):
+                w = checkpoint.expert(layer, e)
+                stored = {"gate": w.gate, "up": w.up, "down": w.down}[part]
+                assert np.array_equal(stored.contiguous().view(torch.uint8).numpy().reshape(-1), np.asarray(t.data[e]).view(np.uint8).reshape(-1))
+                qtype, cols = int(t.tensor_type), values.shape[-1]
+                for got in (kernel.dequantize(stored.contiguous(), qtype, cols), dequantize(stored.contiguous(), qtype, cols)):
+                    assert np.array_equal(got.numpy().view(np.uint32), values[e].view(np.uint32)), (name, part, e)
         print(f"{model[0]} {model[1]} {name}: expert stacks stored as {sorted(types)}")
 
 
