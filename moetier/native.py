@@ -4,8 +4,9 @@
 Python that binds it (backends/cpu_kernels.c, residency/residency.c,
 transport/wire.c) with the machine's `cc` (or $CC) at -march=native into
 $MOETIER_HOME/native/<name>-<key>.so, and loads it. The key hashes the
-source, the flags, the link arguments, the compiler's version and the
-machine, so a changed source or compiler builds anew; a build is written to a
+source, the flags, the link arguments, the compiler's version, the machine
+and its CPU's feature flags, so a changed source or compiler builds anew and
+a home folder shared by hosts of different CPUs never loads another's build; a build is written to a
 temporary name and renamed into place, so processes that race to build never
 load half a file. MOETIER_NATIVE=0 turns every native path off. Each caller
 keeps a Python twin of its C and says in one line why the C is off.
@@ -30,6 +31,20 @@ FAST_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fassoc
 # results must equal a numpy path's bit for bit (residency.c). GCC contracts by default.
 STRICT_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 ARCH_FLAGS = ("-march=native",)  # dropped if this compiler does not take it
+
+
+@functools.cache
+def _cpu_features() -> str:
+    """What -march=native compiles for: the CPU's feature flags (a build for an AVX-512 host must not load on an
+    AVX2 one, and a home folder may move between them, as a VM does between hosts)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):  # x86, arm64
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def moetier_home() -> Path:
@@ -86,7 +101,7 @@ def library(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) ->
         return None, None, f"off: no C compiler ({compiler!r} did not run; set CC)"
     source = Path(source)
     key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags + ARCH_FLAGS + link), version,
-                                    platform.machine()]).encode()).hexdigest()[:16]
+                                    platform.machine(), _cpu_features()]).encode()).hexdigest()[:16]
     path = moetier_home() / "native" / f"{source.stem}-{key}.so"
     if not path.exists():
         why = _build(compiler, source, flags, path, link)
