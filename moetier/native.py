@@ -4,7 +4,7 @@
 Python that binds it (backends/cpu_kernels.c, residency/residency.c,
 transport/wire.c) with the machine's `cc` (or $CC) at -march=native into
 $MOETIER_HOME/native/<name>-<key>.so, and loads it. The key hashes the
-source, the flags, the link arguments, the compiler's version, the machine
+source, the headers beside it, the flags, the link arguments, the compiler's version, the machine
 and its CPU's feature flags, so a changed source or compiler builds anew and
 a home folder shared by hosts of different CPUs never loads another's build; a build is written to a
 temporary name and renamed into place, so processes that race to build never
@@ -100,7 +100,8 @@ def library(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) ->
     if not version:
         return None, None, f"off: no C compiler ({compiler!r} did not run; set CC)"
     source = Path(source)
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags + ARCH_FLAGS + link), version,
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # the local headers it may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags + ARCH_FLAGS + link), version,
                                     platform.machine(), _cpu_features()]).encode()).hexdigest()[:16]
     path = moetier_home() / "native" / f"{source.stem}-{key}.so"
     if not path.exists():
