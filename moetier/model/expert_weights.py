@@ -34,6 +34,11 @@ class ExpertWeights:
     mapped: bool = False
     gate_up_type: int = F32
     down_type: int = F32
+    # the activations each matrix is multiplied with: True keeps them float32 for F16 / BF16 weights (what a HF
+    # checkpoint means, computed as transformers computes it); False converts them as llama.cpp's dot product for
+    # the weight format does (GGUF files: F16 / BF16 activations for F16 / BF16 weights). Block formats always dot
+    # with the activations llama.cpp quantizes for them (Q8_K, Q8_0, Q8_1: moetier.backends.activations).
+    float_acts: bool = True
 
     @property
     def inter(self) -> int:
@@ -77,7 +82,7 @@ class ExpertWeights:
 
     def with_tensors(self, gate_up: torch.Tensor, down: torch.Tensor, mapped: bool = False) -> "ExpertWeights":
         """The same formats over other tensors (a copy, a device upload, a slot of an arena)."""
-        return ExpertWeights(gate_up, down, mapped, self.gate_up_type, self.down_type)
+        return ExpertWeights(gate_up, down, mapped, self.gate_up_type, self.down_type, self.float_acts)
 
 
 DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")

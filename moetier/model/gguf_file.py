@@ -290,7 +290,7 @@ class GgufCheckpoint(NamedWeights):
         """One routed expert in its stored bytes (gate and up stacked: a copy; down copied beside it)."""
         (gate, gate_type), (up, _), (down, down_type) = (self.stored(expert_hf_name(self.spec.arch, layer, expert, part))
                                                          for part in ("gate", "up", "down"))
-        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type)  # [2I, D], [D, I]
+        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type, float_acts=False)  # [2I, D], [D, I]
 
     def expert_format(self, layer: int) -> str:
         """The stored format of a MoE layer's experts, e.g. "Q4_K" or "Q4_K/Q6_K" (gate and up / down)."""
