@@ -1,154 +1,380 @@
-"""Decode speed: moetier's engine against transformers' generate, and against the memory roofline.
+"""Decode and prefill speed: moetier, llama.cpp and transformers on the same weights, against the read roofline.
 
-Regime: batch 1, float32, every expert resident in RAM, greedy decode, the same
-checkpoint (synthetic `medium`, ~1 GB, written once into $MOETIER_HOME) and the
-same torch thread count for both, in one process, timed alternately. Decode
-tok/s covers the N steps after the first new token (prefill excluded), timed
-by the engine itself and by a clock-only logits processor inside generate. The roofline
-is bytes of weights touched per decoded token (from the engine's own routing)
-divided by the bandwidth of a large tensor copy measured in the same run
-(bytes copied per second, as memcpy bandwidth is quoted; the bus moves twice
-that, which is also printed). Prints a table, then one JSON line.
+Regime: CPU, batch 1, greedy. One synthetic checkpoint (`--preset`, default
+`medium`: 16 layers of 80 experts, top-10, 1.0 GB of float32 experts, 32x the
+L3 here), written by moetier, converted to an F32 GGUF by moetier, then
+quantized by llama.cpp's own quantizer (BF16, Q8_0, Q4_K_M, Q6_K, IQ3_S);
+files cached in `--models`. Per format, moetier's Engine and llama.cpp
+(llama-cpp-python) run the same GGUF file; transformers runs the HF float32
+checkpoint the files came from (its row is F32's). Each engine is loaded once
+in a process of its own (decode_peers.py) with `--threads` threads, warmed up
+with one untimed pass, then timed in turn (moetier, llama.cpp, transformers,
+moetier, ...) for `--runs` runs; best of the runs. One timed pass: a 256-token
+prompt in one forward (prefill tok/s, first new token included), then
+`--tokens` greedy steps one token at a time (decode tok/s). The read roofline:
+weight bytes a decoded token reads in the file's stored bytes (every trunk
+matrix, one embedding row, top_k of each MoE layer's experts; from the GGUF's
+tensor sizes; the KV cache not counted) over the read bandwidth measured in
+the same run with the same threads (torch.sum over a float32 buffer of
+max(1 GiB, 8 x the LLC), best of 5, once per run). Prints a table, then one
+JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
+import multiprocessing
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# decode_peers and this module's top level import only the standard library: every spawned worker runs them
+from decode_peers import LLAMA_MODEL_PARAMS, DecoderProcess, WorkerFailed
 
-from moetier.backends.torch_backend import TorchBackend  # noqa: E402
-from moetier.calibrate import copy_bandwidth_bytes_per_s  # noqa: E402
-from moetier.model.builtin import cached_synthetic  # noqa: E402
-from moetier.engine import Engine, generate  # noqa: E402
-from moetier.model import open_checkpoint  # noqa: E402
-from moetier.model.synth import sample_session  # noqa: E402
-
-
-def bytes_per_decoded_token(engine: Engine) -> int:
-    """Weight bytes one decode step reads: embed row, attention, norms, router, k experts, dense/shared MLPs, lm head."""
-    s = engine.spec
-    total = s.hidden_size * 4 + engine.lm_head.numel() * 4 + engine.final_norm.numel() * 4
-    for layer, w in enumerate(engine.layers):
-        total += sum(t.numel() * 4 for t in (w.input_norm, w.post_norm, w.qkv, w.o_proj) if t is not None)
-        total += sum(t.numel() * 4 for t in (w.qk_norm, w.qkv_bias, w.o_bias, w.router) if t is not None)
-        total += sum(m.nbytes for m in (w.mlp, w.shared) if m is not None)
-        if s.is_moe(layer):
-            total += s.top_k * engine.checkpoint.expert_nbytes
-    return total
+FTYPES = {"BF16": 32, "Q8_0": 7, "Q4_K_M": 15, "Q6_K": 18, "IQ3_S": 26}  # LLAMA_FTYPE_MOSTLY_*
+FORMATS = ("F32", *FTYPES)
+ENGINES = ("moetier", "llama.cpp", "transformers")
+PREFILL_TOKENS = 256
+NOT_RUN = "n/a: transformers runs the HF float32 checkpoint (row F32)"
 
 
-def time_engine(engine: Engine, prompt: list[int], new_tokens: int) -> float:
-    """Decode tok/s: the steps after the first new token (prefill excluded)."""
-    return generate(engine, prompt, new_tokens + 1).decode_tok_per_s
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-class StepClock:
-    """A logits processor that only reads the clock: generate calls it once per new token."""
+# -- model files ---------------------------------------------------------------------------------------------
 
-    def __init__(self):
-        self.stamps: list[float] = []
+def _quantize(source: str, out: str, ftype: int) -> None:
+    import llama_cpp
 
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, os.cpu_count()
+    rc = llama_cpp.llama_model_quantize(source.encode(), out.encode(), params)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize returned {rc}")
 
 
-def time_transformers(model, prompt: list[int], new_tokens: int) -> float:
-    """Decode tok/s over the same steps as time_engine: from the first new token's logits to the last's."""
-    from transformers import LogitsProcessorList
+def quantize(source: Path, out: Path, ftype: int) -> None:
+    """llama.cpp's quantizer in a child process (so a crash is one format's error), out appearing whole."""
+    staged = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    process = multiprocessing.get_context("spawn").Process(target=_quantize, args=(str(source), str(staged), ftype))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        staged.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp's quantizer to ftype {ftype} failed (exit code {process.exitcode})")
+    os.replace(staged, out)
 
-    clock = StepClock()
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
-                       do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
-    return new_tokens / (clock.stamps[-1] - clock.stamps[0])
+
+def prepare_models(root: Path, arch: str, preset: str, formats: list[str]) -> tuple[Path, dict[str, Path], dict[str, str]]:
+    """(HF folder, format -> GGUF file, format -> why its file is missing); written once, reused after.
+    The folder name carries the synthetic generator's version, so an older generator's files are never reused."""
+    from moetier.model.gguf_write import write_gguf
+    from moetier.model.synth import synth_version, write_synthetic
+
+    folder = root / f"{arch}-{preset}-seed0-{synth_version(arch, preset)}"
+    hf = folder / "hf"
+    if not (hf / "config.json").exists():
+        log(f"writing the synthetic {arch} {preset} checkpoint to {hf} (once)")
+        write_synthetic(hf, arch=arch, preset=preset)
+    files, errors = {"F32": folder / "F32.gguf"}, {}
+    if not files["F32"].exists():
+        log(f"writing {files['F32']} (once)")
+        write_gguf(hf, files["F32"], "F32")
+    for name in formats:
+        path = folder / f"{name}.gguf"
+        if name == "F32":
+            continue
+        if not path.exists():
+            log(f"quantizing to {path} with llama.cpp (once)")
+            try:
+                quantize(files["F32"], path, FTYPES[name])
+            except RuntimeError as error:
+                errors[name] = str(error)
+                continue
+        files[name] = path
+    return hf, files, errors
+
+
+def weight_bytes_per_token(path: Path) -> tuple[int, dict[str, int]]:
+    """(weight bytes one decoded token reads, in the file's stored bytes; expert tensors per GGML type)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    experts, top_k = (int(reader.fields[f"{arch}.{key}"].contents()) for key in ("expert_count", "expert_used_count"))
+    names = {t.name for t in reader.tensors}
+    total, expert_types = 0, {}
+    for t in reader.tensors:
+        if "_exps." in t.name:  # [E, rows, cols] stacked: top_k of E
+            total += int(t.n_bytes) // experts * top_k
+            expert_types[t.tensor_type.name] = expert_types.get(t.tensor_type.name, 0) + 1
+        elif t.name == "token_embd.weight" and "output.weight" in names:  # one row [D] of [V, D]
+            total += int(t.n_bytes) // int(t.shape[-1])
+        else:
+            total += int(t.n_bytes)
+    return total, expert_types
+
+
+# -- the machine ---------------------------------------------------------------------------------------------
+
+def last_level_cache_bytes() -> int:
+    sizes = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+            sizes[int((index / "level").read_text())] = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]]
+        except (OSError, ValueError, KeyError):
+            continue
+    return sizes[max(sizes)] if sizes else 32 << 20
+
+
+def read_bandwidth(threads: int, nbytes: int, repeats: int = 5) -> float:
+    """Bytes read per second: torch.sum over an nbytes float32 buffer (written first, so no page fault is
+    timed) with `threads` torch threads, best of `repeats`. A reduction reads each byte once and writes nothing."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buffer = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        float(buffer.sum())
+        best = min(best, time.perf_counter() - begin)
+    return nbytes / best
+
+
+def _busy_ticks() -> int:
+    """Clock ticks the whole machine spent computing (user, nice, system, irq, softirq; not idle or steal)."""
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in Path("/proc/stat").read_text().split()[1:8])
+    return user + nice + system + irq + softirq
+
+
+def _process_ticks(pid: int) -> int:
+    """utime + stime of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def timed_pass(worker: DecoderProcess, prompt: list[int], tokens: int) -> dict:
+    """worker.measure, plus the share of the machine's CPUs that other processes used meanwhile: the VM is
+    shared, and a busy core costs a thread-synchronised engine (llama.cpp's barriers) far more than its share."""
+    ours = lambda: _process_ticks(worker.pid) + _process_ticks(os.getpid())
+    busy, mine, begin = _busy_ticks(), ours(), time.perf_counter()
+    result = worker.measure(prompt, tokens)
+    wall = time.perf_counter() - begin
+    others = (_busy_ticks() - busy) - (ours() - mine)
+    result["others_cpu_share"] = max(0.0, others / (wall * os.sysconf("SC_CLK_TCK") * os.cpu_count()))
+    return result
+
+
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+
+
+def machine(threads: int) -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")
+    flags = set(line("flags").split())
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], check=False, capture_output=True, text=True).stdout.strip()
+    versions = {}
+    for package in ("torch", "transformers", "llama_cpp_python", "gguf"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu": line("model name") or "unknown", "cpus": os.cpu_count(), "llc_bytes": last_level_cache_bytes(),
+        "flags": {"avx2": "avx2" in flags, "avx512": "avx512f" in flags,
+                  "vnni": bool(flags & {"avx512_vnni", "avx_vnni"}), "amx": bool(flags & {"amx_tile", "amx_int8", "amx_bf16"})},
+        "threads": threads, "loadavg": _loadavg(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": git("rev-parse", "HEAD"),
+        # other engineers' uncommitted work in moetier/ is part of what was measured
+        "git_uncommitted_in_moetier": git("status", "--porcelain", "--", "moetier").splitlines(),
+        "versions": versions,
+    }
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="HF model folder (default: synthetic medium, written once)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every engine and the bandwidth")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {','.join(FORMATS)}")
+    parser.add_argument("--tokens", type=int, default=64, help="timed decode steps per run")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs, the engines alternating; best kept")
+    parser.add_argument("--models", type=Path, default=REPO / "benchmarks" / ".models", help="cache folder for the model files")
+    parser.add_argument("--preset", default="medium", help="moetier.model.synth preset")
     parser.add_argument("--arch", default="qwen3_moe")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds; the best of each is kept")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--lanes", type=int, default=1,
-                        help="the engine's expert lanes (default 1); with lanes > 1 the engine's own kernels run single-threaded")
-    parser.add_argument("--torch-ops", action="store_true", help="decode experts with torch ops, not the native kernel")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one load or timed pass may take")
+    parser.add_argument("--json", type=Path, help="also write the JSON object here")
     args = parser.parse_args()
-    # Same thread budget for both: transformers gets `threads` intra-op threads; so does the engine,
-    # unless it spends them as expert lanes (each single-threaded), its other kernels then on one thread.
-    engine_intra_op = 1 if args.lanes > 1 else args.threads
-    torch.set_num_threads(args.threads)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        parser.error(f"--formats {args.formats!r}: {bad or 'none'} (expected a comma-separated list of {','.join(FORMATS)})")
+    if not 1 <= args.threads <= 8 * os.cpu_count():
+        parser.error(f"--threads {args.threads} (expected 1..{8 * os.cpu_count()})")
+    if args.tokens < 1 or args.runs < 1:
+        parser.error("--tokens and --runs must be >= 1")
 
-    folder = args.model or cached_synthetic(args.arch, "medium")
-    checkpoint = open_checkpoint(folder)
-    prompt = [int(i) for i in sample_session(folder, tokens_per_phase=16, seed=1)[0][1][:16]] if (folder / "moetier_synth.json").exists() else list(range(1, 17))
+    from moetier.model.synth import sample_session
 
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    loadavg_before = _loadavg()
+    hf, files, file_errors = prepare_models(args.models, args.arch, args.preset, formats)
+    prompt = [int(i) for i in sample_session(hf, phases=("explore",), tokens_per_phase=PREFILL_TOKENS, seed=1)[0][1]]
+    per_token = {f: weight_bytes_per_token(files[f]) for f in {"F32", *formats} if f in files}
+    context = PREFILL_TOKENS + args.tokens + 16
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=args.lanes, native_kernel=not args.torch_ops))
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert generate(engine, prompt, 8).ids == reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist(), "engine and transformers disagree on greedy tokens"
+    # the timed order within a run; transformers after F32's pair (its weights are F32's)
+    order = [(engine, f) for f in formats for engine in ("moetier", "llama.cpp")]
+    if "F32" in formats:
+        order.insert(2 * formats.index("F32") + 2, ("transformers", "F32"))
+    errors = {("transformers", f): NOT_RUN for f in formats if f != "F32"}
+    workers, settings = {}, {}
+    for engine, f in order:
+        if f not in files:
+            errors[engine, f] = file_errors[f]
+            continue
+        log(f"loading {engine} on {'the HF float32 checkpoint' if engine == 'transformers' else files[f].name}")
+        options = {"context": context} if engine == "llama.cpp" else {}
+        try:
+            worker = DecoderProcess(engine, hf if engine == "transformers" else files[f], args.threads, args.timeout, **options)
+        except WorkerFailed as error:
+            errors[engine, f] = str(error)
+            continue
+        settings.setdefault(engine, worker.settings)
+        try:
+            worker.measure(prompt, 2)  # warm-up, untimed
+            workers[engine, f] = worker
+        except WorkerFailed as error:
+            errors[engine, f] = f"warm-up: {error}"
+            worker.close()
 
-    bandwidth = copy_bandwidth_bytes_per_s()
-    engine_rates, reference_rates = [], []
-    for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both
-        torch.set_num_threads(engine_intra_op)
-        engine_rates.append(time_engine(engine, prompt, args.new_tokens))
-        torch.set_num_threads(args.threads)
-        reference_rates.append(time_transformers(reference, prompt, args.new_tokens))
-    touched = bytes_per_decoded_token(engine)
-    engine_tps, reference_tps = max(engine_rates), max(reference_rates)
-    roofline_tps = bandwidth / touched
+    bandwidth_bytes = max(1 << 30, 8 * last_level_cache_bytes())
+    bandwidth = {args.threads: [], 1: []}
+    timings: dict[tuple[str, str], list[dict]] = {key: [] for key in order}
+    for run in range(args.runs):
+        for threads in sorted(bandwidth):
+            bandwidth[threads].append(read_bandwidth(threads, bandwidth_bytes))
+        for key in order:
+            if key not in workers:
+                continue
+            log(f"run {run + 1}/{args.runs}: {key[0]} {key[1]}")
+            try:
+                timings[key].append(timed_pass(workers[key], prompt, args.tokens))
+            except WorkerFailed as error:
+                errors[key] = str(error)
+    for worker in workers.values():
+        worker.close()
+
+    best_bandwidth = {threads: max(samples) for threads, samples in bandwidth.items()}
+    roofline = {f: {"weight_bytes_per_token": b, "expert_tensor_types": types,
+                    "tok_per_s": best_bandwidth[args.threads] / b} for f, (b, types) in per_token.items()}
+    cells: dict[str, dict[str, dict]] = {engine: {} for engine in ENGINES}
+    for engine in ENGINES:
+        for f in formats:
+            runs = timings.get((engine, f), [])
+            if not runs:
+                cells[engine][f] = {"error": errors.get((engine, f), "not run")}
+                continue
+            decode = [args.tokens / r["decode_s"] for r in runs]
+            prefill = [PREFILL_TOKENS / r["prefill_s"] for r in runs]
+            cells[engine][f] = {"decode_tok_per_s": max(decode), "prefill_tok_per_s": max(prefill),
+                                "roofline_share": max(decode) / roofline[f]["tok_per_s"],
+                                "decode_runs": decode, "prefill_runs": prefill, "ids": runs[-1]["ids"],
+                                "others_cpu_share": max(r["others_cpu_share"] for r in runs),
+                                "error": errors.get((engine, f))}
+    reference = cells["transformers"].get("F32", {})
+    for f in formats:
+        mine = cells["moetier"][f]
+        if "decode_tok_per_s" not in mine:
+            continue
+        for peer, cell in (("llama_cpp", cells["llama.cpp"][f]), ("transformers", reference)):
+            if "decode_tok_per_s" in cell:
+                mine[f"speedup_vs_{peer}"] = mine["decode_tok_per_s"] / cell["decode_tok_per_s"]
+                mine[f"prefill_speedup_vs_{peer}"] = mine["prefill_tok_per_s"] / cell["prefill_tok_per_s"]
+                mine[f"same_greedy_tokens_as_{peer}"] = same_prefix(mine["ids"], cell["ids"])  # leading tokens equal
+
     result = {
-        "model": str(folder),
-        "fingerprint": checkpoint.fingerprint,
-        "threads": args.threads,
-        "lanes": args.lanes,
-        "engine_backend": engine.backend.describe(),
-        "new_tokens": args.new_tokens,
-        "copy_bandwidth_gb_per_s": bandwidth / 1e9,
-        "bytes_per_token_mb": touched / 1e6,
-        "roofline_tok_per_s": roofline_tps,
-        "engine_decode_tok_per_s": engine_tps,
-        "transformers_decode_tok_per_s": reference_tps,
-        "speedup_vs_transformers": engine_tps / reference_tps,
-        "engine_roofline_share": engine_tps / roofline_tps,
-        "transformers_roofline_share": reference_tps / roofline_tps,
-        "engine_rounds": engine_rates,
-        "transformers_rounds": reference_rates,
-        "cpu": _cpu_name(),
+        "bench": "decode", "arch": args.arch, "preset": args.preset, "models": str(args.models),
+        "files": {f: str(p) for f, p in files.items()}, "prefill_tokens": PREFILL_TOKENS, "decode_tokens": args.tokens,
+        "runs": args.runs, "threads": args.threads, "settings": settings,
+        "llama_model_params": LLAMA_MODEL_PARAMS,
+        "read_bandwidth": {"method": f"torch.sum over {bandwidth_bytes / 2**30:.2f} GiB float32, best of 5 per run",
+                           "bytes_per_s": {str(t): v for t, v in best_bandwidth.items()},
+                           "samples_bytes_per_s": {str(t): v for t, v in bandwidth.items()}},
+        "roofline": roofline, "cells": cells, "machine": machine(args.threads) | {"loadavg_before": loadavg_before},
     }
-    print(f"{'':28}{'decode tok/s':>14}{'roofline share':>16}")
-    print(f"{'moetier engine':28}{engine_tps:14.1f}{engine_tps / roofline_tps:16.1%}")
-    print(f"{'transformers generate':28}{reference_tps:14.1f}{reference_tps / roofline_tps:16.1%}")
-    print(f"{'roofline (copy bandwidth)':28}{roofline_tps:14.1f}{'':>16}")
-    print(f"speedup {engine_tps / reference_tps:.2f}x; {touched / 1e6:.0f} MB touched per token; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s copied ({2 * bandwidth / 1e9:.1f} GB/s read + written); "
-          f"{args.threads} threads each; engine backend {result['engine_backend']}; {result['cpu']}")
-    print(json.dumps(result))
+    print_table(result, formats)
+    line = json.dumps(result)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        staged = args.json.with_name(f".{args.json.name}.partial-{os.getpid()}")
+        staged.write_text(line + "\n")
+        os.replace(staged, args.json)
+    print(line)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cpus"
-
+def print_table(result: dict, formats: list[str]) -> None:
+    m, bandwidth = result["machine"], result["read_bandwidth"]
+    print(f"{result['arch']} {result['preset']}: batch 1, greedy, {result['prefill_tokens']}-token prefill then "
+          f"{result['decode_tokens']} decode steps, best of {result['runs']} alternating runs, {result['threads']} threads each")
+    print(f"{m['cpu']} ({m['cpus']} CPUs; {', '.join(k for k, v in m['flags'].items() if v)}), {m['date']}, "
+          f"git {m['git_commit'][:10]} ({len(m['git_uncommitted_in_moetier'])} uncommitted in moetier/), "
+          f"load average {m['loadavg_before']} before, {m['loadavg']} after")
+    print(f"read bandwidth ({bandwidth['method']}): " + ", ".join(
+        f"{v / 1e9:.1f} GB/s at {t} thread(s)" for t, v in sorted(bandwidth["bytes_per_s"].items())))
+    for engine, text in result["settings"].items():
+        print(f"  {engine}: {text}")
+    print(f"  llama.cpp model params set: {result['llama_model_params']} (its repacked K-quant buffers crashed on the AVX-512 host)")
+    columns = [("format", 8), ("engine", 14), ("decode tok/s", 13), ("prefill tok/s", 14), ("% read roofline", 16),
+               ("vs llama.cpp", 13), ("vs transformers f32", 20), ("others' CPU", 12)]
+    row = lambda *values: "".join(f"{v:<{w}}" if i < 2 else f"{v:>{w}}" for i, (v, (_, w)) in enumerate(zip(values, columns)))
+    print(row(*(name for name, _ in columns)))
+    print("-" * sum(w for _, w in columns))
+    for f in formats:
+        roof = result["roofline"].get(f)
+        if roof is not None:
+            print(row(f, "read roofline", f"{roof['tok_per_s']:.1f}", "", "", "", "", ""))
+        for engine in ENGINES:
+            cell = result["cells"][engine][f]
+            if cell.get("error") == NOT_RUN:
+                continue
+            if "decode_tok_per_s" not in cell:
+                print(row(f, engine) + "  " + cell["error"][:110])
+                continue
+            llama, transformers = (f"{cell[k]:.2f}x" if k in cell else "" for k in ("speedup_vs_llama_cpp", "speedup_vs_transformers"))
+            print(row(f, engine, f"{cell['decode_tok_per_s']:.1f}", f"{cell['prefill_tok_per_s']:.1f}", f"{cell['roofline_share']:.1%}",
+                      llama, transformers, f"{cell['others_cpu_share']:.0%}")
+                  + (f"  (a run failed: {cell['error'][:60]})" if cell["error"] else ""))
+    for f in formats:
+        roof = result["roofline"].get(f)
+        if roof is not None:
+            types = ", ".join(f"{t} x{n}" for t, n in roof["expert_tensor_types"].items())
+            print(f"{f}: {roof['weight_bytes_per_token'] / 1e6:.1f} MB of weights read per token; expert tensors {types}")
+    same = [f"{f} vs {peer}: {cell[f'same_greedy_tokens_as_{key}']}/{result['decode_tokens'] + 1}"
+            for f in formats for peer, key in (("llama.cpp", "llama_cpp"), ("transformers", "transformers"))
+            for cell in [result["cells"]["moetier"][f]] if f"same_greedy_tokens_as_{key}" in cell]
+    if same:
+        print("moetier's greedy tokens, leading run equal to the peer's: " + "; ".join(same))
+    print("others' CPU: the most of the machine's CPUs other processes used during one of the cell's timed passes")
 
 if __name__ == "__main__":
     main()
