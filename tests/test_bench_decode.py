@@ -1,0 +1,48 @@
+"""benchmarks/bench_decode.py runs end to end (marker `slow`; needs llama-cpp-python, the `peer` extra).
+
+The tiny preset, F32 and Q8_0, 4 tokens, 1 run: the JSON line names every
+engine x format cell (numbers, or an error string), and every measured cell's
+share of the read roofline is a number in (0, 10]. The point is that the
+script runs and says what it measured, not the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ENGINES = ("moetier", "llama.cpp", "transformers")
+FORMATS = ("F32", "Q8_0")
+
+
+def test_bench_decode_runs_on_the_tiny_preset(repo_root, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peer` extra) quantizes the files and is a peer")
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_decode.py"), "--preset", "tiny",
+                          "--formats", ",".join(FORMATS), "--tokens", "4", "--runs", "1", "--threads", "2",
+                          "--models", str(tmp_path / "models"), "--json", str(out)],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = json.loads(run.stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == last
+    assert {"cpu", "flags", "threads", "date", "git_commit"} <= set(last["machine"])
+    assert set(last["machine"]["flags"]) == {"avx2", "avx512", "vnni", "amx"}
+    assert last["llama_model_params"] == {"use_extra_bufts": False}
+    assert all(v > 0 for v in last["read_bandwidth"]["bytes_per_s"].values())
+    for engine in ENGINES:
+        for fmt in FORMATS:
+            cell = last["cells"][engine][fmt]
+            if "decode_tok_per_s" not in cell:
+                assert isinstance(cell["error"], str) and cell["error"], (engine, fmt, cell)
+                continue
+            for key in ("decode_tok_per_s", "prefill_tok_per_s"):
+                assert math.isfinite(cell[key]) and cell[key] > 0, (engine, fmt, key, cell[key])
+            assert 0 < cell["roofline_share"] <= 10, (engine, fmt, cell["roofline_share"])
+    assert last["cells"]["transformers"]["F32"].get("decode_tok_per_s"), "transformers on the HF float32 checkpoint did not run"
+    assert "read roofline" in run.stdout and "use_extra_bufts" in run.stdout
