@@ -1,0 +1,771 @@
+/* The dotk family (cpu_dot.h): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ3_XXS, IQ3_S and IQ4_XS weight rows dotted with
+ * activations in Q8_K, as llama.cpp's ggml_vec_dot_<fmt>_q8_K computes them.
+ *
+ * dotk_quantize writes Q8_K (float d, int8 qs[256], int16 bsums[16] per 256 values) byte for byte as
+ * quantize_row_q8_K_ref: the first value of largest magnitude sets iscale = -127 / it, q = round-half-even of
+ * the float32 product iscale * x (a separate multiply, never fused), capped at 127, d = 1 / iscale.
+ *
+ * dotk_dot: per 256-value block, integer dot products of weight quants and activation quants, exact in int32,
+ * each 16- or 32-value group's sum times its integer scale; then times d_w * d_x in float32, minus
+ * dmin_w * d_x * sum(min * bsum) for the formats with mins (Q2_K, Q4_K, Q5_K). Every format is decoded to one
+ * shape: 256 unsigned quants u (< 128) with w = u - offset, 16 group scales, and the offset's share
+ * (offset * scale * bsum, an integer: Q3_K 4, Q6_K 32, IQ3_XXS 64, IQ3_S 16) taken off through the bsums, so
+ * the products are u8 x s8 pairs (maddubs) that never saturate. IQ4_XS keeps signed values (|w| <= 127), the
+ * sign moved onto the activation. The float sums run in vector lanes; they differ from llama.cpp's only by
+ * float32 rounding. IQ3_XXS's 0.25 is folded into d (exact).
+ *
+ * Rows are the outer loop: each weight block is decoded once into registers (the struct wblock) and applied
+ * to every activation row, so T tokens read the weights once (prefill's reuse; T = 1 is decode's gemv).
+ * Paths, chosen at build time (-march=native): AVX-512 (F, BW, VL; VNNI's vpdpwssd where present) on
+ * 64-value vectors; AVX2 on 32-value vectors (maddubs / madd, as ggml's x86 code); a portable scalar path
+ * elsewhere. No threads here: callers split rows.
+ *
+ * IQ3_XXS's and IQ3_S's grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until it
+ * is called those three formats are not offered (act_type -1). IQ3_XXS's sign patterns are computed from
+ * their rule (7 bits and a parity bit), which dotk_tables checks against the package's table.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_dot.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DOTK_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DOTK_AVX2 1
+#include <immintrin.h>
+#endif
+
+enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23 };
+enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
+enum { HAS_OFF = 1, HAS_MIN = 2, SIGNED = 4 };  /* what a format's decoded block carries */
+
+static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
+static int8_t kvalues[16];
+static int tables_ready;
+
+static inline uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline float f32_at(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
+
+static inline float f16_at(const uint8_t *p) {
+    const uint16_t h = u16_at(p);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+    uint32_t bits;
+    if (em >= 0x7c00u) bits = sign | 0x7f800000u | (em & 0x3ffu) << 13;  /* inf, NaN */
+    else if (em >= 0x0400u) bits = sign | ((em << 13) + (112u << 23));
+    else { const float f = (float)em * 0x1p-24f; memcpy(&bits, &f, 4); bits |= sign; }  /* zero, subnormal: exact */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* IQ3_XXS's sign pattern of 8 values from its 7-bit index: the index, and bit 7 set when its parity is odd */
+static inline uint8_t sign_pattern(unsigned i) { return (uint8_t)(i | (unsigned)(__builtin_popcount(i) & 1) << 7); }
+
+/* -> 0, or 1 when the package's sign table is not the parity rule this file computes (IQ formats stay off).
+ * grids: IQ3_XXS [256][4] and IQ3_S [512][4] bytes; signs: IQ2_XXS's 128 patterns; kv: IQ4_NL's 16 kvalues. */
+int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs, const int8_t *kv) {
+    for (unsigned i = 0; i < 128; i++)
+        if (signs[i] != sign_pattern(i)) return 1;
+    memcpy(grid_xxs, iq3_xxs, sizeof grid_xxs);
+    memcpy(grid_s, iq3_s, sizeof grid_s);
+    memcpy(kvalues, kv, sizeof kvalues);
+    tables_ready = 1;
+    return 0;
+}
+
+int64_t dotk_act_type(int64_t wtype, int64_t float_acts) {
+    (void)float_acts;  /* these formats dot with Q8_K only */
+    switch (wtype) {
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return ACT_Q8_K;
+    case IQ3_XXS: case IQ3_S: case IQ4_XS: return tables_ready ? ACT_Q8_K : -1;
+    default: return -1;
+    }
+}
+
+/* ---- activations: quantize_row_q8_K_ref ------------------------------------------------------- */
+
+static void quantize_block(const float *x, uint8_t *out) {
+    float amax = 0.f, top = 0.f;
+    int8_t q[QK];
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < QK; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    amax = _mm_cvtss_f32(h);
+    for (int j = 0; j < QK && amax != 0.f; j += 8) {  /* the first value of that magnitude, as ggml's strict > keeps */
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask),
+                                                         _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hit) { top = x[j + __builtin_ctz((unsigned)hit)]; break; }
+    }
+#else
+    for (int j = 0; j < QK; j++) {
+        const float ax = x[j] < 0 ? -x[j] : x[j];
+        if (ax > amax) { amax = ax; top = x[j]; }
+    }
+#endif
+    if (amax == 0.f) {
+        memset(out, 0, Q8K_BYTES);
+        return;
+    }
+    const float iscale = -127.f / top;
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+    const __m256 vs = _mm256_set1_ps(iscale);
+    const __m256i cap = _mm256_set1_epi32(127);
+    for (int j = 0; j < QK; j += 32) {  /* cvtps rounds half to even, as ggml's 1.5 * 2^23 trick does */
+        __m256i v[4];
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * k), vs)), cap);
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+#else
+    for (int j = 0; j < QK; j++) {
+        const long v = __builtin_lrintf(iscale * x[j]);  /* round half to even (the default rounding mode) */
+        q[j] = (int8_t)(v < 127 ? v : 127);
+    }
+#endif
+    int16_t bsums[16];
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int l = 0; l < 16; l++) s += q[16 * g + l];
+        bsums[g] = (int16_t)s;
+    }
+    const float d = 1.f / iscale;
+    memcpy(out, &d, 4);
+    memcpy(out + 4, q, QK);
+    memcpy(out + 260, bsums, 32);
+}
+
+void dotk_quantize(int64_t act_type, const float *x, void *xq, int64_t n) {
+    if (act_type != ACT_Q8_K) return;  /* the wrappers ask only for the format act_type names */
+    for (int64_t i = 0; i < n / QK; i++) quantize_block(x + QK * i, (uint8_t *)xq + Q8K_BYTES * i);
+}
+
+/* ---- packed scales, shared by the paths --------------------------------------------------------- */
+
+/* Q4_K / Q5_K: 12 bytes -> 8 six-bit scales (sc[0..7]) and 8 mins (sc[8..15]) */
+static inline void scales_mins_k(const uint8_t *p, uint8_t out[16]) {
+    const uint32_t a0 = u32_at(p), a1 = u32_at(p + 4), a2 = u32_at(p + 8);
+    const uint32_t w[4] = {a0 & 0x3f3f3f3fu, (a2 & 0x0f0f0f0fu) | ((a0 >> 2) & 0x30303030u),
+                           a1 & 0x3f3f3f3fu, ((a2 >> 4) & 0x0f0f0f0fu) | ((a1 >> 2) & 0x30303030u)};
+    memcpy(out, w, 16);
+}
+
+/* Q3_K: 12 bytes -> 16 six-bit scales (still biased by 32): low 4 bits in bytes 0..7, high 2 in bytes 8..11 */
+static inline void scales_q3k(const uint8_t *p, uint8_t out[16]) {
+    const uint32_t a0 = u32_at(p), a1 = u32_at(p + 4), h = u32_at(p + 8), m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t w[4] = {(a0 & m4) | (h & m2) << 4, (a1 & m4) | ((h >> 2) & m2) << 4,
+                           ((a0 >> 4) & m4) | ((h >> 4) & m2) << 4, ((a1 >> 4) & m4) | ((h >> 6) & m2) << 4};
+    memcpy(out, w, 16);
+}
+
+/* IQ3_S / IQ4_XS: the 8 four-bit fields of 4 bytes, in order, one per byte */
+static inline uint64_t nibbles8(uint32_t v) {
+    uint64_t x = v;
+    x = (x | x << 16) & 0x0000ffff0000ffffull;
+    x = (x | x << 8) & 0x00ff00ff00ff00ffull;
+    return (x | x << 4) & 0x0f0f0f0f0f0f0f0full;
+}
+
+/* IQ4_XS: the 8 two-bit fields of 16 bits, in order, one per byte */
+static inline uint64_t crumbs8(uint16_t v) {
+    uint64_t x = v;
+    x = (x | x << 24) & 0x000000ff000000ffull;
+    x = (x | x << 12) & 0x000f000f000f000full;
+    return (x | x << 6) & 0x0303030303030303ull;
+}
+
+#if defined(DOTK_AVX512)
+/* ==== AVX-512: a block is 4 vectors of 64 values; vector c holds groups 4c..4c+3, one per 128-bit lane ==== */
+
+typedef struct {
+    __m512i q[4], sc[4];  /* quants (unsigned, or |w| when SIGNED); each group's int16 scale across its lane */
+    __mmask64 neg[4];     /* SIGNED: the negative values */
+    __m256i off, mn;      /* per group: offset * scale, and min (int16), against the bsums */
+    float d, dmin;
+} wblock;
+typedef __m256 acc_t;
+
+static inline __m512i lane16(int c) {  /* int16 lanes: which of the 16 groups each lane of vector c belongs to */
+    const __m512i iota = _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014,
+                                          0x00130012, 0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008,
+                                          0x00070006, 0x00050004, 0x00030002, 0x00010000);
+    return _mm512_add_epi16(_mm512_srli_epi16(iota, 3), _mm512_set1_epi16((short)(4 * c)));
+}
+
+static inline void spread_scales(wblock *w, __m256i s16) {
+    for (int c = 0; c < 4; c++) w->sc[c] = _mm512_permutexvar_epi16(lane16(c), _mm512_castsi256_si512(s16));
+}
+
+static inline __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512i dup256(const uint8_t *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512i shifts16(int lo, int hi) { return halves(_mm256_set1_epi16((short)lo), _mm256_set1_epi16((short)hi)); }
+static inline __m512i bits8(int lo, int hi) { return halves(_mm256_set1_epi8((char)lo), _mm256_set1_epi8((char)hi)); }
+
+static inline __m256i dup8_16(__m128i v8, int mins) {  /* 8 bytes (at byte 8 * mins) -> 16 uint16, each twice */
+    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
+}
+
+static inline void decode_q4k(const uint8_t *b, wblock *w) {
+    uint8_t sm[16];
+    scales_mins_k(b + 4, sm);
+    const __m128i v = _mm_loadu_si128((const __m128i *)sm);
+    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    spread_scales(w, dup8_16(v, 0));
+    w->mn = dup8_16(v, 1);
+    const __m512i sh = shifts16(0, 4), m4 = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) w->q[c] = _mm512_and_si512(_mm512_srlv_epi16(dup256(b + 16 + 32 * c), sh), m4);
+}
+
+static inline void decode_q5k(const uint8_t *b, wblock *w) {
+    uint8_t sm[16];
+    scales_mins_k(b + 4, sm);
+    const __m128i v = _mm_loadu_si128((const __m128i *)sm);
+    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    spread_scales(w, dup8_16(v, 0));
+    w->mn = dup8_16(v, 1);
+    const __m512i sh = shifts16(0, 4), m4 = _mm512_set1_epi8(15), qh = dup256(b + 16), five = _mm512_set1_epi8(16);
+    for (int c = 0; c < 4; c++) {
+        const __m512i lo = _mm512_and_si512(_mm512_srlv_epi16(dup256(b + 48 + 32 * c), sh), m4);
+        w->q[c] = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bits8(1 << (2 * c), 1 << (2 * c + 1))), lo, five);
+    }
+}
+
+static inline void decode_q6k(const uint8_t *b, wblock *w) {
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    w->d = f16_at(b + 208);
+    spread_scales(w, s16);
+    w->off = _mm256_slli_epi16(s16, 5);
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {  /* 64 low-nibble bytes serve two vectors; the 2 high bits of each from qh */
+        const __m512i ql = _mm512_loadu_si512(b + 64 * h), qh = dup256(b + 128 + 32 * h);
+        w->q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, shifts16(4, 2)), m30));
+        w->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi16(qh, shifts16(0, 2)), m30));
+    }
+}
+
+static inline void decode_q2k(const uint8_t *b, wblock *w) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
+    w->d = f16_at(b + 80), w->dmin = f16_at(b + 82);
+    spread_scales(w, _mm256_and_si256(v, _mm256_set1_epi16(15)));
+    w->mn = _mm256_srli_epi16(v, 4);
+    const __m512i m3 = _mm512_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m512i qs = dup256(b + 16 + 32 * h);
+        w->q[2 * h] = _mm512_and_si512(_mm512_srlv_epi16(qs, shifts16(0, 2)), m3);
+        w->q[2 * h + 1] = _mm512_and_si512(_mm512_srlv_epi16(qs, shifts16(4, 6)), m3);
+    }
+}
+
+static inline void decode_q3k(const uint8_t *b, wblock *w) {
+    uint8_t s[16];
+    scales_q3k(b + 96, s);
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)s), _mm_set1_epi8(32)));
+    w->d = f16_at(b + 108);
+    spread_scales(w, s16);
+    w->off = _mm256_slli_epi16(s16, 2);
+    const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), hm = dup256(b);
+    for (int h = 0; h < 2; h++) {
+        const __m512i qs = dup256(b + 32 + 32 * h);
+        for (int j = 0; j < 2; j++) {  /* vector 2h + j: 2-bit fields 2j, 2j + 1; high bit 4h + 2j (+1) of hmask */
+            const __m512i lo = _mm512_and_si512(_mm512_srlv_epi16(qs, shifts16(4 * j, 4 * j + 2)), m3);
+            const __mmask64 high = _mm512_test_epi8_mask(hm, bits8(1 << (4 * h + 2 * j), 1 << (4 * h + 2 * j + 1)));
+            w->q[2 * h + j] = _mm512_mask_add_epi8(lo, high, lo, four);
+        }
+    }
+}
+
+/* IQ3_XXS: each sub-block's 32-bit sign mask (bit k: value k negative) from its four 7-bit pattern indices */
+static inline __m256i signs_xxs(__m256i a) {
+    __m256i f = _mm256_and_si256(a, _mm256_set1_epi32(0x7f));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(a, 1), _mm256_set1_epi32(0x7f00)));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(a, 2), _mm256_set1_epi32(0x7f0000)));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(a, 3), _mm256_set1_epi32(0x7f000000)));
+    __m256i p = _mm256_xor_si256(f, _mm256_srli_epi32(f, 4));  /* bit 0 of each byte: its parity */
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    return _mm256_or_si256(f, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7));
+}
+
+/* 16 grid entries (64 values): offset + grid value, offset - grid value where the sign bit is set */
+static inline __m512i signed_grid(const uint32_t *grid, __m512i idx, __mmask64 neg, int offset) {
+    const __m512i g = _mm512_i32gather_epi32(idx, (const void *)grid, 4), o = _mm512_set1_epi8((char)offset);
+    return _mm512_mask_sub_epi8(_mm512_add_epi8(g, o), neg, o, g);
+}
+
+static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 66));
+    __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
+    s = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));  /* 2 * scale + 1 in both int16 halves: 16 group scales */
+    w->d = 0.25f * f16_at(b);
+    spread_scales(w, s);
+    w->off = _mm256_slli_epi16(s, 6);
+    uint64_t neg[4];
+    _mm256_storeu_si256((__m256i *)neg, signs_xxs(a));
+    for (int c = 0; c < 4; c++)
+        w->q[c] = signed_grid(grid_xxs, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))), neg[c], 64);
+}
+
+static inline void decode_iq3s(const uint8_t *b, wblock *w) {
+    const __m128i sc = _mm_cvtsi64_si128((long long)nibbles8(u32_at(b + 106)));
+    __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
+    s16 = _mm256_add_epi16(_mm256_slli_epi16(s16, 1), _mm256_set1_epi16(1));
+    w->d = f16_at(b);
+    spread_scales(w, s16);
+    w->off = _mm256_slli_epi16(s16, 4);
+    const __m512i ninth = _mm512_set1_epi32(256);
+    for (int c = 0; c < 4; c++) {  /* 16 grid rows: 8 index bits from qs, the ninth from qh, signs a bit per value */
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        idx = _mm512_mask_or_epi32(idx, (__mmask16)u16_at(b + 66 + 2 * c), idx, ninth);
+        w->q[c] = signed_grid(grid_s, idx, u64_at(b + 74 + 8 * c), 16);
+    }
+}
+
+static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
+    const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
+    const __m128i s8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32));
+    w->d = f16_at(b);
+    spread_scales(w, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8)));
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues)), m4 = _mm512_set1_epi8(15);
+    const long long f = 0x0004000400040004ll;  /* int16 shift counts: 4 in 128-bit lanes 1 and 3 */
+    const __m512i sh = _mm512_set_epi64(f, f, 0, 0, f, f, 0, 0);
+    for (int c = 0; c < 4; c++) {  /* 32 bytes: lanes = low nibbles of 0..15, high of 0..15, low of 16..31, high */
+        const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c)));
+        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(v, v, 0x50), sh), m4);
+        const __m512i k = _mm512_shuffle_epi8(kv, nib);
+        w->neg[c] = _mm512_movepi8_mask(k);
+        w->q[c] = _mm512_abs_epi8(k);
+    }
+}
+
+static inline __m512i dot_pairs(__m512i acc, __m512i p16, __m512i sc) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, p16, sc);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p16, sc));
+#endif
+}
+
+/* acc += this block times one activation block x (Q8_K) */
+static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind) {
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        __m512i a = _mm512_loadu_si512(x + 4 + 64 * c);
+        if (kind & SIGNED) a = _mm512_mask_sub_epi8(a, w->neg[c], _mm512_setzero_si512(), a);
+        s = dot_pairs(s, _mm512_maddubs_epi16(w->q[c], a), w->sc[c]);
+    }
+    __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    const __m256i bsums = _mm256_loadu_si256((const __m256i *)(x + 260));
+    const float dx = f32_at(x);
+    if (kind & HAS_OFF) s8 = _mm256_sub_epi32(s8, _mm256_madd_epi16(bsums, w->off));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(w->d * dx), _mm256_cvtepi32_ps(s8), acc);
+    if (kind & HAS_MIN)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(-w->dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, w->mn)), acc);
+    return acc;
+}
+
+#elif defined(DOTK_AVX2)
+/* ==== AVX2: a block is 8 vectors of 32 values; vector c holds groups 2c (low lane) and 2c + 1 (high lane) ==== */
+
+typedef struct {
+    __m256i q[8], sc[8];  /* quants (unsigned, or |w| when SIGNED); each group's int16 scale across its lane */
+    __m256i sg[8];        /* SIGNED: the signed values (never 0), whose signs go onto the activations */
+    __m256i off, mn;      /* per group: offset * scale, and min (int16), against the bsums */
+    float d, dmin;
+} wblock;
+typedef __m256 acc_t;
+
+static inline void spread_scales(wblock *w, __m256i s16) {
+    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
+    for (int c = 0; c < 8; c++) {  /* int16 2c (c mod 4 of its half) across the low lane, 2c + 1 across the high */
+        const int k = 4 * (c % 4);
+        const __m256i pick = _mm256_setr_epi8(k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1,
+                                              k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3,
+                                              k + 2, k + 3, k + 2, k + 3);
+        w->sc[c] = _mm256_shuffle_epi8(c < 4 ? lo : hi, pick);
+    }
+}
+
+static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* bit `from` of each byte moved to bit `to` (all other bits cleared) */
+static inline __m256i move_bit(__m256i v, int from, int to) {
+    const __m256i b = _mm256_and_si256(v, _mm256_set1_epi8((char)(1 << from)));
+    return from < to ? _mm256_slli_epi16(b, to - from) : from > to ? _mm256_srli_epi16(b, from - to) : b;
+}
+
+static inline __m256i dup8_16(__m128i v8, int mins) {
+    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
+}
+
+static inline void decode_q4k(const uint8_t *b, wblock *w) {
+    uint8_t sm[16];
+    scales_mins_k(b + 4, sm);
+    const __m128i v = _mm_loadu_si128((const __m128i *)sm);
+    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    spread_scales(w, dup8_16(v, 0));
+    w->mn = dup8_16(v, 1);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        const __m256i qs = load256(b + 16 + 32 * j);
+        w->q[2 * j] = _mm256_and_si256(qs, m4);
+        w->q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4);
+    }
+}
+
+static inline void decode_q5k(const uint8_t *b, wblock *w) {
+    uint8_t sm[16];
+    scales_mins_k(b + 4, sm);
+    const __m128i v = _mm_loadu_si128((const __m128i *)sm);
+    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    spread_scales(w, dup8_16(v, 0));
+    w->mn = dup8_16(v, 1);
+    const __m256i m4 = _mm256_set1_epi8(15), qh = load256(b + 16);
+    for (int j = 0; j < 4; j++) {
+        const __m256i qs = load256(b + 48 + 32 * j);
+        w->q[2 * j] = _mm256_or_si256(_mm256_and_si256(qs, m4), move_bit(qh, 2 * j, 4));
+        w->q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), m4), move_bit(qh, 2 * j + 1, 4));
+    }
+}
+
+static inline void decode_q6k(const uint8_t *b, wblock *w) {
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    w->d = f16_at(b + 208);
+    spread_scales(w, s16);
+    w->off = _mm256_slli_epi16(s16, 5);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = load256(b + 64 * h), l1 = load256(b + 64 * h + 32), qh = load256(b + 128 + 32 * h);
+        w->q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        w->q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        w->q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+        w->q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+    }
+}
+
+static inline void decode_q2k(const uint8_t *b, wblock *w) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
+    w->d = f16_at(b + 80), w->dmin = f16_at(b + 82);
+    spread_scales(w, _mm256_and_si256(v, _mm256_set1_epi16(15)));
+    w->mn = _mm256_srli_epi16(v, 4);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qs = load256(b + 16 + 32 * h);
+        w->q[4 * h + 0] = _mm256_and_si256(qs, m3);
+        w->q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 2), m3);
+        w->q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), m3);
+        w->q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(qs, 6), m3);
+    }
+}
+
+static inline void decode_q3k(const uint8_t *b, wblock *w) {
+    uint8_t s[16];
+    scales_q3k(b + 96, s);
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)s), _mm_set1_epi8(32)));
+    w->d = f16_at(b + 108);
+    spread_scales(w, s16);
+    w->off = _mm256_slli_epi16(s16, 2);
+    const __m256i m3 = _mm256_set1_epi8(3), hm = load256(b);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qs = load256(b + 32 + 32 * h);
+        for (int s2 = 0; s2 < 4; s2++)
+            w->q[4 * h + s2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s2), m3), move_bit(hm, 4 * h + s2, 2));
+    }
+}
+
+/* a 32-bit mask (bit k: value k negative) -> 32 bytes, 0xff where negative */
+static inline __m256i sign_bytes(uint32_t m) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), bit), bit);
+}
+
+/* 8 grid entries (32 values) by index: offset + value, offset - value where negative */
+static inline __m256i signed_grid(const uint32_t *grid, const uint32_t idx[8], uint32_t neg, int offset) {
+    /* scalar loads beat vpgatherdd on Zen 3 / 4 (ggml's note); the compiler packs them */
+    const __m256i g = _mm256_setr_epi32((int)grid[idx[0]], (int)grid[idx[1]], (int)grid[idx[2]], (int)grid[idx[3]],
+                                        (int)grid[idx[4]], (int)grid[idx[5]], (int)grid[idx[6]], (int)grid[idx[7]]);
+    const __m256i o = _mm256_set1_epi8((char)offset);
+    return _mm256_blendv_epi8(_mm256_add_epi8(o, g), _mm256_sub_epi8(o, g), sign_bytes(neg));
+}
+
+static inline uint32_t signs_xxs1(uint32_t a) {  /* see the AVX-512 signs_xxs: one sub-block */
+    uint32_t f = (a & 0x7fu) | ((a << 1) & 0x7f00u) | ((a << 2) & 0x7f0000u) | ((a << 3) & 0x7f000000u);
+    uint32_t p = f ^ (f >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return f | (p & 0x01010101u) << 7;
+}
+
+static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
+    const __m256i a = load256(b + 66);
+    __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
+    s = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+    w->d = 0.25f * f16_at(b);
+    spread_scales(w, s);
+    w->off = _mm256_slli_epi16(s, 6);
+    for (int c = 0; c < 8; c++) {
+        uint32_t idx[8];
+        for (int k = 0; k < 8; k++) idx[k] = b[2 + 8 * c + k];
+        w->q[c] = signed_grid(grid_xxs, idx, signs_xxs1(u32_at(b + 66 + 4 * c)), 64);
+    }
+}
+
+static inline void decode_iq3s(const uint8_t *b, wblock *w) {
+    const __m128i sc = _mm_cvtsi64_si128((long long)nibbles8(u32_at(b + 106)));
+    __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
+    s16 = _mm256_add_epi16(_mm256_slli_epi16(s16, 1), _mm256_set1_epi16(1));
+    w->d = f16_at(b);
+    spread_scales(w, s16);
+    w->off = _mm256_slli_epi16(s16, 4);
+    for (int c = 0; c < 8; c++) {
+        uint32_t idx[8];
+        const unsigned qh = b[66 + c];
+        for (int k = 0; k < 8; k++) idx[k] = b[2 + 8 * c + k] | ((qh >> k) & 1u) << 8;
+        w->q[c] = signed_grid(grid_s, idx, u32_at(b + 74 + 4 * c), 16);
+    }
+}
+
+static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
+    const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
+    const __m128i s8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32));
+    w->d = f16_at(b);
+    spread_scales(w, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8)));
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues)), m4 = _mm256_set1_epi8(15);
+    for (int c = 0; c < 8; c++) {  /* 16 bytes: low nibbles are values 0..15, high nibbles 16..31 */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * c));
+        const __m256i k = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4));
+        w->sg[c] = k;
+        w->q[c] = _mm256_abs_epi8(k);
+    }
+}
+
+static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind) {
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        __m256i a = load256(x + 4 + 32 * c);
+        if (kind & SIGNED) a = _mm256_sign_epi8(a, w->sg[c]);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w->q[c], a), w->sc[c]));
+    }
+    const __m256i bsums = load256(x + 260);
+    const float dx = f32_at(x);
+    if (kind & HAS_OFF) s = _mm256_sub_epi32(s, _mm256_madd_epi16(bsums, w->off));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(w->d * dx), _mm256_cvtepi32_ps(s), acc);
+    if (kind & HAS_MIN)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(-w->dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, w->mn)), acc);
+    return acc;
+}
+
+#else
+/* ==== portable scalar: the decoded block in memory ==== */
+
+typedef struct {
+    uint8_t q[QK];      /* unsigned quants; SIGNED: int8 values */
+    int32_t sc[16], off[16], mn[16];
+    float d, dmin;
+} wblock;
+typedef float acc_t;
+
+static inline void set_pairs(int32_t *dst, const uint8_t *v8, int bias) {  /* 8 sub-block values -> 16 groups */
+    for (int g = 0; g < 16; g++) dst[g] = (int32_t)v8[g / 2] - bias;
+}
+
+static inline void decode_q4k(const uint8_t *b, wblock *w) {
+    uint8_t sm[16];
+    scales_mins_k(b + 4, sm);
+    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    set_pairs(w->sc, sm, 0);
+    set_pairs(w->mn, sm + 8, 0);
+    for (int j = 0; j < 8; j++)
+        for (int l = 0; l < 32; l++) w->q[32 * j + l] = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+}
+
+static inline void decode_q5k(const uint8_t *b, wblock *w) {
+    uint8_t sm[16];
+    scales_mins_k(b + 4, sm);
+    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    set_pairs(w->sc, sm, 0);
+    set_pairs(w->mn, sm + 8, 0);
+    for (int j = 0; j < 8; j++)
+        for (int l = 0; l < 32; l++)
+            w->q[32 * j + l] = (uint8_t)(((b[48 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15) | ((b[16 + l] >> j) & 1) << 4);
+}
+
+static inline void decode_q6k(const uint8_t *b, wblock *w) {
+    w->d = f16_at(b + 208);
+    for (int g = 0; g < 16; g++) w->sc[g] = (int8_t)b[192 + g], w->off[g] = 32 * w->sc[g];
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++)
+                w->q[128 * h + 32 * s + l] = (uint8_t)(((b[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 15) |
+                                                       ((b[128 + 32 * h + l] >> (2 * s)) & 3) << 4);
+}
+
+static inline void decode_q2k(const uint8_t *b, wblock *w) {
+    w->d = f16_at(b + 80), w->dmin = f16_at(b + 82);
+    for (int g = 0; g < 16; g++) w->sc[g] = b[g] & 15, w->mn[g] = b[g] >> 4;
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) w->q[128 * h + 32 * s + l] = (b[16 + 32 * h + l] >> (2 * s)) & 3;
+}
+
+static inline void decode_q3k(const uint8_t *b, wblock *w) {
+    uint8_t s16[16];
+    scales_q3k(b + 96, s16);
+    w->d = f16_at(b + 108);
+    for (int g = 0; g < 16; g++) w->sc[g] = (int32_t)s16[g] - 32, w->off[g] = 4 * w->sc[g];
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++)
+                w->q[128 * h + 32 * s + l] = (uint8_t)(((b[32 + 32 * h + l] >> (2 * s)) & 3) | ((b[l] >> (4 * h + s)) & 1) << 2);
+}
+
+static inline void put_grid(uint8_t *q, uint32_t entry, unsigned neg4, int offset) {  /* 4 values of a grid row */
+    for (int k = 0; k < 4; k++) {
+        const int v = (entry >> (8 * k)) & 255;
+        q[k] = (uint8_t)(neg4 >> k & 1 ? offset - v : offset + v);
+    }
+}
+
+static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
+    w->d = 0.25f * f16_at(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t a = u32_at(b + 66 + 4 * ib);
+        w->sc[2 * ib] = w->sc[2 * ib + 1] = 2 * (int32_t)(a >> 28) + 1;
+        w->off[2 * ib] = w->off[2 * ib + 1] = 64 * w->sc[2 * ib];
+        for (int k = 0; k < 4; k++) {
+            const unsigned signs = sign_pattern((a >> (7 * k)) & 127);
+            put_grid(w->q + 32 * ib + 8 * k, grid_xxs[b[2 + 8 * ib + 2 * k]], signs & 15, 64);
+            put_grid(w->q + 32 * ib + 8 * k + 4, grid_xxs[b[2 + 8 * ib + 2 * k + 1]], signs >> 4, 64);
+        }
+    }
+}
+
+static inline void decode_iq3s(const uint8_t *b, wblock *w) {
+    w->d = f16_at(b);
+    for (int ib = 0; ib < 8; ib++) {
+        w->sc[2 * ib] = w->sc[2 * ib + 1] = 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 15) + 1;
+        w->off[2 * ib] = w->off[2 * ib + 1] = 16 * w->sc[2 * ib];
+    }
+    for (int i = 0; i < 64; i++)
+        put_grid(w->q + 4 * i, grid_s[b[2 + i] | ((b[66 + i / 8] >> (i % 8)) & 1) << 8], (b[74 + i / 2] >> (4 * (i % 2))) & 15, 16);
+}
+
+static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
+    const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
+    w->d = f16_at(b);
+    for (int g = 0; g < 16; g++) w->sc[g] = (int32_t)((sc >> (8 * (g / 2))) & 63) - 32;
+    for (int ib = 0; ib < 8; ib++)
+        for (int l = 0; l < 16; l++) {
+            w->q[32 * ib + l] = (uint8_t)kvalues[b[8 + 16 * ib + l] & 15];
+            w->q[32 * ib + 16 + l] = (uint8_t)kvalues[b[8 + 16 * ib + l] >> 4];
+        }
+}
+
+static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind) {
+    const int8_t *a = (const int8_t *)(x + 4);
+    int16_t bsums[16];
+    memcpy(bsums, x + 260, 32);
+    int32_t sum = 0, mins = 0;
+    for (int g = 0; g < 16; g++) {
+        int32_t s = 0;
+        if (kind & SIGNED) for (int l = 0; l < 16; l++) s += (int8_t)w->q[16 * g + l] * a[16 * g + l];
+        else for (int l = 0; l < 16; l++) s += w->q[16 * g + l] * a[16 * g + l];
+        sum += w->sc[g] * s;
+        if (kind & HAS_OFF) sum -= w->off[g] * bsums[g];
+        if (kind & HAS_MIN) mins += w->mn[g] * bsums[g];
+    }
+    const float dx = f32_at(x);
+    acc += (w->d * dx) * (float)sum;
+    if (kind & HAS_MIN) acc -= (w->dmin * dx) * (float)mins;
+    return acc;
+}
+#endif
+
+static inline float acc_sum(acc_t a) {
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
+    return a;
+#endif
+}
+
+static inline acc_t acc_zero(void) {
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+    return _mm256_setzero_ps();
+#else
+    return 0.f;
+#endif
+}
+
+/* ---- rows: each weight block decoded once, applied to up to TILE activation rows ----------------------- */
+
+enum { TILE = 64 };
+
+#define ROWS(name, decode, block_bytes, kind)                                                                        \
+    static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,     \
+                     float *y, int64_t ldy) {                                                                        \
+        const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                    \
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                                   \
+            const int64_t tt = T - t0 < TILE ? T - t0 : TILE;                                                        \
+            const uint8_t *x0 = xq + t0 * xrow;                                                                      \
+            for (int64_t r = 0; r < rows; r++) {                                                                     \
+                const uint8_t *row = w + r * row_bytes;                                                              \
+                acc_t acc[TILE];                                                                                     \
+                for (int64_t t = 0; t < tt; t++) acc[t] = acc_zero();                                                \
+                for (int64_t i = 0; i < blocks; i++) {                                                               \
+                    wblock wb;                                                                                       \
+                    decode(row + (block_bytes) * i, &wb);                                                            \
+                    if (tt == 1) acc[0] = apply_block(&wb, x0 + Q8K_BYTES * i, acc[0], kind);                        \
+                    else for (int64_t t = 0; t < tt; t++)                                                            \
+                        acc[t] = apply_block(&wb, x0 + t * xrow + Q8K_BYTES * i, acc[t], kind);                      \
+                }                                                                                                    \
+                for (int64_t t = 0; t < tt; t++) y[(t0 + t) * ldy + r] = acc_sum(acc[t]);                            \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
+
+ROWS(rows_q2k, decode_q2k, 84, HAS_MIN)
+ROWS(rows_q3k, decode_q3k, 110, HAS_OFF)
+ROWS(rows_q4k, decode_q4k, 144, HAS_MIN)
+ROWS(rows_q5k, decode_q5k, 176, HAS_MIN)
+ROWS(rows_q6k, decode_q6k, 210, HAS_OFF)
+ROWS(rows_iq3xxs, decode_iq3xxs, 98, HAS_OFF)
+ROWS(rows_iq3s, decode_iq3s, 110, HAS_OFF)
+ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
+
+void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t row_bytes, int64_t rows,
+              const void *xq, int64_t T, float *y, int64_t ldy) {
+    const uint8_t *wb = (const uint8_t *)w, *x = (const uint8_t *)xq;
+    if (act_type == ACT_Q8_K && dotk_act_type(wtype, 0) == ACT_Q8_K) {
+        switch (wtype) {
+        case Q2_K: rows_q2k(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case Q3_K: rows_q3k(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case Q4_K: rows_q4k(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case Q5_K: rows_q5k(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case Q6_K: rows_q6k(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case IQ3_XXS: rows_iq3xxs(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case IQ3_S: rows_iq3s(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case IQ4_XS: rows_iq4xs(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        }
+    }
+    for (int64_t t = 0; t < T; t++)  /* not this family's (the wrappers never ask): loudly wrong, never stale */
+        for (int64_t r = 0; r < rows; r++) y[t * ldy + r] = __builtin_nanf("");
+}
