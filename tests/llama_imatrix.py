@@ -124,11 +124,12 @@ def activation_imatrix(path: Path, tokens: int = 128, seed: int = 11) -> dict[st
     checkpoint = open_checkpoint(path)
     spec, engine, sums = checkpoint.spec, Engine(checkpoint), _Sums()
     engine.executor = _RecordingExperts(engine.executor, checkpoint, sums)
-    names: dict[int, list[str]] = {engine.lm_head.data_ptr(): ["output.weight"]}
+    # a float file: each trunk StoredLinear is one float32 matrix (`dense`), one F.linear
+    names: dict[int, list[str]] = {engine.lm_head.dense.data_ptr(): ["output.weight"]}
     for layer, w in enumerate(engine.layers):
         b = f"blk.{layer}."
-        names[w.qkv.data_ptr()] = [f"{b}attn_{n}.weight" for n in "qkv"]
-        names[w.o_proj.data_ptr()] = [f"{b}attn_output.weight"]
+        names[w.qkv.dense.data_ptr()] = [f"{b}attn_{n}.weight" for n in "qkv"]
+        names[w.o_proj.dense.data_ptr()] = [f"{b}attn_output.weight"]
         for mlp, suffix in ((w.mlp, ""), (w.shared, "_shexp")):
             if mlp is not None:
                 names[mlp.gate_up.data_ptr()] = [f"{b}ffn_gate{suffix}.weight", f"{b}ffn_up{suffix}.weight"]

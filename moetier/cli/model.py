@@ -129,7 +129,7 @@ def info(
     """Layers, experts, router and sizes of a checkpoint (reads headers only).
 
     Experts are held in their stored formats (expert_formats, bytes_per_expert: the largest layer's); the trunk is
-    held as float32 (trunk_float32_bytes of RAM)."""
+    held in its stored formats too (trunk_bytes), norms and router as float32."""
     from moetier.model import open_checkpoint
 
     checkpoint = open_checkpoint(model)
@@ -151,7 +151,7 @@ def info(
         "expert_formats": expert_formats(checkpoint),
         "bytes_per_expert": checkpoint.expert_nbytes,
         "expert_bytes_total": sum(checkpoint.expert_nbytes_at(layer) for layer in s.moe_layers) * s.num_experts,
-        "trunk_float32_bytes": checkpoint.trunk_float32_bytes,
+        "trunk_bytes": checkpoint.trunk_bytes,
         "total_bytes": checkpoint.total_bytes,
         "fingerprint": checkpoint.fingerprint,
     }

@@ -23,6 +23,7 @@ from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.base import ROW0
 from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
+from moetier.engine.linear import StoredEmbedding, StoredLinear
 from moetier.engine.router import Route, route_gate
 from moetier.engine.router_bias import RouterBias
 from moetier.tiers.base import ExpertJob
@@ -107,15 +108,13 @@ class ResidentExperts:
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
     post_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2G) * d, D] q, k, v projections stacked
-    qkv_bias: torch.Tensor | None  # [(H + 2G) * d]
-    o_proj: torch.Tensor  # [D, H * d]
-    o_bias: torch.Tensor | None  # [D]
+    qkv: StoredLinear  # D -> (H + 2G) * d: q, k, v projections stacked (with their biases)
+    o_proj: StoredLinear  # H * d -> D
     qk_norm: torch.Tensor | None  # [H + G, d]: q_norm for each query head, then k_norm for each kv head
-    mlp: ExpertWeights | None  # dense layers
+    mlp: ExpertWeights | None  # dense layers, stored
     router: torch.Tensor | None  # [E, D]
     correction_bias: torch.Tensor | None  # [E]
-    shared: ExpertWeights | None  # GLM shared experts
+    shared: ExpertWeights | None  # GLM shared experts, stored
 
 
 
@@ -148,11 +147,13 @@ class Engine:
         self.observer: RouteObserver | None = None
         self.times: StepTimes | None = None  # set to a StepTimes to account where each step's time goes
         c, first, last = checkpoint, self.parts[0].device, self.parts[-1].device
-        # Everything the engine keeps is copied out of the file mapping (load, resident).
-        self.embed = c.load("model.embed_tokens.weight").to(first)  # [V, D]
+        # Everything the engine keeps is copied out of the file mapping (load, resident, the stored layers), the
+        # trunk's matrices in their stored format (moetier.engine.linear)
+        self.float_acts = c.float_acts
+        self.embed = StoredEmbedding(*c.stored("model.embed_tokens.weight"), first)  # [V, D]
         self.final_norm = c.load("model.norm.weight").to(last)  # [D]
-        head = c.load("model.embed_tokens.weight") if spec.tie_word_embeddings else c.load("lm_head.weight")
-        self.lm_head = head.to(last)  # [V, D]
+        head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = StoredLinear([c.stored(head)], None, self.float_acts, last)  # D -> V
         self.layer_device = {layer: part.device for part in self.parts for layer in part.layers}
         self.layers = [self._layer_weights(layer) for layer in range(spec.num_layers)]
         self.ropes = {part.device: RotaryTable(spec.rotary_dim, spec.rope_theta, part.device) for part in self.parts}
@@ -175,25 +176,24 @@ class Engine:
         c, spec, dev = self.checkpoint, self.spec, self.layer_device[layer]
         p = f"model.layers.{layer}."
         attn = p + "self_attn."
-        qkv = torch.cat([c.tensor(f"{attn}{n}_proj.weight") for n in "qkv"]).to(dev)
         bias = None
         if spec.attention_bias:
-            bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"]).to(dev)
+            bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"])
+        qkv = StoredLinear([c.stored(f"{attn}{n}_proj.weight") for n in "qkv"], bias, self.float_acts, dev)
+        o_bias = c.load(attn + "o_proj.bias") if spec.output_bias else None
         moe = spec.is_moe(layer)
         to_dev = lambda w: None if w is None else w.resident().to(dev)  # noqa: E731
         return LayerWeights(
             input_norm=c.load(p + "input_layernorm.weight").to(dev),
             post_norm=c.load(p + "post_attention_layernorm.weight").to(dev),
             qkv=qkv,
-            qkv_bias=bias,
-            o_proj=c.load(attn + "o_proj.weight").to(dev),
-            o_bias=c.load(attn + "o_proj.bias").to(dev) if spec.output_bias else None,
+            o_proj=StoredLinear([c.stored(attn + "o_proj.weight")], o_bias, self.float_acts, dev),
             qk_norm=torch.cat([c.load(attn + "q_norm.weight").expand(spec.num_heads, -1),
                                c.load(attn + "k_norm.weight").expand(spec.num_kv_heads, -1)]).to(dev) if spec.qk_norm else None,
-            mlp=None if moe else to_dev(c.dense_mlp(layer)),
+            mlp=None if moe else to_dev(c.dense_mlp(layer, stored=True)),
             router=c.router_weight(layer).clone().to(dev) if moe else None,
             correction_bias=(lambda b: None if b is None else b.clone().to(dev))(c.router_bias(layer)) if moe else None,
-            shared=to_dev(c.shared_experts(layer)) if moe else None,
+            shared=to_dev(c.shared_experts(layer, stored=True)) if moe else None,
         )
 
     def new_cache(self) -> KVCache:
@@ -209,7 +209,7 @@ class Engine:
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
         """ids [T] int64 -> logits [T, V] (or [1, V] for the last position when all_logits is False)."""
         start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
-        h = self.embed[ids.to(self.device)]  # [T, D]
+        h = self.embed.rows(ids)  # [T, D]
         for index, part in enumerate(self.parts):
             h = h.to(part.device)
             mask = attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)
@@ -242,7 +242,7 @@ class Engine:
         if not all_logits:
             h = h[-1:]
         begin = time.perf_counter() if times is not None else 0.0
-        logits = F.linear(rms_norm(h, self.final_norm, eps), self.lm_head)  # [T, V]
+        logits = self.lm_head(rms_norm(h, self.final_norm, eps))  # [T, V]
         if times is not None:
             times.add("head", time.perf_counter() - begin)
             times.steps += 1
@@ -260,7 +260,7 @@ class Engine:
         s = self.spec
         new, d = x.shape[0], s.head_dim
         heads, groups = s.num_heads, s.num_kv_heads
-        qkv = F.linear(x, w.qkv, w.qkv_bias).view(new, heads + 2 * groups, d)  # [T, H + 2G, d]
+        qkv = w.qkv(x).view(new, heads + 2 * groups, d)  # [T, H + 2G, d]
         qk, v = qkv[:, : heads + groups], qkv[:, heads + groups :]  # [T, H + G, d], [T, G, d]
         if w.qk_norm is not None:  # per-head RMSNorm; q and k heads carry their own weights
             qk = F.rms_norm(qk, (d,), None, s.rms_norm_eps) * w.qk_norm
@@ -268,7 +268,7 @@ class Engine:
         q, k = qk[:heads], qk[heads:]  # [H, T, d], [G, T, d]
         v = v.transpose(0, 1)  # [G, T, d]
         keys, values = cache.append(layer, k, v, start)  # [G, P, d]
-        return F.linear(attend(q, keys, values, mask), w.o_proj, w.o_bias)  # [T, D]
+        return w.o_proj(attend(q, keys, values, mask))  # [T, D]
 
     def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> Partials:
         begin = time.perf_counter() if self.times is not None else 0.0

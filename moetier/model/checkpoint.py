@@ -30,7 +30,7 @@ import torch
 
 from moetier.model.expert_weights import ExpertWeights, NamedWeights
 from moetier.model.formats import BY_DTYPE, F32
-from moetier.model.safetensors_mmap import DTYPES, CheckpointError, SafetensorsFile, TensorEntry
+from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec, read_config
 from moetier.model.untrusted import read_json
 
@@ -114,11 +114,11 @@ class Checkpoint(NamedWeights):
         return gate if gate == down else f"{gate}/{down}"
 
     @property
-    def trunk_float32_bytes(self) -> int:
-        """RAM the trunk takes as float32 (every tensor but the routed experts; a bf16 file's trunk is converted at load)."""
-        return sum(4 * (e.nbytes // DTYPES[e.dtype].itemsize) for n, f in self._where.items()
-                   if ".experts." not in n and not n.endswith((".experts.gate_up_proj", ".experts.down_proj"))
-                   for e in (f.entries[n],))
+    def trunk_bytes(self) -> int:
+        """Bytes of the trunk as stored (every tensor but the routed experts): what the engine holds of it, its
+        matrices in their formats (norms, router and embedding of a bf16 file are held as float32: up to twice theirs)."""
+        return sum(f.entries[n].nbytes for n, f in self._where.items()
+                   if ".experts." not in n and not n.endswith((".experts.gate_up_proj", ".experts.down_proj")))
 
     def expert_nbytes_at(self, layer: int) -> int:
         """Bytes of one routed expert of a MoE layer as stored (the same for every layer of a safetensors model)."""

@@ -89,10 +89,12 @@ DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 class NamedWeights:
-    """The engine's structured reads over HF tensor names, for a reader with `tensor`, `load`, `has`, `spec`
-    and `_mlp` (the MoE block's name: "mlp", or "block_sparse_moe" for Mixtral)."""
+    """The engine's structured reads over HF tensor names, for a reader with `tensor`, `load`, `stored`, `has`,
+    `spec` and `_mlp` (the MoE block's name: "mlp", or "block_sparse_moe" for Mixtral)."""
 
     _mlp: str
+    # F16 / BF16 matrices multiply float32 activations (a HF checkpoint); a GGUF reader says False: as llama.cpp
+    float_acts: bool = True
 
     def router_weight(self, layer: int) -> torch.Tensor:
         return self.tensor(f"model.layers.{layer}.{self._mlp}.gate.weight")  # [E, D]
@@ -101,17 +103,23 @@ class NamedWeights:
         name = f"model.layers.{layer}.{self._mlp}.gate.e_score_correction_bias"
         return self.tensor(name) if self.has(name) else None  # [E]
 
-    def dense_mlp(self, layer: int) -> ExpertWeights:
-        """The SwiGLU MLP of a dense (non-MoE) layer."""
-        return self._ffn(f"model.layers.{layer}.mlp")
+    def dense_mlp(self, layer: int, stored: bool = False) -> ExpertWeights:
+        """The SwiGLU MLP of a dense (non-MoE) layer (float32, or in its stored formats)."""
+        return self._ffn(f"model.layers.{layer}.mlp", stored=stored)
 
-    def shared_experts(self, layer: int) -> ExpertWeights | None:
-        """A GLM MoE layer's shared experts (always applied), or None."""
+    def shared_experts(self, layer: int, stored: bool = False) -> ExpertWeights | None:
+        """A GLM MoE layer's shared experts (always applied), or None (float32, or in their stored formats)."""
         prefix = f"model.layers.{layer}.mlp.shared_experts"
-        return self._ffn(prefix) if self.has(f"{prefix}.gate_proj.weight") else None
+        return self._ffn(prefix, stored=stored) if self.has(f"{prefix}.gate_proj.weight") else None
 
-    def _ffn(self, prefix: str, names: tuple[str, str, str] = DENSE_NAMES) -> ExpertWeights:
+    def _ffn(self, prefix: str, names: tuple[str, str, str] = DENSE_NAMES, stored: bool = False) -> ExpertWeights:
         gate, up, down = (f"{prefix}.{n}.weight" for n in names)
+        if stored:
+            (g, g_type), (u, u_type), (d, d_type) = self.stored(gate), self.stored(up), self.stored(down)
+            if g_type != u_type:  # stacked rows share one format: both as float32 values then
+                g, u, g_type = self.tensor(gate), self.tensor(up), F32
+            # gate and up are copied by the stacking: copy down too, so the result owns its memory
+            return ExpertWeights(torch.cat([g, u]), d.clone(), False, g_type, d_type, self.float_acts)  # [2I, D], [D, I]
         # gate and up must be stacked, which copies them anyway: copy down too, so the result owns its
         # memory and a later resident() copies nothing a second time
         return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))  # [2I, D], [D, I]

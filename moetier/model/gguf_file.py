@@ -10,10 +10,11 @@ MLPs, sizes) with the values transformers sees in the HF checkpoint: where
 llama.cpp's converter changed a value (Mixtral's Q/K rows, permuted for its
 interleaved RoPE) the change is undone here. Routed experts come out in their
 stored bytes (`expert`, `stored`: uint8 GGML blocks, or F32/F16/BF16 values),
-which every tier holds and computes from; the trunk (`tensor`, `load`) is
-dequantized to float32 once, by `dequantize` (gguf.quants, numpy), and held
-so (`trunk_float32_bytes` of RAM). A layer's gate and up stacks must share a
-format (they are stacked into one matrix).
+which every tier holds and computes from, and so do the trunk's matrices
+(`stored`; `trunk_bytes` of RAM); `tensor` and `load` give float32 values,
+dequantized by `dequantize` (gguf.quants, numpy): the norms and the router.
+A layer's gate and up stacks must share a format (they are stacked into one
+matrix).
 Every read of the file is bounds-checked before it is made, so a truncated or
 malformed file is one CheckpointError naming it, never a traceback or a hang.
 """
@@ -257,14 +258,18 @@ class GgufCheckpoint(NamedWeights):
             if mapping is not None:
                 mapping.madvise(mmap.MADV_DONTNEED)
 
+    float_acts = False  # F16 / BF16 matrices multiply the activations llama.cpp converts for them
+
     def stored(self, name: str) -> tuple[torch.Tensor, int]:
-        """(tensor, its GGML type id) by HF name, in the bytes stored, a view of the mapping: float32 / float16 /
-        bfloat16 [rows, cols] for F32 / F16 / BF16, uint8 [rows, row bytes] for a block format."""
+        """(tensor, its GGML type id) by HF name, in the bytes stored, a view of the mapping (Mixtral's Q/K rows:
+        a copy, put back in HF order): float32 / float16 / bfloat16 [rows, cols] for F32 / F16 / BF16, uint8 [rows,
+        row bytes] for a block format."""
         source = self._sources.get(name)
-        if source is None or source.permuted_heads is not None:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} not found" if source is None else
-                                  f"{self.folder}: tensor {name!r} is stored permuted (read it with tensor())")
+        if source is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
         raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
+        if source.permuted_heads is not None:  # whole rows move: a row's blocks stay as they are (a copy)
+            raw = _unpermute(raw, source.permuted_heads).copy()
         qtype = int(source.tensor.tensor_type)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # weights are read-only by contract
@@ -298,10 +303,10 @@ class GgufCheckpoint(NamedWeights):
         return gate if gate == down else f"{gate}/{down}"
 
     @property
-    def trunk_float32_bytes(self) -> int:
-        """RAM the trunk takes once dequantized to float32 at load (every tensor of the blocks that run but the experts)."""
-        return sum(4 * int(source.tensor.n_elements) for source in self._sources.values()
-                   if source.expert is None)
+    def trunk_bytes(self) -> int:
+        """Bytes of the trunk as stored (every tensor of the blocks that run but the routed experts): what the engine
+        holds of it (its matrices in their formats; norms and router are float32 in every GGUF)."""
+        return sum(int(source.tensor.n_bytes) for source in self._sources.values() if source.expert is None)
 
     def expert_nbytes_at(self, layer: int) -> int:
         """Bytes of one routed expert of a MoE layer as stored (a mixed file's layers differ)."""

@@ -1,0 +1,89 @@
+"""The trunk's matrices in their stored format: a linear layer and an embedding table that never hold a float32 copy.
+
+`StoredLinear` computes y [T, out] = x [T, in] W^T (+ b) for W held as the
+checkpoint stores it, in row parts that may differ in format (a GGUF's q, k
+and v projections are three tensors, often of two formats). All-F32 weights
+are one float32 matrix and one F.linear, as before. Otherwise each part is
+computed where x lives: on the CPU by the native kernels (the activations
+converted once as llama.cpp's dot product for the part's format takes them,
+then integer block dot products on every kernel thread:
+DecodeKernel.linear), elsewhere — or without the kernels — by dequantizing
+the part on the device and multiplying the same converted activations
+(torch_dequant, torch_activations): the same products, summed in another
+order. `float_acts` keeps activations float32 for F16 / BF16 weights (a HF
+checkpoint, as transformers computes it). `StoredEmbedding` looks up rows
+and dequantizes only those (exact: ggml's get_rows dequantizes the same way).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moetier.backends import cpu_kernels
+from moetier.backends.activations import act_type
+from moetier.backends.torch_activations import as_dot_input
+from moetier.backends.torch_dequant import dequantize
+from moetier.model.formats import F32, format_of
+
+
+def stored_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool) -> torch.Tensor:
+    """x [T, n] float32 times one stored matrix [rows, ...] of GGML type qtype, on x's device -> [T, rows]."""
+    if qtype == F32:
+        return F.linear(x, data)
+    kernel = cpu_kernels.decode_kernel() if x.device.type == "cpu" else None
+    if kernel is not None and hasattr(kernel, "linear"):
+        return kernel.linear(x.contiguous(), data, qtype, float_acts)
+    return F.linear(as_dot_input(x, act_type(qtype, float_acts)), dequantize(data, qtype))
+
+
+class StoredLinear:
+    """y = x W^T + b, W the row-stack of `parts` (data, GGML type), each held as stored; see the module docstring."""
+
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, int]], bias: torch.Tensor | None, float_acts: bool,
+                 device: torch.device):
+        self.bias = None if bias is None else bias.to(device, copy=True)
+        self.float_acts = float_acts
+        if all(qtype == F32 for _, qtype in parts):  # one float32 matrix, one kernel: the float path as it was
+            self.dense: torch.Tensor | None = torch.cat([data for data, _ in parts]).to(device)  # [out, in]
+            self.parts: list[tuple[torch.Tensor, int]] = []
+        else:
+            self.dense = None
+            # copies in memory the process owns (a part may be a view of the file mapping)
+            self.parts = [(data.contiguous().to(device, copy=True), int(qtype)) for data, qtype in parts]
+
+    @property
+    def nbytes(self) -> int:
+        held = [self.dense] if self.dense is not None else [data for data, _ in self.parts]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    @property
+    def formats(self) -> str:
+        return "F32" if self.dense is not None else "/".join(format_of(q).name for _, q in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 -> [T, out]."""
+        if self.dense is not None:
+            return F.linear(x, self.dense, self.bias)
+        outs = [stored_matmul(x, data, qtype, self.float_acts) for data, qtype in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+class StoredEmbedding:
+    """Rows of an embedding table [V, D] held as stored; `rows(ids)` dequantizes only the rows asked for."""
+
+    def __init__(self, data: torch.Tensor, qtype: int, device: torch.device):
+        self.qtype = int(qtype)
+        self.data = data.to(device, copy=True)  # [V, D] float, or uint8 [V, row bytes]: owned, not the mapping
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 -> [T, D] float32."""
+        picked = self.data[ids.to(self.data.device)]
+        return picked if self.qtype == F32 else dequantize(picked, self.qtype)
