@@ -1,6 +1,7 @@
 """The native kernel on every stored format: its dequantizers are gguf's bit for bit; decode on stored
-experts is the float32 math on gguf's values up to summation order, and bit for bit the kernel's own
-result on those values dequantized; the native lane with one part is bit for bit `run`."""
+experts is the math on gguf's values with each matrix's input converted as its dot product takes it
+(llama.cpp's activation formats, moetier.backends.activations), up to float32 summation order; the
+fallback family is bit for bit the float32 kernel on the dequantized values; the lane is `run`'s bits."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 from quant_blocks import BLOCK_FORMATS, random_float_rows, random_rows
 
-from moetier.backends import cpu_kernels
+from moetier.backends import activations, cpu_kernels
 from moetier.model import ExpertWeights
-from moetier.model.formats import BY_NAME, FORMATS, Format
+from moetier.model.formats import BY_NAME, FORMATS, Format, format_of
 
 kernel = cpu_kernels.decode_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason=f"native kernel {cpu_kernels.status()}")
@@ -100,23 +101,49 @@ def decode_case(gate_up_name: str, down_name: str, seed: int):
     return experts, twins, x, [0.5, 0.3, 0.2]
 
 
-def float64_decode(x: torch.Tensor, twins: list[ExpertWeights], scales: list[float]) -> torch.Tensor:
-    out = torch.zeros(1, DIM, dtype=torch.float64)
-    for w, s in zip(twins, scales):
-        gate_up = x.double() @ w.gate_up.double().t()  # [1, 2I]
-        hidden = torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]  # [1, I]
-        out += s * (hidden @ w.down.double().t())  # [1, D]
-    return out
+def float64_dot(x: np.ndarray, data: torch.Tensor, qtype: int, float_acts: bool) -> np.ndarray:
+    """x [T, n] float32 times a stored matrix [rows, ...] of GGML type qtype -> [T, rows] float64: gguf's values of the
+    weights times x converted to the kernel's activation format for qtype and back (moetier.backends.activations:
+    llama.cpp's bytes), in float64. Q8_1 activations (Q4_1, Q5_1 weights) also carry each block's sum s as float16,
+    which the dot product multiplies by the weight block's minimum m: that rounding is added here too."""
+    act, n = kernel.act_type(qtype, float_acts), x.shape[-1]
+    xq = activations.quantize(act, x.astype(np.float32))  # [T, act row bytes]
+    weights = reference(data, format_of(qtype)).astype(np.float64)  # [rows, n]
+    y = activations.dequantize(act, xq, n).astype(np.float64) @ weights.T
+    if act == activations.ACT_Q8_1:
+        blocks = xq.reshape(-1).view(activations.Q8_1_BLOCK).reshape(len(x), n // 32)  # [T, n / 32]
+        rounding = blocks["s"].astype(np.float64) - blocks["d"].astype(np.float64) * blocks["qs"].astype(np.float64).sum(-1)
+        fmt = format_of(qtype)
+        raw = data.contiguous().view(torch.uint8).numpy().reshape(-1, fmt.block_bytes)  # [rows * n / 32, block bytes]
+        minimum = raw[:, 2:4].copy().view(np.float16).astype(np.float64).reshape(len(weights), n // 32)  # m, after d
+        y += rounding @ minimum.T
+    return y
+
+
+def float64_ffn(x: np.ndarray, w: ExpertWeights) -> np.ndarray:
+    """x [T, D] float32 -> [T, D] float64: one expert, each matrix by `float64_dot`, the SwiGLU in float64 (its
+    output rounded to float32 before down's conversion, as the kernel holds it)."""
+    h = float64_dot(x, w.gate_up, w.gate_up_type, w.float_acts)  # [T, 2I]
+    inter = h.shape[1] // 2
+    hidden = h[:, :inter] / (1 + np.exp(-h[:, :inter])) * h[:, inter:]  # [T, I]
+    return float64_dot(hidden.astype(np.float32), w.down, w.down_type, w.float_acts)
+
+
+def float64_decode(x: torch.Tensor, experts: list[ExpertWeights], scales: list[float]) -> torch.Tensor:
+    """x [1, D] -> [1, D] float64: sum_j scales[j] * float64_ffn_j(x)."""
+    return torch.from_numpy(sum(s * float64_ffn(x.numpy(), w) for w, s in zip(experts, scales)))
 
 
 @pytest.mark.parametrize("gate_up_name, down_name", DECODE_CASES, ids=lambda name: name)
-def test_decode_on_stored_experts_is_the_float32_math_on_their_values(gate_up_name, down_name):
-    experts, twins, x, scales = decode_case(gate_up_name, down_name, seed=len(gate_up_name) * 31 + len(down_name))
+def test_decode_on_stored_experts_is_the_math_on_their_values_and_converted_activations(gate_up_name, down_name):
+    """Within 2e-6 of the output's scale of float64 on gguf's values, each matrix's input converted to the activation
+    format its dot product takes (llama.cpp's for a native family's format, float32 on the fallback); the lane gives
+    run's bits."""
+    experts, _, x, scales = decode_case(gate_up_name, down_name, seed=len(gate_up_name) * 31 + len(down_name))
     got = kernel.run(x, experts, scales)  # [1, D]
-    exact = float64_decode(x, twins, scales)
+    exact = float64_decode(x, experts, scales)
     scale = exact.abs().max().item()
-    assert scale > 0 and (got.double() - exact).abs().max().item() <= 2e-6 * scale  # seen: 1.2e-7 .. 3.0e-7
-    assert torch.equal(got, kernel.run(x, twins, scales))  # the same dot products over the same float32 values
+    assert scale > 0 and (got.double() - exact).abs().max().item() <= 2e-6 * scale  # seen: 0.7e-7 .. 3.4e-7
     lane = cpu_kernels.NativeLane(kernel, 1)
     try:
         records = b"".join(map(cpu_kernels.expert_record, experts))
@@ -125,14 +152,40 @@ def test_decode_on_stored_experts_is_the_float32_math_on_their_values(gate_up_na
         lane.close()
 
 
-def test_a_lane_split_over_threads_sums_stored_experts_the_same_way_every_time():
+FALLBACK_PROBE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_native_formats as t
+from moetier.backends import cpu_kernels
+for gate_up, down in (("Q4_K", "Q6_K"), ("F16", "IQ4_XS"), ("Q8_0", "F32"), ("BF16", "BF16")):
+    experts, twins, x, scales = t.decode_case(gate_up, down, seed=3)
+    assert all(t.kernel.act_type(w.gate_up_type, True) == 0 for w in experts), "fallback activations are float32"
+    assert torch.equal(t.kernel.run(x, experts, scales), t.kernel.run(x, twins, scales)), (gate_up, down)
+print(cpu_kernels.status())
+"""
+
+
+def test_the_fallback_family_is_the_float32_kernel_on_dequantized_values():
+    """MOETIER_DOT_FAMILIES=0: every format dequantized a row at a time and dotted as float32 rows are, so stored
+    experts give the bits of their float32 twins."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", FALLBACK_PROBE.format(tests=str(Path(__file__).parent))], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "MOETIER_DOT_FAMILIES": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "fallback dots for every format (MOETIER_DOT_FAMILIES=0)" in done.stdout
+
+
+def test_a_lane_split_over_threads_gives_run_s_bits_every_time():
     experts, _, x, scales = decode_case("Q4_K", "Q6_K", seed=7)
-    expected = kernel.run(x, experts, scales)
+    expected = kernel.with_threads(1).run(x, experts, scales)
     lane = cpu_kernels.NativeLane(kernel, 2)
     try:
         records = b"".join(map(cpu_kernels.expert_record, experts))
         outs = [ticket.result() for ticket in [lane.submit(x, records, array("f", scales), INTER) for _ in range(4)]]
     finally:
         lane.close()
-    assert all(torch.equal(out, outs[0]) for out in outs)
-    assert (outs[0] - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+    assert all(torch.equal(out, expected) for out in outs)

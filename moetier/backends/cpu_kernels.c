@@ -1,31 +1,33 @@
-/* moetier native decode kernel: one token through k SwiGLU experts, each matrix in its stored format.
+/* moetier native CPU kernels: SwiGLU experts, a linear layer and the decode router, on a thread pool.
  *
- *   out[D] = sum_j scale[j] * down_j @ (silu(gate_j @ x) * (up_j @ x))
+ *   out[t] = sum over the experts e serving token t of w_e[t] * down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t]))
  *
- * gate_up_j is [2I, D] (gate rows, then up rows) and down_j is [D, I], both
- * row-major and contiguous, anywhere in memory, each in any GGML format of
- * moetier.model.formats: the caller passes their addresses and types, so
- * experts are read in place, each byte once. A float32 matrix is read as it
- * lies; any other has each row turned to float32 in a row of scratch (that
- * fits L1) by cpu_formats.c's dequantize_row, bit for bit gguf's values, and
- * dotted with the same code: so a stored format's result is bit for bit what
- * this kernel computes on the matrices dequantized to float32, which is the
- * float32 math up to summation order (against float64 on gguf's values,
- * tests/test_native_formats.py saw 1.2e-7..3e-7 of the output's scale). Decode is
- * bound by those bytes: each matrix is read row after row, in address order,
- * one sequential stream the hardware prefetchers follow (8 rows interleaved
- * read half as fast on a Zen 3 VM), each row's dot product over four vector
- * accumulators. One call per layer's group replaces ~5 framework ops per expert.
- * Also here: the native CPU lane (threads that never take the GIL) and the
- * decode router (gate, scores, top-k and weights in one call; float32 gate).
+ * Each matrix is held in its stored format (GGML type, moetier.model.formats), anywhere in memory; the caller
+ * passes addresses, so experts are read in place. Its dot products are computed by the family registered for
+ * its type (moe_dot_register; the interface is cpu_dot.h): activations converted once per row to the format
+ * that family's dot product takes (llama.cpp's vec_dot_type, or float32 for F16 / BF16 weights when the
+ * expert's record asks for float32 activations), then the family's dot over weight rows. The fallback family
+ * here takes float32 activations for every format: a float32 matrix read in place, any other a row at a time
+ * dequantized by cpu_formats.c (gguf's values bit for bit) and dotted by the same `dot`, so with the fallback
+ * a float32 expert gives the bits moetier's decode gave before the families (4 vector accumulators per row).
  *
- * Built once per machine by moetier/native.py (cc -O3 -march=native,
- * with reassociation allowed so the dot products vectorize); called through
- * ctypes, which releases the GIL. moe_decode_init must be called once first.
+ * Work is cut into granules (cpu_pool.h runs them on every pool thread): activation rows to convert; row
+ * ranges of each expert's gate_up (all its tokens at once, each weight row read once for them); the SwiGLU
+ * and its conversion for down, by whichever thread finishes the expert's last gate_up range; row ranges of
+ * each down; then each token's gate-weighted sum, over its experts in the caller's order. The cut depends on
+ * the shapes only, and every output value is written by one granule from the same inputs, so the result is
+ * the same bits for any thread count, any timing (tests/test_native_pool.py).
+ *
+ * Built once per machine by moetier/native.py (cc -O3 -march=native, reassociation allowed so the dot products
+ * vectorize); called through ctypes, which releases the GIL. moe_decode_init must be called once, and a dot
+ * family registered for every type, before any call; the Python wrappers check every argument.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_dot.h"
+#include "cpu_pool.h"
 
 /* 8 floats in one vector register (GCC/Clang vector extensions: AVX on x86-64, NEON pairs on arm64) */
 typedef float v8f __attribute__((vector_size(32)));
@@ -58,301 +60,355 @@ __attribute__((noinline)) static float dot(const float *restrict w, const float 
     return s;
 }
 
-/* y[r] = W[r, :] . x for r in [0, rows): row after row, so W streams from memory in address order
- * (one sequential stream is what the hardware prefetchers follow best). */
+/* y[r] = W[r, :] . x for r in [0, rows): row after row, so W streams from memory in address order. */
 static void gemv(const float *restrict W, const float *restrict x, float *restrict y, int64_t rows, int64_t cols) {
     for (int64_t r = 0; r < rows; r++) y[r] = dot(W + r * cols, x, cols);
 }
 
-enum { TYPE_F32 = 0 };  /* GGML type ids; every other format goes through dequantize_row */
+/* ---------------------------------------------------------------------------------------------------------
+ * Dot-product families: a table by weight type, and the fallback every type starts with.
+ * ------------------------------------------------------------------------------------------------------- */
+enum { TYPE_F32 = 0, TYPES = 64 };
 
-/* cpu_formats.c's row dequantizer: one row of `cols` values of GGML type `type` -> dst; returns the next row */
+typedef struct { act_type_fn act_type; quantize_fn quantize; dot_fn dot; } dot_entry;
+static dot_entry dots[TYPES];
+
+/* cpu_formats.c's row dequantizer (one row of `cols` values of `type` -> dst; returns the next row) and its
+ * block geometry, which gives the bytes of a row */
 typedef const uint8_t *(*row_fn)(int64_t type, const uint8_t *src, float *dst, int64_t cols);
+typedef int64_t (*geometry_fn)(int64_t type, int64_t *block, int64_t *block_bytes);
 static row_fn dequantize_row;
+static int64_t block_values[TYPES], block_bytes[TYPES];
 
-/* Once, before any decode: the row dequantizer of the formats library (cpu_formats.c, built apart with
- * strict IEEE flags so its values are gguf's bit for bit). */
-void moe_decode_init(void *row) { dequantize_row = (row_fn)row; }
+/* Once, before any call: the formats library's row dequantizer and block geometry (cpu_formats.c, built apart
+ * with strict IEEE flags so its values are gguf's bit for bit). */
+void moe_decode_init(void *row, void *geometry) {
+    dequantize_row = (row_fn)row;
+    for (int64_t t = 0; t < TYPES; t++)
+        if (!((geometry_fn)geometry)(t, &block_values[t], &block_bytes[t])) block_values[t] = 1, block_bytes[t] = 0;
+}
 
-/* Scratch floats moe_decode needs for widths D and I: gate_up [2I], hidden [I], y [D], one row [max(D, I)]. */
-int64_t moe_scratch_floats(int64_t D, int64_t I) { return 3 * I + D + (D > I ? D : I); }
+static inline int64_t row_bytes(int64_t type, int64_t cols) { return cols / block_values[type] * block_bytes[type]; }
 
-/* y[rows] = W x, W [rows, cols] in GGML type `type` at address W; row: scratch of cols floats */
-static void matvec(const void *W, int64_t type, const float *x, float *y, int64_t rows, int64_t cols, float *row) {
-    if (type == TYPE_F32) {
-        gemv(W, x, y, rows, cols);
+/* Weight type `wtype` computes with these three functions (cpu_dot.h) from now on; -> 0, or -1 for a bad type. */
+int64_t moe_dot_register(int64_t wtype, void *act_type, void *quantize, void *dot_product) {
+    if (wtype < 0 || wtype >= TYPES) return -1;
+    dots[wtype] = (dot_entry){(act_type_fn)act_type, (quantize_fn)quantize, (dot_fn)dot_product};
+    return 0;
+}
+
+/* The activation format weight type `wtype` is multiplied with, as registered (-1: none registered). */
+int64_t moe_act_type(int64_t wtype, int64_t float_acts) {
+    return wtype >= 0 && wtype < TYPES && dots[wtype].act_type ? dots[wtype].act_type(wtype, float_acts) : -1;
+}
+
+int64_t fallback_act_type(int64_t wtype, int64_t float_acts) {
+    (void)wtype, (void)float_acts;
+    return ACT_F32;
+}
+
+void fallback_quantize(int64_t act_type, const float *x, void *xq, int64_t n) {
+    (void)act_type;
+    memcpy(xq, x, (size_t)n * sizeof(float));
+}
+
+enum { ROW_ON_STACK = 16384 };  /* floats of a dequantized row kept on the stack; longer rows take the heap */
+
+void fallback_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t row_stride, int64_t rows,
+                  const void *xq, int64_t T, float *y, int64_t ldy) {
+    (void)act_type;
+    const float *x = xq;
+    const uint8_t *at = w;
+    if (wtype == TYPE_F32) {
+        for (int64_t r = 0; r < rows; r++, at += row_stride)
+            for (int64_t t = 0; t < T; t++) y[t * ldy + r] = dot((const float *)at, x + t * n, n);
         return;
     }
-    const uint8_t *w = W;
-    for (int64_t r = 0; r < rows; r++) {
-        w = dequantize_row(type, w, row, cols);
-        y[r] = dot(row, x, cols);
+    float stack[ROW_ON_STACK], *row = n <= ROW_ON_STACK ? stack : malloc((size_t)n * sizeof(float));
+    for (int64_t r = 0; r < rows; r++, at += row_stride) {
+        if (row) dequantize_row(wtype, at, row, n);
+        for (int64_t t = 0; t < T; t++) y[t * ldy + r] = row ? dot(row, x + t * n, n) : NAN;  /* NaN: out of memory */
     }
+    if (row != stack) free(row);
 }
 
-/* out[D] = sum over j = first, first + stride, ... < k of scale[j] * ffn_j(x), summed in that order.
- * experts: 4k int64s, (gate_up address, down address, gate_up type, down type) per expert;
- * scratch: moe_scratch_floats(D, I) floats. */
-static void decode_strided(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts, const float *scale,
-                           int64_t first, int64_t stride, float *out, float *scratch) {
-    float *gate_up = scratch, *hidden = scratch + 2 * I, *y = scratch + 3 * I, *row = scratch + 3 * I + D;
-    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-    for (int64_t j = first; j < k; j += stride) {
-        const int64_t *e = experts + 4 * j;
-        matvec((const void *)(intptr_t)e[0], e[2], x, gate_up, 2 * I, D, row);
+/* ---------------------------------------------------------------------------------------------------------
+ * Jobs: experts over tokens (decode: one token) and a linear layer, cut into granules.
+ * ------------------------------------------------------------------------------------------------------- */
+enum { FLAG_FLOAT_ACTS = 1 };  /* record word 4 */
+
+typedef struct {
+    const uint8_t *w;  /* rows of `cols` values of `type`, row_bytes apart */
+    const dot_entry *fn;
+    int64_t type, act, row_bytes, act_bytes;  /* act_bytes: one activation row of the columns, in format act */
+} matrix;
+
+static matrix matrix_of(int64_t address, int64_t type, int64_t float_acts, int64_t cols) {
+    matrix m = {(const uint8_t *)(intptr_t)address, &dots[type], type, 0, row_bytes(type, cols), 0};
+    m.act = m.fn->act_type(type, float_acts);
+    m.act_bytes = act_row_bytes(m.act, cols);
+    return m;
+}
+
+typedef struct {  /* activation rows converted once for the matrices that read them */
+    int64_t act, n, act_bytes;
+    quantize_fn quantize;
+    const int64_t *rows;  /* [n] rows of x it converts; NULL: rows 0..n-1 */
+    uint8_t *xq;          /* [n, act_bytes] */
+    int64_t left;         /* its granules not yet finished */
+} act_unit;
+
+typedef struct {  /* one expert and the tokens it serves */
+    matrix up, down;        /* gate_up [2I, D], down [D, I] */
+    int64_t n, unit;        /* tokens; the act_unit gate_up reads */
+    const float *weights;   /* [n] gate weights */
+    float *h;               /* [n, 2I]: gate_up's outputs, then the SwiGLU in each row's first I */
+    uint8_t *hq;            /* [n, down.act_bytes] */
+    float *y;               /* [n, D] */
+    int64_t up_left;        /* gate_up granules not yet finished */
+    int64_t hidden_pending; /* 1 until hq is written */
+} moe_group;
+
+enum { G_QUANT, G_UP, G_DOWN, G_SUM, G_LINEAR };
+typedef struct { int64_t kind, index, from, to; } granule;
+
+typedef struct {
+    const float *x;  /* [T, D] */
+    float *out;      /* [T, D]; a linear layer's [T, rows] */
+    int64_t T, D, I, G;
+    act_unit *units;
+    moe_group *groups;
+    granule *granules;
+    int64_t down_left;  /* down granules not yet finished */
+    int64_t *sum_start, *sum_group, *sum_pos;  /* token t's experts: (group, its row there) at [sum_start[t], sum_start[t+1]) */
+    matrix linear;      /* a linear layer's weights [rows, D] */
+    int64_t rows;
+} moe_job;
+
+/* Rows of a matrix per granule: ~64 KiB of weights for up to 8 tokens, less for more (a granule's work is
+ * weight bytes times tokens), never under 4. A function of the shapes only: the same cut for any thread count. */
+static int64_t granule_rows(int64_t row_bytes, int64_t tokens) {
+    const int64_t target = (int64_t)65536 * 8 / (tokens > 8 ? tokens : 8);
+    const int64_t r = (target + row_bytes - 1) / row_bytes;
+    return r < 4 ? 4 : (r + 3) & ~(int64_t)3;
+}
+
+enum { QUANT_ROWS = 16, SUM_ROWS = 4 };
+
+static int64_t add_granules(granule *out, int64_t at, int64_t kind, int64_t index, int64_t total, int64_t step) {
+    for (int64_t from = 0; from < total; from += step, at++)
+        if (out) out[at] = (granule){kind, index, from, from + step < total ? from + step : total};
+    return at;
+}
+
+static void swiglu(const moe_job *j, moe_group *e) {
+    const int64_t I = j->I;
+    for (int64_t t = 0; t < e->n; t++) {
+        float *h = e->h + t * 2 * I;
         for (int64_t i = 0; i < I; i++) {
-            const float g = gate_up[i];
-            hidden[i] = g / (1.f + expf(-g)) * gate_up[I + i];
+            const float g = h[i];
+            h[i] = g / (1.f + expf(-g)) * h[I + i];
         }
-        matvec((const void *)(intptr_t)e[1], e[3], hidden, y, D, I, row);
-        const float s = scale[j];
-        for (int64_t d = 0; d < D; d++) out[d] += s * y[d];
+        e->down.fn->quantize(e->down.act, h, e->hq + t * e->down.act_bytes, I);
     }
 }
 
-/* every expert, in order. experts: 4k int64s (see decode_strided); out: D floats, overwritten;
- * scratch: moe_scratch_floats(D, I) floats. */
-void moe_decode(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
-                const float *scale, float *out, float *scratch) {
-    decode_strided(x, D, I, k, experts, scale, 0, 1, out, scratch);
-}
-
-/* ---------------------------------------------------------------------------
- * The native CPU lane: decode calls queued to threads that never touch Python.
- *
- * A lane owns `threads` pthreads and LANE_SLOTS job slots. lane_submit copies a
- * call (x, the experts' addresses and types, their scales) into a free slot and returns
- * its ticket at once (with all slots queued, once one is done); the threads split the call's experts into `parts`
- * (expert j goes to part j % parts, each part summed in order into its own
- * row) and the thread that finishes the last part adds the rows in part order,
- * so the result does not depend on which thread ran what. lane_collect waits
- * for a ticket (the GIL is released by ctypes meanwhile), copies the result
- * out and frees the slot; lane_release frees a slot whose caller went away
- * (now if done, else when done). The slot owns copies of everything but the
- * expert weights, which the caller keeps alive until lane_close returns.
- * Threads waiting for work, and lane_collect waiting for a result, poll for
- * spin_s before they sleep on a condition variable: decode hands work over
- * every layer, and a sleeping thread's wake-up costs tens of microseconds on
- * a virtual CPU.
- * ------------------------------------------------------------------------- */
-#include <pthread.h>
-#include <stdlib.h>
-#include <time.h>
-
-#define LANE_SLOTS 16
-#define LANE_THREADS_MAX 64
-
-enum { SLOT_FREE, SLOT_QUEUED, SLOT_DONE };
-
-typedef struct {
-    int64_t state;
-    int released;
-    int64_t ticket, D, I, k, parts, claimed, finished;
-    double done_s;                     /* CLOCK_MONOTONIC seconds when the last part finished */
-    float *x;                          /* [D] */
-    int64_t *experts;                  /* [4k]: per expert gate_up, down addresses and types */
-    float *scale;                      /* [k] */
-    float *rows;                       /* [parts, D] partial sums; row 0 ends as the total */
-    float *scratch;                    /* [parts, moe_scratch_floats(D, I)] */
-    int64_t cap_x, cap_experts, cap_scale, cap_rows, cap_scratch;
-} lane_slot;
-
-typedef struct {
-    pthread_mutex_t mu;
-    pthread_cond_t work, done;
-    lane_slot slots[LANE_SLOTS];
-    int64_t next_ticket;               /* also read without the lock by spinning threads */
-    int stop, threads;
-    double spin_s;                     /* how long a thread polls before it sleeps on a condition */
-    pthread_t tid[LANE_THREADS_MAX];
-} moe_lane;
-
-static double monotonic_s(void);
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-/* Poll *word (read without the lock) until it differs from `seen` or spin_s passes: a hand-off that
- * lands within the spin costs no futex sleep and wake, which on a virtual CPU take tens of us. */
-static void spin_while_equal(const int64_t *word, int64_t seen, double spin_s) {
-    if (spin_s <= 0) return;
-    const double until = monotonic_s() + spin_s;
-    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == seen && monotonic_s() < until)
-        cpu_relax();
-}
-
-static double monotonic_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static void *lane_main(void *arg) {
-    moe_lane *lane = arg;
-    pthread_mutex_lock(&lane->mu);
-    for (;;) {
-        lane_slot *s = NULL;  /* the oldest queued call with a part left to claim */
-        for (int i = 0; i < LANE_SLOTS; i++) {
-            lane_slot *c = &lane->slots[i];
-            if (c->state == SLOT_QUEUED && c->claimed < c->parts && (!s || c->ticket < s->ticket)) s = c;
-        }
-        if (!s) {
-            if (lane->stop) break;
-            const int64_t seen = lane->next_ticket;
-            pthread_mutex_unlock(&lane->mu);
-            spin_while_equal(&lane->next_ticket, seen, lane->spin_s);
-            pthread_mutex_lock(&lane->mu);
-            if (lane->next_ticket == seen && !lane->stop) pthread_cond_wait(&lane->work, &lane->mu);
-            continue;
-        }
-        const int64_t part = s->claimed++;
-        pthread_mutex_unlock(&lane->mu);
-        decode_strided(s->x, s->D, s->I, s->k, s->experts, s->scale, part, s->parts,  /* experts part, part + parts, ... */
-                       s->rows + part * s->D, s->scratch + part * moe_scratch_floats(s->D, s->I));
-        pthread_mutex_lock(&lane->mu);
-        if (++s->finished < s->parts) continue;
-        pthread_mutex_unlock(&lane->mu);  /* the last part: every other row is written */
-        for (int64_t p = 1; p < s->parts; p++)
-            for (int64_t d = 0; d < s->D; d++) s->rows[d] += s->rows[p * s->D + d];
-        const double done_s = monotonic_s();
-        pthread_mutex_lock(&lane->mu);
-        s->done_s = done_s;
-        __atomic_store_n(&s->state, s->released ? SLOT_FREE : SLOT_DONE, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&lane->done);
+static void run_granule(void *job, int64_t index) {
+    moe_job *j = job;
+    const granule *g = &j->granules[index];
+    const int64_t from = g->from, rows = g->to - g->from;
+    switch (g->kind) {
+    case G_QUANT: {
+        act_unit *u = &j->units[g->index];
+        for (int64_t t = from; t < g->to; t++)
+            u->quantize(u->act, j->x + (u->rows ? u->rows[t] : t) * j->D, u->xq + t * u->act_bytes, j->D);
+        __atomic_fetch_sub(&u->left, 1, __ATOMIC_RELEASE);
+        break;
     }
-    pthread_mutex_unlock(&lane->mu);
-    return NULL;
+    case G_UP: {
+        moe_group *e = &j->groups[g->index];
+        const act_unit *u = &j->units[e->unit];
+        await_zero(&u->left);
+        const matrix *m = &e->up;
+        m->fn->dot(m->type, m->act, j->D, m->w + from * m->row_bytes, m->row_bytes, rows, u->xq, e->n, e->h + from, 2 * j->I);
+        if (__atomic_sub_fetch(&e->up_left, 1, __ATOMIC_ACQ_REL) == 0) {  /* the expert's last range: its hidden */
+            swiglu(j, e);
+            __atomic_store_n(&e->hidden_pending, 0, __ATOMIC_RELEASE);
+        }
+        break;
+    }
+    case G_DOWN: {
+        moe_group *e = &j->groups[g->index];
+        await_zero(&e->hidden_pending);
+        const matrix *m = &e->down;
+        m->fn->dot(m->type, m->act, j->I, m->w + from * m->row_bytes, m->row_bytes, rows, e->hq, e->n, e->y + from, j->D);
+        __atomic_fetch_sub(&j->down_left, 1, __ATOMIC_RELEASE);
+        break;
+    }
+    case G_SUM: {
+        await_zero(&j->down_left);
+        const int64_t D = j->D;
+        for (int64_t t = from; t < g->to; t++) {
+            float *out = j->out + t * D;
+            for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+            for (int64_t p = j->sum_start[t]; p < j->sum_start[t + 1]; p++) {
+                const moe_group *e = &j->groups[j->sum_group[p]];
+                const float s = e->weights[j->sum_pos[p]], *y = e->y + j->sum_pos[p] * D;
+                for (int64_t d = 0; d < D; d++) out[d] += s * y[d];
+            }
+        }
+        break;
+    }
+    case G_LINEAR: {
+        const act_unit *u = &j->units[0];
+        await_zero(&u->left);
+        const matrix *m = &j->linear;
+        m->fn->dot(m->type, m->act, j->D, m->w + from * m->row_bytes, m->row_bytes, rows, u->xq, j->T, j->out + from, j->rows);
+        break;
+    }
+    }
 }
 
-static int grow(void **buffer, int64_t *cap, int64_t need, size_t item) {
-    if (need <= *cap) return 0;
-    void *bigger = realloc(*buffer, (size_t)need * item);
-    if (!bigger) return -1;
-    *buffer = bigger;
-    *cap = need;
+static inline size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+static void *carve(uint8_t **at, size_t bytes) {
+    void *p = *at;
+    *at += aligned(bytes);
+    return p;
+}
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Arena bytes moe_layout carves for this call (an upper bound: one token's experts may share activations). */
+static size_t moe_bytes(int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records, const int64_t *offsets) {
+    const int64_t pairs = offsets ? offsets[G] : G;
+    size_t bytes = aligned(sizeof(moe_group) * (size_t)G) + aligned(sizeof(act_unit) * (size_t)G)
+                   + 2 * aligned(sizeof(int64_t) * (size_t)(T + 1)) + 2 * aligned(sizeof(int64_t) * (size_t)pairs);
+    int64_t granules = ceil_div(T, SUM_ROWS);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *r = records + RECORD_WORDS * g, float_acts = r[4] & FLAG_FLOAT_ACTS;
+        const matrix up = matrix_of(r[0], r[2], float_acts, D), down = matrix_of(r[1], r[3], float_acts, I);
+        const int64_t n = offsets ? offsets[g + 1] - offsets[g] : 1;
+        bytes += aligned((size_t)(n * up.act_bytes)) + aligned(sizeof(float) * (size_t)(n * 2 * I))
+                 + aligned((size_t)(n * down.act_bytes)) + aligned(sizeof(float) * (size_t)(n * D));
+        granules += ceil_div(n, QUANT_ROWS) + ceil_div(2 * I, granule_rows(up.row_bytes, n))
+                    + ceil_div(D, granule_rows(down.row_bytes, n));
+    }
+    return bytes + aligned(sizeof(granule) * (size_t)granules);
+}
+
+/* Lay the job out from `at` (moe_bytes of room); -> its granule count. */
+static int64_t moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const int64_t *offsets, const int64_t *rows,
+                          const float *weights) {
+    const int64_t T = j->T, D = j->D, I = j->I, G = j->G, pairs = offsets ? offsets[G] : G;
+    j->groups = carve(&at, sizeof(moe_group) * (size_t)G);
+    j->units = carve(&at, sizeof(act_unit) * (size_t)G);
+    j->sum_start = carve(&at, sizeof(int64_t) * (size_t)(T + 1));
+    j->sum_group = carve(&at, sizeof(int64_t) * (size_t)pairs);
+    j->sum_pos = carve(&at, sizeof(int64_t) * (size_t)pairs);
+    int64_t *cursor = carve(&at, sizeof(int64_t) * (size_t)(T + 1));  /* each token's next free pair */
+    int64_t units = 0;
+    for (int64_t g = 0; g < G; g++) {  /* the experts and the activation rows they read */
+        moe_group *e = &j->groups[g];
+        const int64_t *r = records + RECORD_WORDS * g, float_acts = r[4] & FLAG_FLOAT_ACTS;
+        e->up = matrix_of(r[0], r[2], float_acts, D);
+        e->down = matrix_of(r[1], r[3], float_acts, I);
+        e->n = offsets ? offsets[g + 1] - offsets[g] : 1;
+        e->weights = offsets ? weights + offsets[g] : weights + g;
+        e->unit = units;
+        if (T == 1 && e->n == 1)  /* one token: converted once per activation format, shared by its experts */
+            for (int64_t u = 0; u < units; u++)
+                if (j->units[u].n == 1 && j->units[u].act == e->up.act && j->units[u].quantize == e->up.fn->quantize) e->unit = u;
+        if (e->unit == units) {
+            uint8_t *xq = carve(&at, (size_t)(e->n * e->up.act_bytes));
+            j->units[units++] = (act_unit){e->up.act, e->n, e->up.act_bytes, e->up.fn->quantize,
+                                           offsets ? rows + offsets[g] : NULL, xq, 0};
+        }
+        e->h = carve(&at, sizeof(float) * (size_t)(e->n * 2 * I));
+        e->hq = carve(&at, (size_t)(e->n * e->down.act_bytes));
+        e->y = carve(&at, sizeof(float) * (size_t)(e->n * D));
+        e->up_left = ceil_div(2 * I, granule_rows(e->up.row_bytes, e->n));
+        e->hidden_pending = 1;
+    }
+    /* granules in the order they are claimed: every one is claimed after those whose outputs it reads */
+    granule *list = j->granules = (granule *)at;
+    int64_t n = 0;
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t before = n;
+        n = add_granules(list, n, G_QUANT, u, j->units[u].n, QUANT_ROWS);
+        j->units[u].left = n - before;
+    }
+    for (int64_t g = 0; g < G; g++) n = add_granules(list, n, G_UP, g, 2 * I, granule_rows(j->groups[g].up.row_bytes, j->groups[g].n));
+    const int64_t downs = n;
+    for (int64_t g = 0; g < G; g++) n = add_granules(list, n, G_DOWN, g, D, granule_rows(j->groups[g].down.row_bytes, j->groups[g].n));
+    j->down_left = n - downs;
+    n = add_granules(list, n, G_SUM, 0, T, SUM_ROWS);
+    /* each token's (expert, row) pairs in expert order: a counting sort by token */
+    for (int64_t t = 0; t <= T; t++) j->sum_start[t] = 0;
+    for (int64_t p = 0; p < pairs; p++) j->sum_start[(offsets ? rows[p] : 0) + 1]++;
+    for (int64_t t = 0; t < T; t++) j->sum_start[t + 1] += j->sum_start[t];
+    for (int64_t t = 0; t < T; t++) cursor[t] = j->sum_start[t];
+    for (int64_t g = 0, p = 0; g < G; g++)
+        for (int64_t i = 0; i < j->groups[g].n; i++, p++) {
+            const int64_t at_pair = cursor[offsets ? rows[p] : 0]++;
+            j->sum_group[at_pair] = g, j->sum_pos[at_pair] = i;
+        }
+    return n;
+}
+
+/* out [T, D] = for each token, the sum over the experts serving it (in group order) of its gate weight times the
+ * expert's SwiGLU of its row of x [T, D] (zero for a token none serves). G groups: records [RECORD_WORDS G]
+ * (gate_up, down addresses, their types, flags); group g serves the rows rows[offsets[g] .. offsets[g + 1]) of x
+ * (each in [0, T), at least one) with weights[...] alike; offsets NULL: T = 1 and group g serves row 0 with weight
+ * weights[g]. -> 0, or -2 when out of memory. */
+int64_t moe_experts(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records,
+                    const int64_t *offsets, const int64_t *rows, const float *weights, float *out) {
+    pthread_mutex_lock(&pool->call);
+    uint8_t *arena = pool_arena(pool, moe_bytes(T, D, I, G, records, offsets));
+    if (!arena) {
+        pthread_mutex_unlock(&pool->call);
+        return -2;
+    }
+    moe_job job = {.x = x, .out = out, .T = T, .D = D, .I = I, .G = G};
+    const int64_t granules = moe_layout(&job, arena, records, offsets, rows, weights);
+    pool_run(pool, run_granule, &job, granules);
+    pthread_mutex_unlock(&pool->call);
     return 0;
 }
 
-moe_lane *lane_open(int64_t threads, double spin_s) {
-    if (threads < 1 || threads > LANE_THREADS_MAX) return NULL;
-    moe_lane *lane = calloc(1, sizeof(moe_lane));
-    if (!lane) return NULL;
-    lane->spin_s = spin_s;
-    pthread_mutex_init(&lane->mu, NULL);
-    pthread_cond_init(&lane->work, NULL);
-    pthread_cond_init(&lane->done, NULL);
-    for (int64_t t = 0; t < threads; t++) {
-        if (pthread_create(&lane->tid[t], NULL, lane_main, lane) != 0) break;
-        lane->threads++;
-    }
-    return lane;
+/* One token: out [D] = sum over j < k, in order, of scale[j] * ffn_j(x [D]); experts: RECORD_WORDS k int64s. */
+int64_t moe_decode(moe_pool *pool, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                   const float *scale, float *out) {
+    return moe_experts(pool, x, 1, D, I, k, experts, NULL, NULL, scale, out);
 }
 
-int64_t lane_threads(const moe_lane *lane) { return lane->threads; }
-
-/* Queue one call (experts: 4k int64s, as moe_decode's); returns its ticket. With every slot taken it waits
- * for a queued call to finish; -1 when all are done but uncollected, -2 when out of memory. */
-int64_t lane_submit(moe_lane *lane, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
-                    const float *scale, int64_t parts) {
-    if (parts > k) parts = k;
-    if (parts < 1) parts = 1;
-    pthread_mutex_lock(&lane->mu);
-    lane_slot *s = NULL;
-    for (;;) {  /* a free slot; while none, wait for a queued call to finish (none queued: give up) */
-        int queued = 0;
-        for (int i = 0; i < LANE_SLOTS && !s; i++) {
-            if (lane->slots[i].state == SLOT_FREE) s = &lane->slots[i];
-            queued |= lane->slots[i].state == SLOT_QUEUED;
-        }
-        if (s || !queued) break;
-        pthread_cond_wait(&lane->done, &lane->mu);
+/* y [T, rows] = x [T, n] W^T, W rows of n values of `wtype` at w, as stored (row_bytes apart); float_acts: F32
+ * activations for F16 / BF16 weights. -> 0, or -2 when out of memory. */
+int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const void *w, int64_t wtype, int64_t float_acts,
+                   int64_t rows, float *y) {
+    pthread_mutex_lock(&pool->call);
+    moe_job job = {.x = x, .out = y, .T = T, .D = n, .rows = rows};
+    job.linear = matrix_of((int64_t)(intptr_t)w, wtype, float_acts, n);
+    const int64_t step = granule_rows(job.linear.row_bytes, T);
+    const int64_t granules = ceil_div(T, QUANT_ROWS) + ceil_div(rows, step);
+    uint8_t *at = pool_arena(pool, aligned(sizeof(act_unit)) + aligned((size_t)(T * job.linear.act_bytes))
+                                       + aligned(sizeof(granule) * (size_t)granules));
+    if (!at) {
+        pthread_mutex_unlock(&pool->call);
+        return -2;
     }
-    int64_t ticket = -1;
-    if (s) {
-        ticket = -2;
-        if (!grow((void **)&s->x, &s->cap_x, D, sizeof(float)) &&
-            !grow((void **)&s->experts, &s->cap_experts, 4 * k, sizeof(int64_t)) &&
-            !grow((void **)&s->scale, &s->cap_scale, k, sizeof(float)) &&
-            !grow((void **)&s->rows, &s->cap_rows, parts * D, sizeof(float)) &&
-            !grow((void **)&s->scratch, &s->cap_scratch, parts * moe_scratch_floats(D, I), sizeof(float))) {
-            memcpy(s->x, x, (size_t)D * sizeof(float));
-            memcpy(s->experts, experts, (size_t)(4 * k) * sizeof(int64_t));
-            memcpy(s->scale, scale, (size_t)k * sizeof(float));
-            s->D = D, s->I = I, s->k = k, s->parts = parts, s->claimed = 0, s->finished = 0, s->released = 0;
-            s->ticket = ticket = lane->next_ticket;
-            s->state = SLOT_QUEUED;
-            __atomic_store_n(&lane->next_ticket, ticket + 1, __ATOMIC_RELEASE);
-            if (parts > 1) pthread_cond_broadcast(&lane->work);
-            else pthread_cond_signal(&lane->work);
-        }
-    }
-    pthread_mutex_unlock(&lane->mu);
-    return ticket;
-}
-
-static lane_slot *slot_of(moe_lane *lane, int64_t ticket) {
-    lane_slot *s = &lane->slots[0];
-    for (int i = 0; i < LANE_SLOTS; i++, s++)
-        if (s->state != SLOT_FREE && s->ticket == ticket) return s;
-    return NULL;
-}
-
-/* Wait for a ticket, copy its [D] result to out and the time it finished to *done_s; free its slot.
- * Returns 0, or -1 for a ticket that is not pending (already collected or released, or never given). */
-int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s) {
-    pthread_mutex_lock(&lane->mu);
-    lane_slot *s = slot_of(lane, ticket);
-    if (!s || s->released) {
-        pthread_mutex_unlock(&lane->mu);
-        return -1;
-    }
-    if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
-        pthread_mutex_unlock(&lane->mu);
-        spin_while_equal(&s->state, SLOT_QUEUED, lane->spin_s);
-        pthread_mutex_lock(&lane->mu);
-    }
-    while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);
-    memcpy(out, s->rows, (size_t)s->D * sizeof(float));
-    *done_s = s->done_s;
-    s->state = SLOT_FREE;
-    pthread_mutex_unlock(&lane->mu);
+    job.units = carve(&at, sizeof(act_unit));
+    uint8_t *xq = carve(&at, (size_t)(T * job.linear.act_bytes));
+    job.units[0] = (act_unit){job.linear.act, T, job.linear.act_bytes, job.linear.fn->quantize, NULL, xq, ceil_div(T, QUANT_ROWS)};
+    job.granules = (granule *)at;
+    int64_t count = add_granules(job.granules, 0, G_QUANT, 0, T, QUANT_ROWS);
+    count = add_granules(job.granules, count, G_LINEAR, 0, rows, step);
+    pool_run(pool, run_granule, &job, count);
+    pthread_mutex_unlock(&pool->call);
     return 0;
 }
 
-/* The caller will not collect this ticket: free its slot now if done, else when it is. */
-void lane_release(moe_lane *lane, int64_t ticket) {
-    pthread_mutex_lock(&lane->mu);
-    lane_slot *s = slot_of(lane, ticket);
-    if (s) {
-        if (s->state == SLOT_DONE) s->state = SLOT_FREE;
-        else s->released = 1;
-    }
-    pthread_mutex_unlock(&lane->mu);
-}
-
-/* Finish queued calls, stop the threads, free everything. */
-void lane_close(moe_lane *lane) {
-    pthread_mutex_lock(&lane->mu);
-    lane->stop = 1;
-    pthread_cond_broadcast(&lane->work);
-    pthread_mutex_unlock(&lane->mu);
-    for (int t = 0; t < lane->threads; t++) pthread_join(lane->tid[t], NULL);
-    for (int i = 0; i < LANE_SLOTS; i++) {
-        lane_slot *s = &lane->slots[i];
-        free(s->x), free(s->experts), free(s->scale), free(s->rows), free(s->scratch);
-    }
-    pthread_cond_destroy(&lane->work);
-    pthread_cond_destroy(&lane->done);
-    pthread_mutex_destroy(&lane->mu);
-    free(lane);
-}
-
-/* ---------------------------------------------------------------------------
+/* ---------------------------------------------------------------------------------------------------------
  * The decode router: one token's gate logits, scores, top-k picks and weights
  * in one call, the arithmetic of moetier/engine/router.py (float32; the gate's
  * dot products in this file's order). Picks come in descending order of their

@@ -1,25 +1,25 @@
-"""moetier's CPU kernels (cpu_kernels.c beside this file): expert decode, the lane's threads, the one-token router.
+"""moetier's CPU kernels (cpu_kernels.c, cpu_pool.h beside this file): SwiGLU experts, a linear layer, the CPU lane, the router.
 
-`decode_kernel()` returns a `DecodeKernel`, or None when this machine cannot
-build one (no C compiler, a failed build, or MOETIER_NATIVE=0); `status()`
-says which and why, in one line. moetier.native builds the library once per
-machine (-O3 -march=native, content-hashed, atomic), and cpu_formats.c, the
-row dequantizers, apart with strict IEEE flags. The router's C
-(`DecodeKernel.route`, called by moetier.engine.router) lives in the same file
-because it shares the expert kernels' vectorised gemv.
+`decode_kernel(threads)` returns a `DecodeKernel` over a pool of that many
+native threads (default: the CPUs this process may run on; the calling
+thread is one of them), or None when this machine cannot build the library
+(no C compiler, a failed build, or MOETIER_NATIVE=0); `status()` says which
+and why, in one line. moetier.native builds the library once per machine
+(-O3 -march=native, content-hashed, atomic), and cpu_formats.c, the row
+dequantizers, apart with strict IEEE flags.
 
-Guarantee: `DecodeKernel.run` computes what the torch decode path computes
-(the gate-weighted sum of k SwiGLU experts over one token) in float32, with
-sums in another order (differences of float32 rounding, ~1e-6 relative), for
-experts held in any stored format of moetier.model.formats, read in place.
-A stored format's values are gguf.quants.dequantize's bit for bit
-(`DecodeKernel.dequantize` exposes them), and its result is bit for bit what
-`run` gives on the same matrices dequantized to float32 (tests/test_native_formats.py).
-`NativeLane` queues the same calls to the library's own threads, which never
-take the GIL: the CPU lane's work then costs the engine's thread one ctypes
-call to hand over and one to collect. With one part per call its result is
-bit for bit `run`'s; with several, the same for any thread timing.
-Every argument is checked here (`expert_record`); the C validates nothing.
+Numerics: each matrix's dot products are those of the dot-product family
+registered for its format (moetier.backends.dot_kernels: activations
+converted once per row as llama.cpp converts them, `act_type`, then integer
+block dot products), else of the fallback family in cpu_kernels.c (float32
+activations; a stored row dequantized to gguf's values bit for bit, then a
+float32 dot; float32 experts then give the bits moetier's decode gave before
+the families). MOETIER_DOT_FAMILIES=0 keeps the fallback for every format.
+Guarantee: `run`, `experts`, `linear` and `NativeLane` give the same bits
+whatever the pool's thread count and timing, and the lane the same bits as
+`run`; `experts` on T rows equals T calls of `run` up to float32 summation
+order over the experts (tests/test_native_pool.py). Every argument is
+checked here (`expert_record` and the methods); the C validates nothing.
 """
 
 from __future__ import annotations
@@ -35,13 +35,25 @@ from typing import Sequence
 
 import torch
 
+from moetier.backends import activations, dot_kernels
+from moetier.backends.base import ExpertWork
 from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS, Format, format_of
 from moetier.native import FAST_FLAGS, STRICT_FLAGS, library
 
 SOURCE = Path(__file__).with_suffix(".c")
 FORMATS_SOURCE = Path(__file__).with_name("cpu_formats.c")
-RECORD = struct.Struct("qqqq")  # one expert as moe_decode reads it: gate_up address, down address, their GGML types
+# one expert as the C reads it: gate_up address, down address, their GGML types, flags (FLOAT_ACTS)
+RECORD = struct.Struct("qqqqq")
+FLOAT_ACTS = 1  # flags: F16 / BF16 matrices multiply float32 activations (ExpertWeights.float_acts)
+THREADS_MAX = 256  # POOL_THREADS_MAX in cpu_pool.h
+ACT_BLOCK = {activations.ACT_F32: 1, activations.ACT_F16: 1, activations.ACT_BF16: 1, activations.ACT_Q8_0: 32,
+             activations.ACT_Q8_1: 32, activations.ACT_Q8_K: 256}  # values per block of each activation format
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def _width(fmt: Format, cols: int) -> int:
@@ -73,8 +85,8 @@ def _readable(t: torch.Tensor, qtype: int, rows: int, cols: int) -> bool:
 
 
 def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | None = None) -> bytes:
-    """One expert as the native kernel and lane read it: 32 bytes, RECORD (gate_up address, down address,
-    gate_up type, down type). Raises ValueError (one line) unless both matrices are their formats' shapes
+    """One expert as the native kernels and lane read it: 40 bytes, RECORD (gate_up address, down address,
+    gate_up type, down type, flags). Raises ValueError (one line) unless both matrices are their formats' shapes
     ([2I, D] and [D, I] values; D and I, when given, those of the call), contiguous in host memory.
     The tensors must outlive every use of the record."""
     gate_up, down, gate_up_type, down_type = weights.gate_up, weights.down, weights.gate_up_type, weights.down_type
@@ -83,32 +95,56 @@ def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | N
     if not (_readable(gate_up, gate_up_type, 2 * inter, dim) and _readable(down, down_type, dim, inter)):
         raise ValueError(_matrix_error("expert gate_up", gate_up, gate_up_type, 2 * inter, dim)
                          or _matrix_error("expert down", down, down_type, dim, inter))
-    return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type)
+    return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type, FLOAT_ACTS if weights.float_acts else 0)
+
+
+def _float_input(what: str, x: torch.Tensor) -> torch.Tensor:
+    """x as float32 [T, n] contiguous in host memory, or ValueError."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"{what}: x must be float32 [T, n] in host memory, got {x.dtype} {list(x.shape)} on {x.device}")
+    return x.contiguous()
+
+
+def _status_error(what: str, status: int) -> None:
+    if status == -2:
+        raise MemoryError(f"{what}: the native kernels ran out of memory")
+
+
+class NativePool:
+    """`threads` native threads for the kernels' calls (cpu_pool.h); the calling thread is one of them."""
+
+    def __init__(self, lib: ctypes.CDLL, threads: int, spin_us: float):
+        self._lib = lib
+        self.handle = lib.pool_open(threads, spin_us * 1e-6)
+        if not self.handle:
+            raise RuntimeError(f"native pool: could not open {threads} thread(s)")
+        self.threads = lib.pool_threads(self.handle)
+        if self.threads < threads:
+            lib.pool_close(self.handle)
+            raise RuntimeError(f"native pool: started {self.threads - 1} of {threads - 1} helper threads")
+        _POOLS.add(self)
+
+
+_POOLS: "weakref.WeakSet[NativePool]" = weakref.WeakSet()
 
 
 class DecodeKernel:
-    """The loaded library; thread-safe (no state of its own), releases the GIL while it runs."""
+    """The loaded library with a pool of `threads`; thread-safe (calls on one pool take turns), releases the GIL."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path, formats: ctypes.CDLL):
-        """library: cpu_kernels.c built; formats: cpu_formats.c built, its tables already given (`_load`)."""
-        self.path = path
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn = library.moe_decode
-        self._fn.restype, self._fn.argtypes = None, [p, i64, i64, i64, p, p, p, p]
-        library.moe_scratch_floats.restype, library.moe_scratch_floats.argtypes = i64, [i64, i64]
-        library.moe_decode_init.restype, library.moe_decode_init.argtypes = None, [p]
-        library.moe_decode_init(ctypes.cast(formats.dequantize_row, p).value)
-        formats.dequantize_rows.restype, formats.dequantize_rows.argtypes = None, [i64, p, i64, i64, p]
-        self.library, self.formats = library, formats
-        library.lane_open.restype, library.lane_open.argtypes = p, [i64, ctypes.c_double]
-        library.lane_threads.restype, library.lane_threads.argtypes = i64, [p]
-        library.lane_submit.restype, library.lane_submit.argtypes = i64, [p, p, i64, i64, i64, p, p, i64]
-        library.lane_collect.restype, library.lane_collect.argtypes = i64, [p, i64, p, p]
-        library.lane_release.restype, library.lane_release.argtypes = None, [p, i64]
-        library.lane_close.restype, library.lane_close.argtypes = None, [p]
-        library.route_softmax_f32.restype = library.route_sigmoid_f32.restype = None
-        library.route_softmax_f32.argtypes = [p, p, i64, i64, i64, p, i64, p, p, p, p, p]
-        library.route_sigmoid_f32.argtypes = [p, p, i64, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p, p, p, p]
+    def __init__(self, native: "_Native", threads: int):
+        self.library, self.formats, self.path, self.threads = native.library, native.formats, native.path, threads
+        self._pool: NativePool | None = None
+
+    @property
+    def pool(self) -> NativePool:
+        """The pool, started on first use (the router alone needs none)."""
+        if self._pool is None:
+            self._pool = _pool(self.threads)
+        return self._pool
+
+    def with_threads(self, threads: int) -> "DecodeKernel":
+        """The kernel over a pool of `threads` (the same object for the same count)."""
+        return _kernel(threads)
 
     def route(self, spec, gate: torch.Tensor, x: torch.Tensor, correction: torch.Tensor | None,
               nudge: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,10 +175,14 @@ class DecodeKernel:
         return (weights.gate_up_type in FORMATS and weights.down_type in FORMATS
                 and gate_up.is_cpu and down.is_cpu and gate_up.is_contiguous() and down.is_contiguous())
 
+    def act_type(self, wtype: int, float_acts: bool = False) -> int:
+        """The activation format (moetier.backends.activations) a matrix of GGML type wtype is multiplied with here."""
+        return self.library.moe_act_type(format_of(wtype).id, int(float_acts))
+
     def dequantize(self, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
         """data: rows of `cols` values of GGML type qtype (float [rows, cols] of its dtype, or uint8
-        [rows, row_bytes] of blocks), contiguous in host memory -> float32 [rows, cols], the values the
-        kernel computes with (bit for bit gguf.quants.dequantize's)."""
+        [rows, row_bytes] of blocks), contiguous in host memory -> float32 [rows, cols], bit for bit
+        gguf.quants.dequantize's values (the fallback family's)."""
         fmt = format_of(qtype)
         if data.dim() != 2:
             raise ValueError(f"{fmt.name}: expected a matrix [rows, row width], got {data.dim()} dimension(s) {list(data.shape)}")
@@ -154,13 +194,9 @@ class DecodeKernel:
             self.formats.dequantize_rows(fmt.id, data.data_ptr(), data.shape[0], cols, out.data_ptr())
         return out
 
-    def scratch_floats(self, dim: int, inter: int) -> int:
-        """Floats of scratch one decode call (or one lane part) needs for widths D and I."""
-        return self.library.moe_scratch_floats(dim, inter)
-
     def run(self, x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
-        """x [1, D] float32 -> [1, D] = sum_j scales[j] * ffn_j(x); every expert must `fit`, all of
-        hidden size D and the first one's width I (checked: ValueError)."""
+        """x [1, D] float32 -> [1, D] = sum_j scales[j] * ffn_j(x), summed in the order given; every expert must
+        `fit`, all of hidden size D and the first one's width I (checked: ValueError)."""
         k = len(experts)
         if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"decode kernel: x must be float32 [1, D] in host memory, got {x.dtype} {list(x.shape)} on {x.device}")
@@ -170,55 +206,109 @@ class DecodeKernel:
         records = b"".join([expert_record(w, dim, inter) for w in experts])  # [k] RECORDs, each checked against D and I
         x = x.contiguous()
         scale = (ctypes.c_float * k)(*scales)
-        buffer = torch.empty(dim + self.scratch_floats(dim, inter), dtype=torch.float32)  # out [D], then scratch
-        self._fn(x.data_ptr(), dim, inter, k, records, scale, buffer.data_ptr(), buffer.data_ptr() + 4 * dim)
-        return buffer[:dim].view(1, dim)
+        out = torch.empty(1, dim)
+        _status_error("decode", self.library.moe_decode(self.pool.handle, x.data_ptr(), dim, inter, k, records, scale, out.data_ptr()))
+        return out
+
+    def experts(self, x: torch.Tensor, groups: Sequence[ExpertWork]) -> torch.Tensor:
+        """x [T, D] float32 in host memory -> out [T, D]: row t is the sum, over the groups whose rows hold t (in
+        the order given), of that weight times the expert's SwiGLU of x[t]. groups: per expert (an ExpertWeights
+        that `fits`, all of hidden size D and the first one's width I), rows [n] int64 in [0, T) and weights [n]
+        float32, in host memory; a group of no rows is skipped. Each expert's rows are converted once and its
+        weights read once for all of them."""
+        x = _float_input("experts", x)
+        tokens, dim = x.shape
+        groups = [g for g in groups if g.rows.numel()]
+        if not groups or not tokens:
+            return torch.zeros(tokens, dim)
+        inter = groups[0].expert.inter
+        records = b"".join([expert_record(g.expert, dim, inter) for g in groups])
+        for g in groups:
+            if (g.rows.dtype != torch.int64 or g.weights.dtype != torch.float32 or g.rows.dim() != 1
+                    or g.weights.shape != g.rows.shape or not g.rows.is_cpu or not g.weights.is_cpu):
+                raise ValueError(f"experts: a group's rows must be int64 [n] and its weights float32 [n] in host memory, got "
+                                 f"{g.rows.dtype} {list(g.rows.shape)} on {g.rows.device}, {g.weights.dtype} {list(g.weights.shape)}")
+        rows, weights = torch.cat([g.rows for g in groups]), torch.cat([g.weights for g in groups])  # [pairs]
+        low, high = torch.aminmax(rows)
+        if low.item() < 0 or high.item() >= tokens:
+            raise ValueError(f"experts: rows must lie in [0, {tokens}), got {low.item()}..{high.item()}")
+        offsets = array("q", [0])
+        for g in groups:
+            offsets.append(offsets[-1] + g.rows.numel())
+        out = torch.empty(tokens, dim)
+        _status_error("experts", self.library.moe_experts(self.pool.handle, x.data_ptr(), tokens, dim, inter, len(groups), records,
+                                                          offsets.buffer_info()[0], rows.data_ptr(), weights.data_ptr(), out.data_ptr()))
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, wtype: int, float_acts: bool) -> torch.Tensor:
+        """y [T, rows] float32 = x [T, n] W^T, on every pool thread (rows split; each weight row read once for all T).
+
+        x: float32 [T, n] in host memory. w: W [rows, n] as stored in GGML type wtype, contiguous in host memory
+        (float [rows, n] of the format's dtype, or uint8 [rows, row bytes] of blocks). float_acts: float32
+        activations for F16 / BF16 weights (a HF checkpoint); else x is converted as llama.cpp converts it for
+        wtype's dot product (`act_type`). Bad arguments: ValueError, one line."""
+        x = _float_input("linear", x)
+        fmt = FORMATS.get(wtype)
+        if fmt is None:
+            raise ValueError(f"linear: GGML type {wtype} is not a stored format")
+        if w.dim() != 2:
+            raise ValueError(f"linear: weights must be a matrix [rows, row width], got {list(w.shape)}")
+        tokens, cols = x.shape
+        why = _matrix_error("linear weights", w, fmt.id, w.shape[0], cols)
+        if why is not None:
+            raise ValueError(why)
+        y = torch.empty(tokens, w.shape[0])
+        if y.numel():
+            _status_error("linear", self.library.moe_linear(self.pool.handle, x.data_ptr(), tokens, cols, w.data_ptr(), fmt.id,
+                                                            int(bool(float_acts)), w.shape[0], y.data_ptr()))
+        return y
 
 
 class NativeLane:
-    """`threads` native threads that compute decode calls queued by `submit` (module docstring).
+    """Decode calls queued by `submit` and computed by the pool of `threads` on the lane's own native thread
+    (one of the pool's participants), which never takes the GIL: the engine's thread runs on meanwhile, and
+    each call uses every pool thread. The result is bit for bit `DecodeKernel.run`'s on the same arguments.
 
-    Each call is split into min(threads, k) parts. The expert weights whose addresses are passed
-    must outlive `close()`; everything else a call needs is copied at `submit`.
+    The expert weights whose addresses are passed must outlive `close()`; everything else a call needs is
+    copied at `submit`.
     """
 
-    SLOTS = 16  # calls queued or done-but-uncollected at once (LANE_SLOTS in the C source)
+    SLOTS = 16  # calls queued or done-but-uncollected at once (LANE_SLOTS in cpu_pool.h)
 
     def __init__(self, kernel: DecodeKernel, threads: int = 1, spin_us: float | None = None):
-        """spin_us: how long an idle lane thread, or a caller waiting for a result, polls before it
+        """spin_us: how long the idle lane thread, or a caller waiting for a result, polls before it
         sleeps (default $MOETIER_LANE_SPIN_US, else 200; 0 sleeps at once)."""
-        self._lib = kernel.library
+        self._kernel = kernel.with_threads(threads)
+        self._lib = self._kernel.library
         if spin_us is None:
             spin_us = float(os.environ.get("MOETIER_LANE_SPIN_US", "200"))
-        self._handle = self._lib.lane_open(threads, spin_us * 1e-6)
+        self._handle = self._lib.lane_open(self._kernel.pool.handle, spin_us * 1e-6)
         if not self._handle:
-            raise RuntimeError(f"native lane: could not start {threads} thread(s)")
-        self.threads = self._lib.lane_threads(self._handle)
+            raise RuntimeError("native lane: could not start its thread")
+        self.threads = self._kernel.pool.threads
         self._forked = False  # set in a forked child, which inherits the lane but not its threads
         _LANES.add(self)
-        if self.threads < threads:
-            self.close()
-            raise RuntimeError(f"native lane: started {self.threads} of {threads} threads")
 
     def submit(self, x: torch.Tensor, addresses: bytes, scales: array, inter: int) -> "LaneTicket":
         """x [1, D] float32 contiguous in host memory; addresses: k expert records joined (`expert_record`:
-        32 bytes each, struct "qqqq", which checked them); scales: array("f") of k gate weights; inter: I,
+        40 bytes each, RECORD, which checked them); scales: array("f") of k gate weights; inter: I,
         each expert's width."""
         k, dim = len(scales), x.shape[1]
         if self._forked:
             raise RuntimeError("native lane: used in a forked child process (its threads stayed in the parent); open a new one")
-        if len(addresses) != RECORD.size * k or scales.itemsize != 4:
+        if len(addresses) != RECORD.size * k or scales.itemsize != 4 or k == 0:
             raise ValueError(f"native lane: {len(addresses)} address bytes for {k} scales (expected {RECORD.size} per expert: "
-                             "an expert_record; float32 scales)")
-        ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses,
-                                       scales.buffer_info()[0], self.threads)
+                             "an expert_record; float32 scales; at least one)")
+        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+            raise ValueError(f"native lane: x must be float32 [1, D] contiguous in host memory, got {x.dtype} {list(x.shape)}")
+        ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses, scales.buffer_info()[0])
         if ticket < 0:
             why = f"all {self.SLOTS} call slots hold results not collected" if ticket == -1 else "out of memory"
             raise RuntimeError(f"native lane: cannot queue a call ({why})")
         return LaneTicket(self, ticket, dim)
 
     def close(self) -> None:
-        """Finish queued calls and stop the threads (idempotent)."""
+        """Finish queued calls and stop the lane's thread (idempotent; the pool stays)."""
         if self._handle:
             handle, self._handle = self._handle, None
             self._lib.lane_close(handle)
@@ -230,6 +320,8 @@ _LANES: "weakref.WeakSet[NativeLane]" = weakref.WeakSet()
 def _mark_forked() -> None:
     for lane in _LANES:
         lane._forked = True
+    for pool in _POOLS:  # the helpers stayed in the parent: the caller computes alone, to the same bits
+        pool._lib.pool_forked(pool.handle)
 
 
 os.register_at_fork(after_in_child=_mark_forked)
@@ -253,8 +345,10 @@ class LaneTicket:
             if not lane._handle:
                 raise RuntimeError("native lane: closed before this call was collected")
             out, done = torch.empty(1, self._dim), ctypes.c_double()
-            if lane._lib.lane_collect(lane._handle, self._ticket, out.data_ptr(), ctypes.byref(done)) != 0:
+            status = lane._lib.lane_collect(lane._handle, self._ticket, out.data_ptr(), ctypes.byref(done))
+            if status == -1:
                 raise RuntimeError(f"native lane: call {self._ticket} is not pending")
+            _status_error("native lane", status)
             self._out, self.done_s = out, done.value
         return self._out
 
@@ -300,8 +394,83 @@ def _open_formats(formats: ctypes.CDLL) -> str | None:
     return None
 
 
+def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
+    p, i64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    signatures = {
+        "moe_decode_init": (None, [p, p]),
+        "moe_dot_register": (i64, [i64, p, p, p]),
+        "moe_act_type": (i64, [i64, i64]),
+        "moe_decode": (i64, [p, p, i64, i64, i64, p, p, p]),
+        "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
+        "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
+        "pool_open": (p, [i64, dbl]),
+        "pool_threads": (i64, [p]),
+        "pool_close": (None, [p]),
+        "pool_forked": (None, [p]),
+        "lane_open": (p, [p, dbl]),
+        "lane_submit": (i64, [p, p, i64, i64, i64, p, p]),
+        "lane_collect": (i64, [p, i64, p, p]),
+        "lane_release": (None, [p, i64]),
+        "lane_close": (None, [p]),
+        "route_softmax_f32": (None, [p, p, i64, i64, i64, p, i64, p, p, p, p, p]),
+        "route_sigmoid_f32": (None, [p, p, i64, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p, p, p, p]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    formats.dequantize_rows.restype, formats.dequantize_rows.argtypes = None, [i64, p, i64, i64, p]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _act_error(lib: ctypes.CDLL, fmt: Format) -> str | None:
+    """Why the activation formats registered for fmt cannot serve every row of fmt's blocks, or None."""
+    for float_acts in (0, 1):
+        act = lib.moe_act_type(fmt.id, float_acts)
+        block = ACT_BLOCK.get(act)  # values per activation block
+        if block is None or fmt.block % block:
+            return f"{fmt.name} is given activation format {act} (float_acts={float_acts})"
+    return None
+
+
+def _register(lib: ctypes.CDLL) -> str:
+    """The fallback family for every format, then each native family's formats over it; -> which, in words."""
+    fallback = (_address(lib.fallback_act_type), _address(lib.fallback_quantize), _address(lib.fallback_dot))
+    for fmt in FORMATS.values():
+        lib.moe_dot_register(fmt.id, *fallback)
+    if os.environ.get("MOETIER_DOT_FAMILIES", "1") == "0":
+        return "fallback dots for every format (MOETIER_DOT_FAMILIES=0)"
+    dots = dot_kernels.dot_kernels()
+    if dots is None:
+        return f"fallback dots for every format (families {dot_kernels.status()})"
+    refused, native = [], set()
+    for wtype in sorted(dots.types & FORMATS.keys()):
+        lib.moe_dot_register(wtype, *dots.entry(wtype))
+        why = _act_error(lib, FORMATS[wtype])
+        if why is None:
+            native.add(wtype)
+        else:  # a family that answers nonsense leaves its format on the fallback
+            lib.moe_dot_register(wtype, *fallback)
+            refused.append(why)
+    rest = [f.name for f in FORMATS.values() if f.id not in native]
+    return (f"dots {dot_kernels.status()}" + (f", fallback for {', '.join(rest)}" if rest else "")
+            + (f"; refused: {'; '.join(refused)}" if refused else ""))
+
+
+class _Native:
+    """The built libraries, declared, given their tables and dot families (once per process)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, formats: ctypes.CDLL):
+        self.library, self.path, self.formats = lib, path, formats
+        _declare(lib, formats)
+        lib.moe_decode_init(_address(formats.dequantize_row), _address(formats.format_geometry))
+        self.dots = _register(lib)
+
+
 @functools.cache
-def _load() -> tuple[DecodeKernel | None, str]:
+def _load() -> tuple[_Native | None, str]:
     formats, _, why = library(FORMATS_SOURCE, STRICT_FLAGS)
     if formats is None:
         return None, f"{why}: torch kernels"
@@ -311,14 +480,31 @@ def _load() -> tuple[DecodeKernel | None, str]:
     why = _open_formats(formats)
     if why is not None:
         return None, f"off: {why}: torch kernels"
-    return DecodeKernel(lib, path, formats), f"on ({path})"
+    native = _Native(lib, path, formats)
+    return native, f"on ({path}; {native.dots})"
 
 
-def decode_kernel() -> DecodeKernel | None:
-    """The native kernel, built on first use; None when this machine has none (see status())."""
-    return _load()[0]
+@functools.cache
+def _kernel(threads: int) -> DecodeKernel:
+    if not 1 <= threads <= THREADS_MAX:
+        raise ValueError(f"native kernels: threads must be 1..{THREADS_MAX}, got {threads}")
+    return DecodeKernel(_load()[0], threads)
+
+
+@functools.cache
+def _pool(threads: int) -> NativePool:
+    """One pool per thread count, for the process's life (kernels and lanes asking for that count share it)."""
+    return NativePool(_load()[0].library, threads, float(os.environ.get("MOETIER_POOL_SPIN_US", "200")))
+
+
+def decode_kernel(threads: int | None = None) -> DecodeKernel | None:
+    """The native kernels over a pool of `threads` (default `default_threads()`), built on first use; None when
+    this machine has none (see status())."""
+    if _load()[0] is None:
+        return None
+    return _kernel(default_threads() if threads is None else int(threads))
 
 
 def status() -> str:
-    """One line: whether the native decode kernel is in use, and why not when it is not."""
+    """One line: whether the native kernels are in use (and their dot families), and why not when they are not."""
     return _load()[1]

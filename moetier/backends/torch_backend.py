@@ -9,27 +9,23 @@ picked expert's weights exactly once, in place: gathering the k experts into
 one stacked tensor for a single bmm would copy every weight byte once more
 per token, and decode is bound by exactly those bytes.
 
-On the CPU, decode runs through the native kernel (native.py, one C call per
-layer's group) when this machine could build it, and through torch ops
-otherwise: an expert's matrices are small (0.25-0.5 MB on the medium model),
-so five framework ops per expert cost as much as reading its bytes (a
-microbenchmark here, 160 experts per token: torch ops 10.5 GB/s, the kernel
-22.5 GB/s, which is what one core reads).
+On the CPU, a layer's group runs through the native kernels
+(moetier.backends.cpu_kernels: one C call per group, decode and prefill
+alike, on a pool of `lanes` threads, default every CPU this process may run
+on) when this machine could build them, and through torch ops otherwise: an
+expert's matrices are small (0.25-0.5 MB on the medium model), so five
+framework ops per expert cost as much as reading its bytes. The kernels'
+result does not depend on the thread count.
 
 Experts are held in their stored format (moetier.model.formats). The native
-kernel reads every format in place; the torch path (CUDA, prefill, a machine
-without the kernel) dequantizes an expert's matrices to float32 on their own
-device for each call (moetier.backends.torch_dequant), so VRAM holds stored
-bytes and only a call's transient copy is float32.
-
-With `lanes > 1` (default 1) a CPU decode group is split over that many
-threads, each streaming its share of the experts single-threaded into its own
-partial sum, added in lane order.
+kernels read every format in place; the torch path (CUDA, a machine without
+the kernels) dequantizes an expert's matrices to float32 on their own device
+for each call (moetier.backends.torch_dequant), so VRAM holds stored bytes and
+only a call's transient copy is float32.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -74,21 +70,18 @@ class TorchBackend(Backend):
     caps = BackendCaps(dtypes=("float32",), formats=frozenset(FORMATS))
 
     def __init__(self, device: str = "cpu", lanes: int | None = None, native_kernel: bool = True):
-        """lanes: CPU decode threads (default 1); native_kernel: False keeps CPU decode on torch ops."""
+        """lanes: the native kernels' CPU threads (default: every CPU this process may run on); native_kernel:
+        False keeps CPU experts on torch ops."""
         super().__init__(device)
         self.torch_device = torch.device(device)
         if self.torch_device.type == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError(f"torch backend: device {device!r} asked for but CUDA is not available")
         cpu = self.torch_device.type == "cpu"
-        self.lanes = max(1, lanes if lanes is not None else 1)
+        self.lanes = max(1, lanes if lanes is not None else cpu_kernels.default_threads())
         self._native_asked = native_kernel
-        self._kernel = cpu_kernels.decode_kernel() if cpu and native_kernel else None
+        self._kernel = cpu_kernels.decode_kernel(self.lanes) if cpu and native_kernel else None
         self._decode = _decode_experts if self._kernel is None else self._kernel.run
-        self._pool = None
-        if cpu and self.lanes > 1:  # the lane threads' kernels are single-threaded (set once per thread)
-            self._pool = ThreadPoolExecutor(self.lanes, thread_name_prefix="expert-lane",
-                                            initializer=torch.set_num_threads, initargs=(1,))
 
     def _place(self, weights: ExpertWeights) -> ExpertWeights:
         if self.torch_device.type == "cpu":
@@ -103,6 +96,8 @@ class TorchBackend(Backend):
             scales = torch.cat([item.weights for item in work]).tolist()  # one host read, not one per expert
             experts = [item.expert for item in work for _ in range(item.weights.shape[0])]  # one per weight: a RUN may
             return self._run_decode(x, experts, scales)  # give an expert the row twice, or not at all
+        if self._kernel is not None and x.is_cpu and all(self._kernel.fits(item.expert) for item in work):
+            return self._kernel.experts(x, work)  # each expert's rows converted once, its weights read once
         out = torch.zeros_like(x)  # [T, D]
         for item in work:
             rows = item.rows.to(x.device)
@@ -111,17 +106,10 @@ class TorchBackend(Backend):
         return out
 
     def _run_decode(self, x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
-        if self._pool is None or len(experts) < 2:
-            return self._decode(x, experts, scales)
-        lanes = min(self.lanes, len(experts))
-        futures = [self._pool.submit(self._decode, x, experts[i::lanes], scales[i::lanes]) for i in range(lanes)]
-        out = futures[0].result()
-        for future in futures[1:]:
-            out += future.result()
-        return out
+        return self._decode(x, experts, scales)
 
     def decode_kernel(self) -> "cpu_kernels.DecodeKernel | None":
-        return self._kernel if self._pool is None else None  # several lanes sum in another order
+        return self._kernel
 
     def native_lane(self, threads: int) -> "cpu_kernels.NativeLane | None":
         """A native lane of `threads` threads over this backend's kernel (None without the kernel)."""
@@ -131,14 +119,10 @@ class TorchBackend(Backend):
         if self.torch_device.type != "cpu":
             return super().describe()
         if self._kernel is not None:
-            decode = "native kernel (every stored format read in place)"
+            experts = f"native kernels on {self.lanes} thread(s) (every stored format read in place)"
         else:
-            decode = f"torch ops; native kernel {cpu_kernels.status() if self._native_asked else 'not asked for'}"
-        return f"{super().describe()}, decode: {decode}" + (f", {self.lanes} lanes" if self.lanes > 1 else "")
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            experts = f"torch ops; native kernels {cpu_kernels.status() if self._native_asked else 'not asked for'}"
+        return f"{super().describe()}, experts: {experts}"
 
     def synchronize(self) -> None:
         if self.torch_device.type == "cuda":

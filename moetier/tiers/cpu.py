@@ -5,12 +5,13 @@ machine's `HostExperts` (placed by the backend without another copy).
 `submit` runs off the engine's thread, so the engine can do attention or GPU
 work meanwhile. A decode call (one token in host memory) goes to the
 backend's native lane when it has one (the torch backend with the native
-kernel): C threads that never take the GIL, so handing work over and
-collecting it cost the engine one ctypes call each and nothing in between.
-Other calls run on Python lane threads (torch releases the GIL inside its
-kernels; with the torch backend a call's experts are spread over `threads`).
-Results are exactly the backend's `run_experts` over the same jobs, up to
-float32 summation order when the native lane splits a call over threads.
+kernels): a C thread that never takes the GIL hands the call to the
+backend's pool of `threads` native threads, which split every matrix's rows,
+so handing work over and collecting it cost the engine one ctypes call each
+and nothing in between. Other calls (prefill windows) run on Python lane
+threads, through the same backend (with the native kernels, on the same
+pool). Results are exactly the backend's `run_experts` over the same jobs,
+bit for bit.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class CpuTier(Tier):
         threads: int = 1,
     ):
         super().__init__(name)
-        if isinstance(backend, str):  # torch spreads a call's experts over `threads` lanes
+        if isinstance(backend, str):  # torch: its native kernels' pool has `threads` threads
             backend = get_backend(backend, "cpu", lanes=threads) if backend == "torch" else get_backend(backend, "cpu")
         self.backend = backend
         experts = range(host.spec.num_experts)
@@ -74,7 +75,7 @@ class CpuTier(Tier):
         lane = self.backend.native_lane(threads)
         if lane is None:
             return None, None
-        records = {layer: [expert_record(w, inter=self.inter) for w in placed]  # per expert, 32 bytes
+        records = {layer: [expert_record(w, inter=self.inter) for w in placed]  # per expert, RECORD.size bytes
                    for layer, placed in self.placed.items()}
         return lane, records
 

@@ -14,10 +14,10 @@
  *
  * Worker: `wire_serve` receives on the worker's ROUTER socket (pyzmq's own
  * libzmq handle), serves fast RUNs of admitted sessions with the native
- * decode kernel (backends/cpu_kernels.c's moe_decode, passed in as a
- * pointer: the same function, the same arguments, hence the same bits as the
- * Python path through TorchBackend, for experts in any stored format the
- * kernel reads), and returns to Python for anything else, when
+ * decode kernel (backends/cpu_kernels.c's moe_decode on the backend's thread
+ * pool, both passed in as pointers: the same function, the same arguments,
+ * hence the same bits as the Python path through TorchBackend, for experts in
+ * any stored format the kernel reads), and returns to Python for anything else, when
  * idle, or after a batch. Client: `wire_send_run` encodes and sends a RUN,
  * `wire_recv_reply` takes the next message and, if it is the awaited RUN
  * reply, copies y out; otherwise the frames wait in the client's inbox for
@@ -454,14 +454,14 @@ static uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN -> 0x7fc0: 
 /* ================================================================================================ */
 /* Worker                                                                                              */
 /* ================================================================================================ */
-/* cpu_kernels.c's moe_decode (experts: 4k int64s, a record per expert) and the scratch floats it needs */
-typedef void (*decode_fn)(const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts, const float *scale,
-                          float *out, float *scratch);
-typedef int64_t (*scratch_fn)(int64_t D, int64_t I);
+/* cpu_kernels.c's moe_decode on its pool (experts: RECORD_WORDS k int64s, a record per expert) -> 0, or < 0 */
+typedef int64_t (*decode_fn)(void *pool, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                             const float *scale, float *out);
+enum { RECORD_WORDS = 5 };
 
 /* an expert the kernel reads in place: its record (gate_up [2I, D] and down [D, I] addresses, their GGML
- * types; cpu_kernels.expert_record checked it) and I */
-typedef struct { int64_t record[4], inter; } native_expert;
+ * types, flags; cpu_kernels.expert_record checked it) and I */
+typedef struct { int64_t record[RECORD_WORDS], inter; } native_expert;
 
 typedef struct {
     uint8_t identity[256];
@@ -473,7 +473,7 @@ typedef struct {
 typedef struct {
     inbox in;  /* the last message Python must handle: identity, frame 0, ... */
     decode_fn decode;
-    scratch_fn scratch_floats_for;
+    void *pool;      /* the kernel's thread pool, decode's first argument */
     int64_t hidden, layers, experts, max_message_bytes;
     native_expert *table;  /* [layers * experts]; inter == -1: not held here */
     int64_t *seen;         /* [experts] stamps: an expert twice in one RUN */
@@ -482,17 +482,16 @@ typedef struct {
     int64_t n_sessions, max_sessions;
     int64_t messages, fast_runs, pings, dropped;
     buffer reply;
-    float *scratch;  /* x [D], out [D], kernel scratch [scratch_floats_for(D, I)] */
-    int64_t scratch_floats;
+    float *scratch;  /* x [D], out [D] */
     header parsed;   /* the message being served (~16 KiB: kept here, not allocated per call) */
 } worker;
 
 worker *wire_worker_open(int64_t hidden, int64_t layers, int64_t experts, int64_t max_message_bytes, int64_t max_sessions,
-                         void *decode, void *scratch_floats) {
+                         void *decode, void *pool) {
     worker *w = calloc(1, sizeof *w);
     if (!w) return NULL;
     w->decode = (decode_fn)decode;
-    w->scratch_floats_for = (scratch_fn)scratch_floats;
+    w->pool = pool;
     w->hidden = hidden;
     w->layers = layers;
     w->experts = experts;
@@ -501,8 +500,9 @@ worker *wire_worker_open(int64_t hidden, int64_t layers, int64_t experts, int64_
     w->table = malloc(sizeof *w->table * (size_t)(layers * experts));
     w->seen = calloc((size_t)experts, sizeof *w->seen);
     w->sessions = calloc((size_t)max_sessions, sizeof *w->sessions);
-    if (!w->table || !w->seen || !w->sessions) {
-        free(w->table); free(w->seen); free(w->sessions); free(w);
+    w->scratch = malloc(sizeof(float) * (size_t)(2 * hidden));
+    if (!w->table || !w->seen || !w->sessions || !w->scratch) {
+        free(w->table); free(w->seen); free(w->sessions); free(w->scratch); free(w);
         return NULL;
     }
     for (int64_t i = 0; i < layers * experts; i++) w->table[i].inter = -1;
@@ -517,7 +517,7 @@ void wire_worker_close(worker *w) {
 
 inbox *wire_worker_inbox(worker *w) { return &w->in; }
 
-/* An expert the worker holds, which the fast path may compute: record, 4 int64s (cpu_kernels.expert_record). */
+/* An expert the worker holds, which the fast path may compute: record, RECORD_WORDS int64s (cpu_kernels.expert_record). */
 void wire_worker_expert(worker *w, int64_t layer, int64_t expert, const int64_t *record, int64_t inter) {
     if (layer >= 0 && layer < w->layers && expert >= 0 && expert < w->experts) {
         native_expert *e = &w->table[layer * w->experts + expert];
@@ -573,7 +573,7 @@ static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const u
     if (x->dims[0] != 1 || x->dims[1] != w->hidden || x->dtype == F16 || r->layer >= w->layers || r->m == 0) return 0;
     const int64_t D = w->hidden, k = r->m;
     const uint8_t *rows = frame + r->offset[1];
-    int64_t records[4 * MAX_PICKS];
+    int64_t records[RECORD_WORDS * MAX_PICKS];
     float scales[MAX_PICKS];
     int64_t inter = -1;
     w->stamp++;
@@ -587,22 +587,15 @@ static int serve_run(worker *w, void *router, const zmq_msg_t *identity, const u
         if (e->inter < 0 || (inter >= 0 && e->inter != inter) || w->seen[r->experts[j]] == w->stamp) return 0;
         w->seen[r->experts[j]] = w->stamp;
         inter = e->inter;
-        memcpy(&records[4 * j], e->record, sizeof e->record);
+        memcpy(&records[RECORD_WORDS * j], e->record, sizeof e->record);
         memcpy(&scales[j], frame + r->offset[2] + 4 * j, 4);
-    }
-    const int64_t floats = 2 * D + w->scratch_floats_for(D, inter);
-    if (floats > w->scratch_floats) {
-        float *grown = realloc(w->scratch, sizeof(float) * (size_t)floats);
-        if (!grown) return 0;
-        w->scratch = grown;
-        w->scratch_floats = floats;
     }
     const double begin = now_s();
     float *xf = w->scratch, *out = w->scratch + D;
     const uint8_t *xb = frame + r->offset[0];
     if (x->dtype == F32) memcpy(xf, xb, sizeof(float) * (size_t)D);
     else for (int64_t d = 0; d < D; d++) { uint16_t h; memcpy(&h, xb + 2 * d, 2); xf[d] = bf16_to_f32(h); }
-    w->decode(xf, D, inter, k, records, scales, out, w->scratch + 2 * D);
+    if (w->decode(w->pool, xf, D, inter, k, records, scales, out) != 0) return 0;  /* out of memory: Python answers */
     const double compute_us = (now_s() - begin) * 1e6;
 
     /* reply: {"v", "c", "id", "compute_us", "t": [[dtype, [1, D]]]} then y in x's dtype */

@@ -204,9 +204,9 @@ class FastWorker:
 
     def __init__(self, lib: ctypes.CDLL, kernel: cpu_kernels.DecodeKernel, spec, max_message_bytes: int, max_sessions: int):
         self._lib, self._kernel, self._hidden = lib, kernel, spec.hidden_size
-        decode, scratch = (ctypes.cast(fn, ctypes.c_void_p).value for fn in (kernel.library.moe_decode, kernel.library.moe_scratch_floats))
+        decode = ctypes.cast(kernel.library.moe_decode, ctypes.c_void_p).value  # on the kernel's pool, as DecodeKernel.run
         self._handle = lib.wire_worker_open(spec.hidden_size, max(spec.moe_layers) + 1, spec.num_experts, max_message_bytes,
-                                            max_sessions, decode, scratch)
+                                            max_sessions, decode, kernel.pool.handle)
         if not self._handle:
             raise MemoryError("wire_worker_open")
         self._inbox = lib.wire_worker_inbox(self._handle)

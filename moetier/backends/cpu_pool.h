@@ -1,0 +1,399 @@
+/* moetier's native thread pool and CPU lane (included once, by cpu_kernels.c).
+ *
+ * A pool is `threads` participants: the thread that calls pool_run and
+ * threads - 1 helpers it keeps for its lifetime. A job is a list of granules
+ * (cpu_kernels.c cuts a call into them, the same cut whatever the thread
+ * count); every participant claims the next granule from one atomic counter
+ * until none is left, so a helper that is late or descheduled costs only its
+ * share, and the caller alone finishes a job when no helper comes (a forked
+ * child's pool). Which thread ran a granule never changes a result: each
+ * output is written by exactly one granule, and granules wait (spinning) for
+ * the granules whose outputs they read, which are always claimed before them.
+ *
+ * Hand-off: a helper polls for the next job for spin_s after its last one,
+ * then sleeps on a condition variable; decode hands over a job every layer,
+ * and a futex wake-up costs tens of microseconds on a virtual CPU, a poll
+ * that sees the job well under one. The job's sequence number is odd while
+ * the caller sets a job up: a helper enters a job only while its number is
+ * even and unchanged, and the caller starts setting up only once no helper is
+ * inside (busy == 0), so no helper ever reads a half-written job.
+ *
+ * The lane: calls queued by lane_submit (copied into one of LANE_SLOTS
+ * slots) and run in ticket order by the lane's own thread, which is a pool
+ * participant (the pool's `call` lock orders it with direct callers), so the
+ * submitting thread runs on while the pool computes; lane_collect waits
+ * (polling spin_s, then sleeping) and copies the result out.
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define POOL_THREADS_MAX 256
+
+static double monotonic_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Wait for *counter to reach zero: the granules it counts are claimed and running on other threads. */
+static void await_zero(const int64_t *counter) {
+    for (int64_t spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) != 0; spins++) {
+        if (spins < 20000) cpu_relax();
+        else sched_yield();  /* the thread we wait for may be descheduled on our CPU */
+    }
+}
+
+/* Poll *word until it differs from `seen` or spin_s passes (the lane's waits). */
+static void spin_while_equal(const int64_t *word, int64_t seen, double spin_s) {
+    if (spin_s <= 0) return;
+    const double until = monotonic_s() + spin_s;
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == seen && monotonic_s() < until) cpu_relax();
+}
+
+typedef void (*granule_fn)(void *job, int64_t granule);
+
+typedef struct moe_pool moe_pool;
+typedef struct { moe_pool *pool; } helper_arg;
+
+struct moe_pool {
+    pthread_mutex_t call;   /* held by the one caller whose job (and the arena) this is */
+    pthread_mutex_t mu;     /* for sleeping helpers */
+    pthread_cond_t wake;
+    int64_t seq;            /* even: the job is open to helpers; odd: being set up */
+    int64_t busy;           /* helpers inside the job */
+    int64_t sleepers;       /* helpers asleep on `wake` */
+    int64_t stop;
+    int64_t threads;        /* participants, the caller included */
+    int64_t helpers;        /* helper threads running */
+    double spin_s;
+    granule_fn run;         /* the job: run(job, g) for g < granules */
+    void *job;
+    int64_t granules, next, finished;
+    void *arena;            /* the job's working memory (cpu_kernels.c carves it), grown as calls need */
+    size_t arena_bytes;
+    pthread_t tid[POOL_THREADS_MAX];
+};
+
+static void pool_work(moe_pool *p) {
+    const int64_t n = p->granules;
+    for (;;) {
+        const int64_t g = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+        if (g >= n) return;
+        p->run(p->job, g);
+        __atomic_fetch_add(&p->finished, 1, __ATOMIC_RELEASE);
+    }
+}
+
+/* The next open job's sequence number (even, not `seen`), or -1 once the pool stops. */
+static int64_t pool_wait(moe_pool *p, int64_t seen) {
+    const double until = p->spin_s > 0 ? monotonic_s() + p->spin_s : 0;
+    for (int64_t spins = 0;; spins++) {
+        const int64_t s = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
+        if (!(s & 1) && s != seen) return s;
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return -1;
+        if ((spins & 63) == 0 && monotonic_s() >= until) break;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&p->mu);
+    __atomic_fetch_add(&p->sleepers, 1, __ATOMIC_SEQ_CST);
+    int64_t s;
+    for (;;) {  /* the caller reads `sleepers` after it opens a job: one of us sees the other */
+        s = __atomic_load_n(&p->seq, __ATOMIC_SEQ_CST);
+        if ((!(s & 1) && s != seen) || p->stop) break;
+        pthread_cond_wait(&p->wake, &p->mu);
+    }
+    __atomic_fetch_sub(&p->sleepers, 1, __ATOMIC_SEQ_CST);
+    const int64_t stop = p->stop;
+    pthread_mutex_unlock(&p->mu);
+    return stop ? -1 : s;
+}
+
+static void *pool_main(void *arg) {
+    moe_pool *p = ((helper_arg *)arg)->pool;
+    free(arg);
+    int64_t seen = 0;
+    for (int64_t s; (s = pool_wait(p, seen)) >= 0; seen = s) {
+        __atomic_fetch_add(&p->busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&p->seq, __ATOMIC_SEQ_CST) == s) pool_work(p);
+        __atomic_fetch_sub(&p->busy, 1, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+/* Run granules 0..n-1 of `job` on every participant, this thread included; returns when all are done.
+ * The caller holds p->call. */
+static void pool_run(moe_pool *p, granule_fn run, void *job, int64_t n) {
+    __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_SEQ_CST);  /* odd: closed */
+    while (__atomic_load_n(&p->busy, __ATOMIC_SEQ_CST)) cpu_relax();  /* a late helper of the last job leaves */
+    p->run = run, p->job = job, p->granules = n, p->next = 0, p->finished = 0;
+    __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_SEQ_CST);  /* even: open */
+    if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
+    pool_work(p);
+    for (int64_t spins = 0; __atomic_load_n(&p->finished, __ATOMIC_ACQUIRE) < n; spins++) {
+        if (spins < 20000) cpu_relax();
+        else sched_yield();
+    }
+}
+
+/* The working memory of one call: at least `bytes`, 64-byte aligned; NULL if out of memory. Caller holds p->call. */
+static void *pool_arena(moe_pool *p, size_t bytes) {
+    if (bytes > p->arena_bytes) {
+        void *bigger = NULL;
+        if (posix_memalign(&bigger, 64, bytes)) return NULL;
+        free(p->arena);
+        p->arena = bigger, p->arena_bytes = bytes;
+    }
+    return p->arena;
+}
+
+moe_pool *pool_open(int64_t threads, double spin_s) {
+    if (threads < 1 || threads > POOL_THREADS_MAX) return NULL;
+    moe_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->threads = threads, p->spin_s = spin_s;
+    pthread_mutex_init(&p->call, NULL);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    for (int64_t t = 1; t < threads; t++) {
+        helper_arg *a = malloc(sizeof *a);
+        if (!a) break;
+        a->pool = p;
+        if (pthread_create(&p->tid[p->helpers], NULL, pool_main, a) != 0) {
+            free(a);
+            break;
+        }
+        p->helpers++;
+    }
+    return p;
+}
+
+/* participants: the caller and the helpers that started (threads - 1 unless a thread could not start) */
+int64_t pool_threads(const moe_pool *p) { return 1 + p->helpers; }
+
+void pool_close(moe_pool *p) {
+    pthread_mutex_lock(&p->mu);
+    __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    for (int64_t t = 0; t < p->helpers; t++) pthread_join(p->tid[t], NULL);
+    pthread_cond_destroy(&p->wake);
+    pthread_mutex_destroy(&p->mu);
+    pthread_mutex_destroy(&p->call);
+    free(p->arena);
+    free(p);
+}
+
+/* In a forked child: the helpers stayed in the parent, so the caller computes alone (the same results). */
+void pool_forked(moe_pool *p) {
+    pthread_mutex_init(&p->call, NULL);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    p->helpers = 0, p->busy = 0, p->sleepers = 0;
+    if (p->seq & 1) p->seq++;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * The lane: decode calls queued for the pool, run by the lane's own thread.
+ * ------------------------------------------------------------------------------------------------------- */
+#define LANE_SLOTS 16
+
+enum { SLOT_FREE, SLOT_QUEUED, SLOT_RUNNING, SLOT_DONE };
+enum { RECORD_WORDS = 5 };  /* int64s per expert record: gate_up, down addresses, their types, flags */
+
+/* cpu_kernels.c: one token through k experts on the pool (moe_decode) */
+int64_t moe_decode(moe_pool *pool, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                   const float *scale, float *out);
+
+typedef struct {
+    int64_t state, released, ticket, D, I, k, status;
+    double done_s;       /* CLOCK_MONOTONIC seconds when the call finished */
+    float *x, *out;      /* [D] each */
+    int64_t *experts;    /* [RECORD_WORDS k] */
+    float *scale;        /* [k] */
+    int64_t cap_d, cap_k;
+} lane_slot;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    lane_slot slots[LANE_SLOTS];
+    int64_t next_ticket;  /* also read without the lock by the polling lane thread */
+    int64_t stop, started;
+    double spin_s;
+    moe_pool *pool;
+    pthread_t tid;
+} moe_lane;
+
+static lane_slot *oldest_queued(moe_lane *lane) {
+    lane_slot *s = NULL;
+    for (int i = 0; i < LANE_SLOTS; i++) {
+        lane_slot *c = &lane->slots[i];
+        if (c->state == SLOT_QUEUED && (!s || c->ticket < s->ticket)) s = c;
+    }
+    return s;
+}
+
+static void *lane_main(void *arg) {
+    moe_lane *lane = arg;
+    pthread_mutex_lock(&lane->mu);
+    for (;;) {
+        lane_slot *s = oldest_queued(lane);
+        if (!s) {
+            if (lane->stop) break;
+            const int64_t seen = lane->next_ticket;
+            pthread_mutex_unlock(&lane->mu);
+            spin_while_equal(&lane->next_ticket, seen, lane->spin_s);
+            pthread_mutex_lock(&lane->mu);
+            if (lane->next_ticket == seen && !lane->stop) pthread_cond_wait(&lane->work, &lane->mu);
+            continue;
+        }
+        s->state = SLOT_RUNNING;
+        pthread_mutex_unlock(&lane->mu);
+        const int64_t status = moe_decode(lane->pool, s->x, s->D, s->I, s->k, s->experts, s->scale, s->out);
+        const double done_s = monotonic_s();
+        pthread_mutex_lock(&lane->mu);
+        s->status = status, s->done_s = done_s;
+        __atomic_store_n(&s->state, s->released ? SLOT_FREE : SLOT_DONE, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&lane->done);
+    }
+    pthread_mutex_unlock(&lane->mu);
+    return NULL;
+}
+
+moe_lane *lane_open(moe_pool *pool, double spin_s) {
+    moe_lane *lane = calloc(1, sizeof(moe_lane));
+    if (!lane) return NULL;
+    lane->spin_s = spin_s, lane->pool = pool;
+    pthread_mutex_init(&lane->mu, NULL);
+    pthread_cond_init(&lane->work, NULL);
+    pthread_cond_init(&lane->done, NULL);
+    if (pthread_create(&lane->tid, NULL, lane_main, lane) != 0) {
+        pthread_cond_destroy(&lane->work), pthread_cond_destroy(&lane->done), pthread_mutex_destroy(&lane->mu);
+        free(lane);
+        return NULL;
+    }
+    return lane;
+}
+
+static int grow(void **buffer, int64_t need, size_t item) {
+    void *bigger = realloc(*buffer, (size_t)need * item);
+    if (!bigger) return -1;
+    *buffer = bigger;
+    return 0;
+}
+
+/* Queue one call (experts: RECORD_WORDS k int64s, as moe_decode's); returns its ticket. With every slot taken it
+ * waits for a queued call to finish; -1 when all are done but uncollected, -2 when out of memory. */
+int64_t lane_submit(moe_lane *lane, const float *x, int64_t D, int64_t I, int64_t k, const int64_t *experts,
+                    const float *scale) {
+    pthread_mutex_lock(&lane->mu);
+    lane_slot *s = NULL;
+    for (;;) {  /* a free slot; while none, wait for a queued call to finish (none queued: give up) */
+        int pending = 0;
+        for (int i = 0; i < LANE_SLOTS && !s; i++) {
+            if (lane->slots[i].state == SLOT_FREE) s = &lane->slots[i];
+            pending |= lane->slots[i].state == SLOT_QUEUED || lane->slots[i].state == SLOT_RUNNING;
+        }
+        if (s || !pending) break;
+        pthread_cond_wait(&lane->done, &lane->mu);
+    }
+    int64_t ticket = -1;
+    if (s) {
+        ticket = -2;
+        int ok = 1;
+        if (D > s->cap_d) {
+            ok = !grow((void **)&s->x, D, sizeof(float)) && !grow((void **)&s->out, D, sizeof(float));
+            if (ok) s->cap_d = D;
+        }
+        if (ok && k > s->cap_k) {
+            ok = !grow((void **)&s->experts, RECORD_WORDS * k, sizeof(int64_t)) && !grow((void **)&s->scale, k, sizeof(float));
+            if (ok) s->cap_k = k;
+        }
+        if (ok) {
+            memcpy(s->x, x, (size_t)D * sizeof(float));
+            memcpy(s->experts, experts, (size_t)(RECORD_WORDS * k) * sizeof(int64_t));
+            memcpy(s->scale, scale, (size_t)k * sizeof(float));
+            s->D = D, s->I = I, s->k = k, s->released = 0, s->status = 0;
+            s->ticket = ticket = lane->next_ticket;
+            s->state = SLOT_QUEUED;
+            __atomic_store_n(&lane->next_ticket, ticket + 1, __ATOMIC_RELEASE);
+            pthread_cond_signal(&lane->work);
+        }
+    }
+    pthread_mutex_unlock(&lane->mu);
+    return ticket;
+}
+
+static lane_slot *slot_of(moe_lane *lane, int64_t ticket) {
+    for (int i = 0; i < LANE_SLOTS; i++)
+        if (lane->slots[i].state != SLOT_FREE && lane->slots[i].ticket == ticket) return &lane->slots[i];
+    return NULL;
+}
+
+/* Wait for a ticket, copy its [D] result to out and the time it finished to *done_s; free its slot.
+ * Returns 0; -1 for a ticket that is not pending (already collected or released, or never given);
+ * -2 when the call ran out of memory. */
+int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s) {
+    pthread_mutex_lock(&lane->mu);
+    lane_slot *s = slot_of(lane, ticket);
+    if (!s || s->released) {
+        pthread_mutex_unlock(&lane->mu);
+        return -1;
+    }
+    if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
+        pthread_mutex_unlock(&lane->mu);
+        const double until = monotonic_s() + lane->spin_s;
+        while (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != SLOT_DONE && monotonic_s() < until) cpu_relax();
+        pthread_mutex_lock(&lane->mu);
+    }
+    while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);
+    memcpy(out, s->out, (size_t)s->D * sizeof(float));
+    *done_s = s->done_s;
+    const int64_t status = s->status;
+    s->state = SLOT_FREE;
+    pthread_mutex_unlock(&lane->mu);
+    return status;
+}
+
+/* The caller will not collect this ticket: free its slot now if done, else when it is. */
+void lane_release(moe_lane *lane, int64_t ticket) {
+    pthread_mutex_lock(&lane->mu);
+    lane_slot *s = slot_of(lane, ticket);
+    if (s) {
+        if (s->state == SLOT_DONE) s->state = SLOT_FREE;
+        else s->released = 1;
+    }
+    pthread_mutex_unlock(&lane->mu);
+}
+
+/* Finish queued calls, stop the lane's thread, free everything (the pool stays open). */
+void lane_close(moe_lane *lane) {
+    pthread_mutex_lock(&lane->mu);
+    lane->stop = 1;
+    pthread_cond_broadcast(&lane->work);
+    pthread_mutex_unlock(&lane->mu);
+    pthread_join(lane->tid, NULL);
+    for (int i = 0; i < LANE_SLOTS; i++) {
+        lane_slot *s = &lane->slots[i];
+        free(s->x), free(s->out), free(s->experts), free(s->scale);
+    }
+    pthread_cond_destroy(&lane->work);
+    pthread_cond_destroy(&lane->done);
+    pthread_mutex_destroy(&lane->mu);
+    free(lane);
+}

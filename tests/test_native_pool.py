@@ -1,0 +1,151 @@
+"""The native kernels on their thread pool: the same bits for 1, 2 and 3 threads (decode, prefill `experts`,
+`linear`, the lane); decode and `linear` against float64 on gguf's values with the activations converted as
+each format's dot product takes them (moetier.backends.activations); prefill equal to one decode per token;
+bad arguments refused in Python; and the cost of handing a tiny call to the pool, printed."""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+import numpy as np
+import pytest
+import torch
+from test_native_formats import float64_decode, float64_dot, float64_ffn, stored
+
+from moetier.backends import ExpertWork, cpu_kernels
+from moetier.model import ExpertWeights
+from moetier.model.formats import BY_NAME
+
+kernel = cpu_kernels.decode_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason=f"native kernel {cpu_kernels.status()}")
+THREADS = (1, 2, 3)
+# (gate_up format, down format, float_acts)
+CASES = [("F32", "F32", True), ("BF16", "BF16", True), ("BF16", "BF16", False), ("F16", "F16", False), ("Q8_0", "Q8_0", False),
+         ("Q4_K", "Q6_K", False), ("Q4_1", "Q5_K", False), ("IQ4_XS", "IQ4_NL", False)]
+
+
+def experts_of(gate_up: str, down: str, float_acts: bool, count: int, dim: int, inter: int, seed: int):
+    """`count` random experts in those formats, and x [8, D] scaled so the gate's pre-activations are of order one."""
+    rng = np.random.default_rng(seed)
+    up_fmt, down_fmt = BY_NAME[gate_up], BY_NAME[down]
+    experts = [ExpertWeights(stored(up_fmt, 2 * inter, dim, rng), stored(down_fmt, dim, inter, rng), False, up_fmt.id, down_fmt.id,
+                             float_acts) for _ in range(count)]
+    rms = float(np.sqrt(np.mean([kernel.dequantize(w.gate_up, w.gate_up_type, dim).double().pow(2).mean().item() for w in experts])))
+    x = torch.from_numpy(rng.standard_normal((8, dim)).astype(np.float32)) / (rms * dim ** 0.5)  # [8, D]
+    return experts, x
+
+
+def groups_of(experts, tokens: int, seed: int) -> list[ExpertWork]:
+    """Each expert serves a random subset of the tokens (token 0 served by none), with random weights."""
+    g = torch.Generator().manual_seed(seed)
+    work = []
+    for w in experts:
+        rows = torch.nonzero(torch.rand(tokens, generator=g) < 0.6).flatten()
+        rows = rows[rows != 0]
+        work.append(ExpertWork(w, rows, torch.rand(rows.numel(), generator=g)))
+    return work
+
+
+@pytest.mark.parametrize("gate_up, down, float_acts", CASES, ids=lambda v: str(v))
+def test_decode_experts_and_linear_give_the_same_bits_on_any_thread_count(gate_up, down, float_acts):
+    experts, x = experts_of(gate_up, down, float_acts, count=5, dim=512, inter=256, seed=len(gate_up) + len(down))
+    scales = [0.4, 0.3, 0.15, 0.1, 0.05]
+    groups = groups_of(experts, 7, seed=1)
+    results = []
+    for threads in THREADS:
+        k = kernel.with_threads(threads)
+        assert k.pool.threads == threads
+        results.append((k.run(x[:1], experts, scales), k.experts(x[:7], groups),
+                        k.linear(x, experts[0].gate_up, experts[0].gate_up_type, float_acts)))
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result, results[0]))
+
+
+@pytest.mark.parametrize("gate_up, down, float_acts", CASES, ids=lambda v: str(v))
+def test_decode_and_linear_are_float64_on_gguf_values_and_converted_activations(gate_up, down, float_acts):
+    """8 experts, D = 512, I = 256 (many granules each): within 1e-5 of the output's scale."""
+    experts, x = experts_of(gate_up, down, float_acts, count=8, dim=512, inter=256, seed=3)
+    scales = list(np.linspace(0.3, 0.05, 8))
+    got, exact = kernel.run(x[:1], experts, scales), float64_decode(x[:1], experts, scales)
+    scale = exact.abs().max().item()
+    assert scale > 0 and (got.double() - exact).abs().max().item() <= 1e-5 * scale
+    w = experts[1]
+    y, y_exact = kernel.linear(x, w.gate_up, w.gate_up_type, float_acts), float64_dot(x.numpy(), w.gate_up, w.gate_up_type, float_acts)
+    assert y.shape == (8, 512) and np.abs(y.double().numpy() - y_exact).max() <= 1e-5 * np.abs(y_exact).max()
+
+
+@pytest.mark.parametrize("gate_up, down, float_acts", CASES[::2], ids=lambda v: str(v))
+def test_prefill_experts_equal_one_decode_call_per_token(gate_up, down, float_acts):
+    experts, x = experts_of(gate_up, down, float_acts, count=6, dim=256, inter=256, seed=5)
+    groups = groups_of(experts, 7, seed=2)
+    out = kernel.experts(x[:7], groups)  # [7, D]
+    assert torch.equal(out[0], torch.zeros(256))  # a token no expert serves
+    for t in range(1, 7):
+        picks = [(g.expert, g.weights[(g.rows == t).nonzero()].item()) for g in groups if (g.rows == t).any()]
+        one = kernel.run(x[t:t + 1], [w for w, _ in picks], [s for _, s in picks])
+        assert (out[t] - one[0]).abs().max().item() <= 1e-6 * one.abs().max().item()
+    reference = sum(s * float64_ffn(x[t:t + 1].numpy(), w) for w, s in picks)  # the last token's, against float64
+    assert np.abs(out[6].double().numpy() - reference[0]).max() <= 1e-5 * np.abs(reference).max()
+
+
+def test_the_lane_gives_run_s_bits_with_every_thread():
+    experts, x = experts_of("Q4_K", "Q6_K", False, count=8, dim=512, inter=256, seed=9)
+    scales = array("f", np.linspace(0.3, 0.05, 8))
+    expected = kernel.with_threads(1).run(x[:1], experts, list(scales))
+    lane = cpu_kernels.NativeLane(kernel, 2)
+    try:
+        records = b"".join(map(cpu_kernels.expert_record, experts))
+        assert len(records) == 8 * cpu_kernels.RECORD.size == 320 and lane.threads == 2
+        tickets = [lane.submit(x[:1], records, scales, 256) for _ in range(lane.SLOTS)]
+        assert all(torch.equal(ticket.result(), expected) for ticket in tickets)
+    finally:
+        lane.close()
+
+
+def test_bad_arguments_are_one_value_error_before_c():
+    experts, x = experts_of("Q8_0", "Q8_0", False, count=2, dim=64, inter=32, seed=1)
+    w = experts[0]
+    rows = lambda *r: torch.tensor(r, dtype=torch.int64)  # noqa: E731
+    cases = [
+        (lambda: kernel.linear(x.double(), w.gate_up, w.gate_up_type, False), "linear: x must be float32 \\[T, n\\]"),
+        (lambda: kernel.linear(x, w.gate_up, 99, False), "GGML type 99 is not a stored format"),
+        (lambda: kernel.linear(x[:, :32], w.gate_up, w.gate_up_type, False), "Q8_0 \\[64, 32\\] is torch.uint8 \\[64, 34\\]"),
+        (lambda: kernel.linear(x, w.gate_up.reshape(-1), w.gate_up_type, False), "weights must be a matrix"),
+        (lambda: kernel.experts(x, [ExpertWork(w, rows(0, 8), torch.ones(2))]), "rows must lie in \\[0, 8\\), got 0..8"),
+        (lambda: kernel.experts(x, [ExpertWork(w, rows(0, 1), torch.ones(3))]), "rows must be int64 \\[n\\]"),
+        (lambda: kernel.experts(x[:, :32], [ExpertWork(w, rows(0), torch.ones(1))]), "expert gate_up: Q8_0 \\[64, 32\\]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message) as caught:
+            call()
+        assert "\n" not in str(caught.value)
+    assert torch.equal(kernel.experts(x, []), torch.zeros(8, 64))
+    assert kernel.linear(x[:0], w.gate_up, w.gate_up_type, False).shape == (0, 64)
+
+
+def test_hand_off_cost_of_a_tiny_call(capsys):
+    """8 float32 experts of [64, 64] / [64, 32]: the work is ~0.2 MB, so a call's time is mostly its hand-off
+    (Python and ctypes, then waking the pool). Printed, not judged: a loaded CI machine is slower."""
+    experts = [ExpertWeights(torch.randn(64, 64) * 0.1, torch.randn(64, 32) * 0.1) for _ in range(8)]
+    x, scales = torch.randn(1, 64), [0.125] * 8
+    records, floats = b"".join(map(cpu_kernels.expert_record, experts)), array("f", scales)
+    lines = []
+    for threads in (1, 2):
+        k = kernel.with_threads(threads)
+        lane = cpu_kernels.NativeLane(k, threads)
+        try:
+            for label, call in (("run", lambda: k.run(x, experts, scales)),
+                                ("lane", lambda: lane.submit(x, records, floats, 32).result())):
+                for _ in range(200):
+                    call()
+                times = []
+                for _ in range(2000):
+                    start = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - start)
+                lines.append(f"{label} {threads} thread(s): median {np.median(times) * 1e6:.1f} us, p90 {np.quantile(times, 0.9) * 1e6:.1f} us")
+        finally:
+            lane.close()
+    with capsys.disabled():
+        print("\nhand-off of a tiny call: " + "; ".join(lines))
