@@ -25,11 +25,12 @@
  * their rule (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_dot.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define DOTK_AVX512 1
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -39,11 +40,20 @@
 
 enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23 };
 enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
+/* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d */
+enum { PACKED_QS = 0, PACKED_BSUMS = 256, PACKED_D = 288, PACKED_BYTES = 320 };
 enum { HAS_OFF = 1, HAS_MIN = 2, SIGNED = 4 };  /* what a format's decoded block carries */
+enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigned: offset + sign * grid value */
 
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static int8_t kvalues[16];
 static int tables_ready;
+/* The grids again for in-register lookups (AVX-512): each value is one of 8 levels (gguf's grids: IQ3_XXS 4..62,
+ * IQ3_S 1..15 odd), so an entry is 4 level numbers, kept as two bytes in two planes: [0][e] holds values 0 and 1
+ * of entry e (low, high nibble), [1][e] values 2 and 3. levels_*[0][k] = offset + level k, [1][k] = offset - it. */
+static uint8_t code_xxs[2][256] __attribute__((aligned(64))), code_s[2][512] __attribute__((aligned(64)));
+static uint8_t levels_xxs[2][16], levels_s[2][16];
+static uint8_t sign_table[128] __attribute__((aligned(64)));  /* IQ3_XXS's sign patterns, from their rule */
 
 static inline uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -69,14 +79,39 @@ static inline float f16_at(const uint8_t *p) {
 /* IQ3_XXS's sign pattern of 8 values from its 7-bit index: the index, and bit 7 set when its parity is odd */
 static inline uint8_t sign_pattern(unsigned i) { return (uint8_t)(i | (unsigned)(__builtin_popcount(i) & 1) << 7); }
 
-/* -> 0, or 1 when the package's sign table is not the parity rule this file computes (IQ formats stay off).
- * grids: IQ3_XXS [256][4] and IQ3_S [512][4] bytes; signs: IQ2_XXS's 128 patterns; kv: IQ4_NL's 16 kvalues. */
+/* grid [entries][4] (values <= offset) -> offset +- its distinct values (ascending) in levels and each entry's 4
+ * level numbers as nibbles in two planes; 0 if the grid has more than 8 distinct values (a level must keep a
+ * nibble's top bit clear: the expansion shifts codes without masking them) */
+static int level_codes(const uint8_t *grid, int entries, int offset, uint8_t levels[2][16], uint8_t *codes) {
+    int seen[256] = {0}, count = 0;
+    for (int i = 0; i < 4 * entries; i++) seen[grid[i]] = 1;
+    memset(levels, 0, 32);
+    for (int v = 0; v < 256; v++)
+        if (seen[v]) {
+            if (count == 8) return 0;
+            levels[0][count] = (uint8_t)(offset + v), levels[1][count] = (uint8_t)(offset - v);
+            seen[v] = count++;
+        }
+    for (int e = 0; e < entries; e++)
+        for (int plane = 0; plane < 2; plane++)
+            codes[plane * entries + e] = (uint8_t)(seen[grid[4 * e + 2 * plane]] | seen[grid[4 * e + 2 * plane + 1]] << 4);
+    return 1;
+}
+
+/* -> 0, or why the IQ formats stay off: 1 when the package's sign table is not the parity rule this file
+ * computes, 2 when a grid has a value over its offset (the unsigned form offset +- value must stay in 0..127) or
+ * more than 8 distinct values. grids: IQ3_XXS [256][4] and IQ3_S [512][4] bytes; signs: IQ2_XXS's 128 patterns; kv: IQ4_NL's
+ * 16 kvalues. */
 int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs, const int8_t *kv) {
     for (unsigned i = 0; i < 128; i++)
         if (signs[i] != sign_pattern(i)) return 1;
+    for (int i = 0; i < 4 * 512; i++)
+        if ((i < 4 * 256 && iq3_xxs[i] > OFFSET_XXS) || iq3_s[i] > OFFSET_S) return 2;
+    if (!level_codes(iq3_xxs, 256, OFFSET_XXS, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, OFFSET_S, levels_s, code_s[0])) return 2;
     memcpy(grid_xxs, iq3_xxs, sizeof grid_xxs);
     memcpy(grid_s, iq3_s, sizeof grid_s);
     memcpy(kvalues, kv, sizeof kvalues);
+    for (unsigned i = 0; i < 128; i++) sign_table[i] = sign_pattern(i);
     tables_ready = 1;
     return 0;
 }
@@ -192,16 +227,24 @@ static inline uint64_t crumbs8(uint16_t v) {
 typedef struct {
     __m512i q[4], sc[4];  /* quants (unsigned, or |w| when SIGNED); each group's int16 scale across its lane */
     __mmask64 neg[4];     /* SIGNED: the negative values */
-    __m256i off, mn;      /* per group: offset * scale, and min (int16), against the bsums */
-    float d, dmin;
+    __m512i negoff;       /* HAS_OFF: -offset * scale per group (int16) in the low half, zeros above */
+    __m256i mn;           /* HAS_MIN: each group's min (int16) */
+    __m512 dd;            /* d in lanes 0..7; lanes 8..15: -dmin (HAS_MIN), else d */
 } wblock;
-typedef __m256 acc_t;
+typedef __m512 acc_t;     /* HAS_MIN: lanes 8..15 gather the mins' share; the row's dot is the sum of all lanes */
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
 
 static inline __m512i lane16(int c) {  /* int16 lanes: which of the 16 groups each lane of vector c belongs to */
     const __m512i iota = _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014,
                                           0x00130012, 0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008,
                                           0x00070006, 0x00050004, 0x00030002, 0x00010000);
     return _mm512_add_epi16(_mm512_srli_epi16(iota, 3), _mm512_set1_epi16((short)(4 * c)));
+}
+
+static inline __m512i iota8(void) {  /* bytes 0, 1, .., 63 */
+    return _mm512_set_epi64(0x3f3e3d3c3b3a3938ll, 0x3736353433323130ll, 0x2f2e2d2c2b2a2928ll, 0x2726252423222120ll,
+                            0x1f1e1d1c1b1a1918ll, 0x1716151413121110ll, 0x0f0e0d0c0b0a0908ll, 0x0706050403020100ll);
 }
 
 static inline void spread_scales(wblock *w, __m256i s16) {
@@ -212,6 +255,12 @@ static inline __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4
 static inline __m512i dup256(const uint8_t *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
 static inline __m512i shifts16(int lo, int hi) { return halves(_mm256_set1_epi16((short)lo), _mm256_set1_epi16((short)hi)); }
 static inline __m512i bits8(int lo, int hi) { return halves(_mm256_set1_epi8((char)lo), _mm256_set1_epi8((char)hi)); }
+static inline __m512 d_dmin(float d, float dmin) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d)), _mm256_castps_pd(_mm256_set1_ps(-dmin)), 1));
+}
+static inline __m512i neg_off(__m256i s16, int offset) {
+    return _mm512_zextsi256_si512(_mm256_mullo_epi16(s16, _mm256_set1_epi16((short)-offset)));
+}
 
 static inline __m256i dup8_16(__m128i v8, int mins) {  /* 8 bytes (at byte 8 * mins) -> 16 uint16, each twice */
     const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
@@ -222,7 +271,7 @@ static inline void decode_q4k(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     const __m128i v = _mm_loadu_si128((const __m128i *)sm);
-    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    w->dd = d_dmin(f16_at(b), f16_at(b + 2));
     spread_scales(w, dup8_16(v, 0));
     w->mn = dup8_16(v, 1);
     const __m512i sh = shifts16(0, 4), m4 = _mm512_set1_epi8(15);
@@ -233,7 +282,7 @@ static inline void decode_q5k(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     const __m128i v = _mm_loadu_si128((const __m128i *)sm);
-    w->d = f16_at(b), w->dmin = f16_at(b + 2);
+    w->dd = d_dmin(f16_at(b), f16_at(b + 2));
     spread_scales(w, dup8_16(v, 0));
     w->mn = dup8_16(v, 1);
     const __m512i sh = shifts16(0, 4), m4 = _mm512_set1_epi8(15), qh = dup256(b + 16), five = _mm512_set1_epi8(16);
@@ -245,9 +294,9 @@ static inline void decode_q5k(const uint8_t *b, wblock *w) {
 
 static inline void decode_q6k(const uint8_t *b, wblock *w) {
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-    w->d = f16_at(b + 208);
+    w->dd = _mm512_set1_ps(f16_at(b + 208));
     spread_scales(w, s16);
-    w->off = _mm256_slli_epi16(s16, 5);
+    w->negoff = neg_off(s16, 32);
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {  /* 64 low-nibble bytes serve two vectors; the 2 high bits of each from qh */
         const __m512i ql = _mm512_loadu_si512(b + 64 * h), qh = dup256(b + 128 + 32 * h);
@@ -259,7 +308,7 @@ static inline void decode_q6k(const uint8_t *b, wblock *w) {
 
 static inline void decode_q2k(const uint8_t *b, wblock *w) {
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
-    w->d = f16_at(b + 80), w->dmin = f16_at(b + 82);
+    w->dd = d_dmin(f16_at(b + 80), f16_at(b + 82));
     spread_scales(w, _mm256_and_si256(v, _mm256_set1_epi16(15)));
     w->mn = _mm256_srli_epi16(v, 4);
     const __m512i m3 = _mm512_set1_epi8(3);
@@ -274,9 +323,9 @@ static inline void decode_q3k(const uint8_t *b, wblock *w) {
     uint8_t s[16];
     scales_q3k(b + 96, s);
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)s), _mm_set1_epi8(32)));
-    w->d = f16_at(b + 108);
+    w->dd = _mm512_set1_ps(f16_at(b + 108));
     spread_scales(w, s16);
-    w->off = _mm256_slli_epi16(s16, 2);
+    w->negoff = neg_off(s16, 4);
     const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), hm = dup256(b);
     for (int h = 0; h < 2; h++) {
         const __m512i qs = dup256(b + 32 + 32 * h);
@@ -288,56 +337,76 @@ static inline void decode_q3k(const uint8_t *b, wblock *w) {
     }
 }
 
-/* IQ3_XXS: each sub-block's 32-bit sign mask (bit k: value k negative) from its four 7-bit pattern indices */
-static inline __m256i signs_xxs(__m256i a) {
-    __m256i f = _mm256_and_si256(a, _mm256_set1_epi32(0x7f));
-    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(a, 1), _mm256_set1_epi32(0x7f00)));
-    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(a, 2), _mm256_set1_epi32(0x7f0000)));
-    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(a, 3), _mm256_set1_epi32(0x7f000000)));
-    __m256i p = _mm256_xor_si256(f, _mm256_srli_epi32(f, 4));  /* bit 0 of each byte: its parity */
-    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
-    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
-    return _mm256_or_si256(f, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7));
+/* One code plane of 64 grid entries: vpermi2b looks up 128 entries at once (index bits 0..6); the results for
+ * entries 128.. (bit 7) and 256.. (bit 8) are blended in. Gathers cost 30+ cycles each on Zen 4 / 5. */
+static inline __m512i code_plane(const uint8_t *table, int entries, __m512i idx, __mmask64 bit7, __mmask64 bit8) {
+    const __m512i *t = (const __m512i *)table;
+    __m512i r = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(t[0], idx, t[1]), _mm512_permutex2var_epi8(t[2], idx, t[3]));
+    if (entries == 512) {
+        const __m512i h = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(t[4], idx, t[5]), _mm512_permutex2var_epi8(t[6], idx, t[7]));
+        r = _mm512_mask_blend_epi8(bit8, r, h);
+    }
+    return r;
 }
 
-/* 16 grid entries (64 values): offset + grid value, offset - grid value where the sign bit is set */
-static inline __m512i signed_grid(const uint32_t *grid, __m512i idx, __mmask64 neg, int offset) {
-    const __m512i g = _mm512_i32gather_epi32(idx, (const void *)grid, 4), o = _mm512_set1_epi8((char)offset);
-    return _mm512_mask_sub_epi8(_mm512_add_epi8(g, o), neg, o, g);
+/* The 64 grid entries of a block (qs: their index bytes; ninth: bit 8 of each index) -> its 4 vectors: offset +-
+ * value by the signs. The two code planes are unpacked into 4 nibbles per entry within 128-bit lanes, which
+ * leaves lane L of the q-th result holding positions 16L + 4q .. 16L + 4q + 3; the entries are first permuted so
+ * that position to be entry 16q + 4L + s: then result q is values 64q .. 64q + 63 in order. */
+static inline void grid_values(wblock *w, const uint8_t *codes, int entries, const uint8_t levels[2][16], __m512i qs,
+                               __mmask64 ninth, const __mmask64 neg[4]) {
+    static const uint8_t order[64] __attribute__((aligned(64))) = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    const __m512i perm = _mm512_load_si512(order), idx = _mm512_permutexvar_epi8(perm, qs);
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+    const __mmask64 bit8 = entries == 512 ? _mm512_movepi8_mask(_mm512_permutexvar_epi8(perm, _mm512_movm_epi8(ninth))) : 0;
+    const __m512i lo = code_plane(codes, entries, idx, bit7, bit8), hi = code_plane(codes + entries, entries, idx, bit7, bit8);
+    const __m512i plus = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels[0]));
+    const __m512i minus = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels[1]));
+    for (int h = 0; h < 2; h++) {  /* levels < 8: vpshufb reads a nibble's level from its low 4 bits, top bit clear */
+        const __m512i c = h ? _mm512_unpackhi_epi8(lo, hi) : _mm512_unpacklo_epi8(lo, hi), c4 = _mm512_srli_epi16(c, 4);
+        const __m512i v[2] = {_mm512_unpacklo_epi8(c, c4), _mm512_unpackhi_epi8(c, c4)};
+        for (int j = 0; j < 2; j++)
+            w->q[2 * h + j] = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(plus, v[j]), neg[2 * h + j], minus, v[j]);
+    }
 }
 
 static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 66));
     __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
     s = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));  /* 2 * scale + 1 in both int16 halves: 16 group scales */
-    w->d = 0.25f * f16_at(b);
+    w->dd = _mm512_set1_ps(0.25f * f16_at(b));
     spread_scales(w, s);
-    w->off = _mm256_slli_epi16(s, 6);
-    uint64_t neg[4];
-    _mm256_storeu_si256((__m256i *)neg, signs_xxs(a));
+    w->negoff = neg_off(s, OFFSET_XXS);
+    /* the 32 seven-bit fields, a byte each (vpmultishiftqb), through the 128 patterns (vpermi2b): 256 sign bits
+     * in value order; vector c's mask is bit v % 8 of byte 8c + v / 8 of them, spread by vpermb */
+    const __m256i fields = _mm256_multishift_epi64_epi8(_mm256_set1_epi64x(0x352e2720150e0700ll), a);
+    const __m512i patterns = _mm512_permutex2var_epi8(_mm512_load_si512(sign_table), _mm512_castsi256_si512(fields),
+                                                      _mm512_load_si512(sign_table + 64));
+    const __m512i byte = _mm512_srli_epi16(_mm512_and_si512(iota8(), _mm512_set1_epi8(0x38)), 3);
+    const __m512i bit = _mm512_set1_epi64(0x8040201008040201ll);
+    __mmask64 neg[4];
     for (int c = 0; c < 4; c++)
-        w->q[c] = signed_grid(grid_xxs, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))), neg[c], 64);
+        neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(_mm512_add_epi8(byte, _mm512_set1_epi8((char)(8 * c))), patterns), bit);
+    grid_values(w, code_xxs[0], 256, levels_xxs, _mm512_loadu_si512(b + 2), 0, neg);
 }
 
 static inline void decode_iq3s(const uint8_t *b, wblock *w) {
     const __m128i sc = _mm_cvtsi64_si128((long long)nibbles8(u32_at(b + 106)));
     __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
     s16 = _mm256_add_epi16(_mm256_slli_epi16(s16, 1), _mm256_set1_epi16(1));
-    w->d = f16_at(b);
+    w->dd = _mm512_set1_ps(f16_at(b));
     spread_scales(w, s16);
-    w->off = _mm256_slli_epi16(s16, 4);
-    const __m512i ninth = _mm512_set1_epi32(256);
-    for (int c = 0; c < 4; c++) {  /* 16 grid rows: 8 index bits from qs, the ninth from qh, signs a bit per value */
-        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
-        idx = _mm512_mask_or_epi32(idx, (__mmask16)u16_at(b + 66 + 2 * c), idx, ninth);
-        w->q[c] = signed_grid(grid_s, idx, u64_at(b + 74 + 8 * c), 16);
-    }
+    w->negoff = neg_off(s16, OFFSET_S);
+    const __mmask64 neg[4] = {u64_at(b + 74), u64_at(b + 82), u64_at(b + 90), u64_at(b + 98)};  /* a bit per value */
+    grid_values(w, code_s[0], 512, levels_s, _mm512_loadu_si512(b + 2), u64_at(b + 66), neg);
 }
 
 static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
     const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
     const __m128i s8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32));
-    w->d = f16_at(b);
+    w->dd = _mm512_set1_ps(f16_at(b));
     spread_scales(w, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8)));
     const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues)), m4 = _mm512_set1_epi8(15);
     const long long f = 0x0004000400040004ll;  /* int16 shift counts: 4 in 128-bit lanes 1 and 3 */
@@ -360,21 +429,24 @@ static inline __m512i dot_pairs(__m512i acc, __m512i p16, __m512i sc) {
 }
 
 /* acc += this block times one activation block x (Q8_K) */
-static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind) {
-    __m512i s = _mm512_setzero_si512();
+static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind, int packed) {
+    const int qs_at = packed ? PACKED_QS : 4, bs_at = packed ? PACKED_BSUMS : 260, d_at = packed ? PACKED_D : 0;
+    __m512i p[4];
     for (int c = 0; c < 4; c++) {
-        __m512i a = _mm512_loadu_si512(x + 4 + 64 * c);
+        __m512i a = _mm512_loadu_si512(x + qs_at + 64 * c);
         if (kind & SIGNED) a = _mm512_mask_sub_epi8(a, w->neg[c], _mm512_setzero_si512(), a);
-        s = dot_pairs(s, _mm512_maddubs_epi16(w->q[c], a), w->sc[c]);
+        p[c] = _mm512_maddubs_epi16(w->q[c], a);
     }
-    __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-    const __m256i bsums = _mm256_loadu_si256((const __m256i *)(x + 260));
-    const float dx = f32_at(x);
-    if (kind & HAS_OFF) s8 = _mm256_sub_epi32(s8, _mm256_madd_epi16(bsums, w->off));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(w->d * dx), _mm256_cvtepi32_ps(s8), acc);
-    if (kind & HAS_MIN)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(-w->dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, w->mn)), acc);
-    return acc;
+    /* two short chains, not one of four: the tokens' iterations overlap */
+    __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], w->sc[0]), p[2], w->sc[2]),
+                                 dot_pairs(_mm512_madd_epi16(p[1], w->sc[1]), p[3], w->sc[3]));
+    const __m256i bsums = _mm256_loadu_si256((const __m256i *)(x + bs_at));
+    if (kind & HAS_OFF) s = dot_pairs(s, _mm512_zextsi256_si512(bsums), w->negoff);
+    if (kind & HAS_MIN) {  /* the 16 lanes folded to 8, the mins' 8 sums beside them: one convert, one fma */
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        s = _mm512_inserti64x4(_mm512_castsi256_si512(s8), _mm256_madd_epi16(bsums, w->mn), 1);
+    }
+    return _mm512_fmadd_ps(_mm512_mul_ps(w->dd, _mm512_set1_ps(f32_at(x + d_at))), _mm512_cvtepi32_ps(s), acc);
 }
 
 #elif defined(DOTK_AVX2)
@@ -387,6 +459,12 @@ typedef struct {
     float d, dmin;
 } wblock;
 typedef __m256 acc_t;
+static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float acc_sum(acc_t a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
 
 static inline void spread_scales(wblock *w, __m256i s16) {
     const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
@@ -504,7 +582,9 @@ static inline __m256i signed_grid(const uint32_t *grid, const uint32_t idx[8], u
     return _mm256_blendv_epi8(_mm256_add_epi8(o, g), _mm256_sub_epi8(o, g), sign_bytes(neg));
 }
 
-static inline uint32_t signs_xxs1(uint32_t a) {  /* see the AVX-512 signs_xxs: one sub-block */
+/* a sub-block's 32-bit sign mask (bit k: value k negative) from its four 7-bit pattern indices: each field
+ * to its byte, and bit 7 of each byte its parity */
+static inline uint32_t signs_xxs1(uint32_t a) {
     uint32_t f = (a & 0x7fu) | ((a << 1) & 0x7f00u) | ((a << 2) & 0x7f0000u) | ((a << 3) & 0x7f000000u);
     uint32_t p = f ^ (f >> 4);
     p ^= p >> 2;
@@ -518,11 +598,11 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     s = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
     w->d = 0.25f * f16_at(b);
     spread_scales(w, s);
-    w->off = _mm256_slli_epi16(s, 6);
+    w->off = _mm256_mullo_epi16(s, _mm256_set1_epi16(OFFSET_XXS));
     for (int c = 0; c < 8; c++) {
         uint32_t idx[8];
         for (int k = 0; k < 8; k++) idx[k] = b[2 + 8 * c + k];
-        w->q[c] = signed_grid(grid_xxs, idx, signs_xxs1(u32_at(b + 66 + 4 * c)), 64);
+        w->q[c] = signed_grid(grid_xxs, idx, signs_xxs1(u32_at(b + 66 + 4 * c)), OFFSET_XXS);
     }
 }
 
@@ -532,12 +612,12 @@ static inline void decode_iq3s(const uint8_t *b, wblock *w) {
     s16 = _mm256_add_epi16(_mm256_slli_epi16(s16, 1), _mm256_set1_epi16(1));
     w->d = f16_at(b);
     spread_scales(w, s16);
-    w->off = _mm256_slli_epi16(s16, 4);
+    w->off = _mm256_mullo_epi16(s16, _mm256_set1_epi16(OFFSET_S));
     for (int c = 0; c < 8; c++) {
         uint32_t idx[8];
         const unsigned qh = b[66 + c];
         for (int k = 0; k < 8; k++) idx[k] = b[2 + 8 * c + k] | ((qh >> k) & 1u) << 8;
-        w->q[c] = signed_grid(grid_s, idx, u32_at(b + 74 + 4 * c), 16);
+        w->q[c] = signed_grid(grid_s, idx, u32_at(b + 74 + 4 * c), OFFSET_S);
     }
 }
 
@@ -555,19 +635,23 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
     }
 }
 
-static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind) {
+static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind, int packed) {
+    const int qs_at = packed ? PACKED_QS : 4, bs_at = packed ? PACKED_BSUMS : 260, d_at = packed ? PACKED_D : 0;
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
-        __m256i a = load256(x + 4 + 32 * c);
+        __m256i a = load256(x + qs_at + 32 * c);
         if (kind & SIGNED) a = _mm256_sign_epi8(a, w->sg[c]);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w->q[c], a), w->sc[c]));
     }
-    const __m256i bsums = load256(x + 260);
-    const float dx = f32_at(x);
+    const __m256i bsums = load256(x + bs_at);
+    const __m256 dx = _mm256_set1_ps(f32_at(x + d_at));
     if (kind & HAS_OFF) s = _mm256_sub_epi32(s, _mm256_madd_epi16(bsums, w->off));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(w->d * dx), _mm256_cvtepi32_ps(s), acc);
-    if (kind & HAS_MIN)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(-w->dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, w->mn)), acc);
+    if (kind & HAS_MIN) {
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(w->dmin), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, w->mn)));
+        acc = _mm256_fmadd_ps(dx, _mm256_fmsub_ps(_mm256_set1_ps(w->d), _mm256_cvtepi32_ps(s), mins), acc);
+    } else {
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(w->d), dx), _mm256_cvtepi32_ps(s), acc);
+    }
     return acc;
 }
 
@@ -580,6 +664,8 @@ typedef struct {
     float d, dmin;
 } wblock;
 typedef float acc_t;
+static inline acc_t acc_zero(void) { return 0.f; }
+static inline float acc_sum(acc_t a) { return a; }
 
 static inline void set_pairs(int32_t *dst, const uint8_t *v8, int bias) {  /* 8 sub-block values -> 16 groups */
     for (int g = 0; g < 16; g++) dst[g] = (int32_t)v8[g / 2] - bias;
@@ -647,11 +733,11 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     for (int ib = 0; ib < 8; ib++) {
         const uint32_t a = u32_at(b + 66 + 4 * ib);
         w->sc[2 * ib] = w->sc[2 * ib + 1] = 2 * (int32_t)(a >> 28) + 1;
-        w->off[2 * ib] = w->off[2 * ib + 1] = 64 * w->sc[2 * ib];
+        w->off[2 * ib] = w->off[2 * ib + 1] = OFFSET_XXS * w->sc[2 * ib];
         for (int k = 0; k < 4; k++) {
             const unsigned signs = sign_pattern((a >> (7 * k)) & 127);
-            put_grid(w->q + 32 * ib + 8 * k, grid_xxs[b[2 + 8 * ib + 2 * k]], signs & 15, 64);
-            put_grid(w->q + 32 * ib + 8 * k + 4, grid_xxs[b[2 + 8 * ib + 2 * k + 1]], signs >> 4, 64);
+            put_grid(w->q + 32 * ib + 8 * k, grid_xxs[b[2 + 8 * ib + 2 * k]], signs & 15, OFFSET_XXS);
+            put_grid(w->q + 32 * ib + 8 * k + 4, grid_xxs[b[2 + 8 * ib + 2 * k + 1]], signs >> 4, OFFSET_XXS);
         }
     }
 }
@@ -660,10 +746,10 @@ static inline void decode_iq3s(const uint8_t *b, wblock *w) {
     w->d = f16_at(b);
     for (int ib = 0; ib < 8; ib++) {
         w->sc[2 * ib] = w->sc[2 * ib + 1] = 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 15) + 1;
-        w->off[2 * ib] = w->off[2 * ib + 1] = 16 * w->sc[2 * ib];
+        w->off[2 * ib] = w->off[2 * ib + 1] = OFFSET_S * w->sc[2 * ib];
     }
     for (int i = 0; i < 64; i++)
-        put_grid(w->q + 4 * i, grid_s[b[2 + i] | ((b[66 + i / 8] >> (i % 8)) & 1) << 8], (b[74 + i / 2] >> (4 * (i % 2))) & 15, 16);
+        put_grid(w->q + 4 * i, grid_s[b[2 + i] | ((b[66 + i / 8] >> (i % 8)) & 1) << 8], (b[74 + i / 2] >> (4 * (i % 2))) & 15, OFFSET_S);
 }
 
 static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
@@ -677,10 +763,11 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
         }
 }
 
-static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind) {
-    const int8_t *a = (const int8_t *)(x + 4);
+static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind, int packed) {
+    const int qs_at = packed ? PACKED_QS : 4, bs_at = packed ? PACKED_BSUMS : 260, d_at = packed ? PACKED_D : 0;
+    const int8_t *a = (const int8_t *)(x + qs_at);
     int16_t bsums[16];
-    memcpy(bsums, x + 260, 32);
+    memcpy(bsums, x + bs_at, 32);
     int32_t sum = 0, mins = 0;
     for (int g = 0; g < 16; g++) {
         int32_t s = 0;
@@ -690,56 +777,73 @@ static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, 
         if (kind & HAS_OFF) sum -= w->off[g] * bsums[g];
         if (kind & HAS_MIN) mins += w->mn[g] * bsums[g];
     }
-    const float dx = f32_at(x);
+    const float dx = f32_at(x + d_at);
     acc += (w->d * dx) * (float)sum;
     if (kind & HAS_MIN) acc -= (w->dmin * dx) * (float)mins;
     return acc;
 }
 #endif
 
-static inline float acc_sum(acc_t a) {
-#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-#else
-    return a;
-#endif
-}
-
-static inline acc_t acc_zero(void) {
-#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
-    return _mm256_setzero_ps();
-#else
-    return 0.f;
-#endif
-}
-
 /* ---- rows: each weight block decoded once, applied to up to TILE activation rows ----------------------- */
 
-enum { TILE = 64 };
+enum { TILE = 64, ROW_GROUP = 4 };
 
+/* T activation rows (Q8_K) -> packed blocks, block-major: out[i][t] */
+static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < blocks; i++) {
+            const uint8_t *x = xq + (t * blocks + i) * Q8K_BYTES;
+            uint8_t *o = out + (i * T + t) * PACKED_BYTES;
+            memcpy(o + PACKED_QS, x + 4, 256);
+            memcpy(o + PACKED_BSUMS, x + 260, 32);
+            memcpy(o + PACKED_D, x, 4);
+        }
+}
+
+/* One token: each row's blocks in turn (decode's gemv, memory-bound). Many: the tokens' blocks packed, then
+ * ROW_GROUP rows at a time, block by block, so one block column of activations (tt x 320 bytes) stays in L1
+ * while every row of the group and every token use it; each weight block is decoded once. */
 #define ROWS(name, decode, block_bytes, kind)                                                                        \
     static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,     \
                      float *y, int64_t ldy) {                                                                        \
         const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                    \
+        uint8_t *packed = T > 1 ? aligned_alloc(64, (size_t)(TILE * blocks * PACKED_BYTES)) : NULL;                  \
+        if (packed == NULL) {                                                                                        \
+            for (int64_t t = 0; t < T; t++)                                                                          \
+                for (int64_t r = 0; r < rows; r++) {                                                                 \
+                    const uint8_t *row = w + r * row_bytes, *x = xq + t * xrow;                                      \
+                    acc_t acc = acc_zero();                                                                          \
+                    for (int64_t i = 0; i < blocks; i++) {                                                           \
+                        wblock wb;                                                                                   \
+                        decode(row + (block_bytes) * i, &wb);                                                        \
+                        acc = apply_block(&wb, x + Q8K_BYTES * i, acc, kind, 0);                                     \
+                    }                                                                                                \
+                    y[t * ldy + r] = acc_sum(acc);                                                                   \
+                }                                                                                                    \
+            return;                                                                                                  \
+        }                                                                                                            \
         for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                                   \
             const int64_t tt = T - t0 < TILE ? T - t0 : TILE;                                                        \
-            const uint8_t *x0 = xq + t0 * xrow;                                                                      \
-            for (int64_t r = 0; r < rows; r++) {                                                                     \
-                const uint8_t *row = w + r * row_bytes;                                                              \
-                acc_t acc[TILE];                                                                                     \
-                for (int64_t t = 0; t < tt; t++) acc[t] = acc_zero();                                                \
+            pack_tokens(xq + t0 * xrow, tt, blocks, packed);                                                         \
+            for (int64_t r0 = 0; r0 < rows; r0 += ROW_GROUP) {                                                       \
+                const int64_t rr = rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP;                                    \
+                acc_t acc[ROW_GROUP][TILE];                                                                          \
+                for (int64_t r = 0; r < rr; r++)                                                                     \
+                    for (int64_t t = 0; t < tt; t++) acc[r][t] = acc_zero();                                         \
                 for (int64_t i = 0; i < blocks; i++) {                                                               \
-                    wblock wb;                                                                                       \
-                    decode(row + (block_bytes) * i, &wb);                                                            \
-                    if (tt == 1) acc[0] = apply_block(&wb, x0 + Q8K_BYTES * i, acc[0], kind);                        \
-                    else for (int64_t t = 0; t < tt; t++)                                                            \
-                        acc[t] = apply_block(&wb, x0 + t * xrow + Q8K_BYTES * i, acc[t], kind);                      \
+                    const uint8_t *column = packed + i * tt * PACKED_BYTES;                                          \
+                    for (int64_t r = 0; r < rr; r++) {                                                               \
+                        wblock wb;                                                                                   \
+                        decode(w + (r0 + r) * row_bytes + (block_bytes) * i, &wb);                                   \
+                        for (int64_t t = 0; t < tt; t++)                                                             \
+                            acc[r][t] = apply_block(&wb, column + t * PACKED_BYTES, acc[r][t], kind, 1);             \
+                    }                                                                                                \
                 }                                                                                                    \
-                for (int64_t t = 0; t < tt; t++) y[(t0 + t) * ldy + r] = acc_sum(acc[t]);                            \
+                for (int64_t r = 0; r < rr; r++)                                                                     \
+                    for (int64_t t = 0; t < tt; t++) y[(t0 + t) * ldy + r0 + r] = acc_sum(acc[r][t]);                \
             }                                                                                                        \
         }                                                                                                            \
+        free(packed);                                                                                                \
     }
 
 ROWS(rows_q2k, decode_q2k, 84, HAS_MIN)
