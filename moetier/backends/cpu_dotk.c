@@ -5,24 +5,29 @@
  * quantize_row_q8_K_ref: the first value of largest magnitude sets iscale = -127 / it, q = round-half-even of
  * the float32 product iscale * x (a separate multiply, never fused), capped at 127, d = 1 / iscale.
  *
- * dotk_dot: per 256-value block, integer dot products of weight quants and activation quants, exact in int32,
- * each 16- or 32-value group's sum times its integer scale; then times d_w * d_x in float32, minus
+ * dotk_dot, numerics: per 256-value block, integer dot products of weight quants and activation quants, exact
+ * in int32, each 16- or 32-value group's sum times its integer scale; then times d_w * d_x in float32, minus
  * dmin_w * d_x * sum(min * bsum) for the formats with mins (Q2_K, Q4_K, Q5_K). Every format is decoded to one
- * shape: 256 unsigned quants u (< 128) with w = u - offset, 16 group scales, and the offset's share
- * (offset * scale * bsum, an integer: Q3_K 4, Q6_K 32, IQ3_XXS 64, IQ3_S 16) taken off through the bsums, so
- * the products are u8 x s8 pairs (maddubs) that never saturate. IQ4_XS keeps signed values (|w| <= 127), the
- * sign moved onto the activation. The float sums run in vector lanes; they differ from llama.cpp's only by
- * float32 rounding. IQ3_XXS's 0.25 is folded into d (exact).
+ * shape (the struct wblock): 256 unsigned quants u < 128 with w = u - offset, 16 group scales, the offset's
+ * share (offset * scale * bsum, an integer: Q3_K 4, Q6_K 32, IQ3_XXS 64, IQ3_S 16) taken off through the
+ * bsums, so every product is a u8 x s8 pair (maddubs) that cannot saturate. IQ4_XS keeps signed values
+ * (|w| <= 127) and moves their signs onto the activations. Only the float sums' order differs from llama.cpp's
+ * (vector lanes, blocks in turn): float32 rounding. IQ3_XXS's factor 0.25 is folded into d (exact).
  *
- * Rows are the outer loop: each weight block is decoded once into registers (the struct wblock) and applied
- * to every activation row, so T tokens read the weights once (prefill's reuse; T = 1 is decode's gemv).
- * Paths, chosen at build time (-march=native): AVX-512 (F, BW, VL; VNNI's vpdpwssd where present) on
- * 64-value vectors; AVX2 on 32-value vectors (maddubs / madd, as ggml's x86 code); a portable scalar path
- * elsewhere. No threads here: callers split rows.
+ * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory
+ * bound): row by row, block by block. T > 1 (prefill): the activation blocks are first copied so their quants
+ * sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
+ * the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in L1 for every row
+ * and token. No threads here: callers split rows.
  *
- * IQ3_XXS's and IQ3_S's grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until it
- * is called those three formats are not offered (act_type -1). IQ3_XXS's sign patterns are computed from
- * their rule (7 bits and a parity bit), which dotk_tables checks against the package's table.
+ * SIMD paths, chosen at build time (-march=native): AVX-512 F/BW/VL/VBMI on 64-value vectors (vpdpwssd with
+ * VNNI); the IQ3 grids are looked up in registers (vpermi2b on nibble codes of the grids' 8 levels: gathers
+ * cost 30+ cycles on Zen 4 / 5). AVX2 + FMA on 32-value vectors (maddubs / madd, as ggml's x86 code; IQ3 grid
+ * rows by scalar loads), which machines with AVX-512 but no VBMI also take. A portable scalar path elsewhere.
+ *
+ * Tables: IQ3_XXS's and IQ3_S's grids and IQ4_NL's kvalues come from the gguf package through dotk_tables;
+ * until it is called those three formats are not offered (act_type -1). IQ3_XXS's sign patterns follow a rule
+ * (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
 #include <stdlib.h>
