@@ -2,22 +2,24 @@
 
 Regime: CPU, batch 1, greedy. One synthetic checkpoint (`--preset`, default
 `medium`: 16 layers of 80 experts, top-10, 1.0 GB of float32 experts, 32x the
-L3 here), written by moetier, converted to an F32 GGUF by moetier, then
-quantized by llama.cpp's own quantizer (BF16, Q8_0, Q4_K_M, Q6_K, IQ3_S);
-files cached in `--models`. Per format, moetier's Engine and llama.cpp
-(llama-cpp-python) run the same GGUF file; transformers runs the HF float32
-checkpoint the files came from (its row is F32's). Each engine is loaded once
-in a process of its own (decode_peers.py) with `--threads` threads, warmed up
-with one untimed pass, then timed in turn (moetier, llama.cpp, transformers,
-moetier, ...) for `--runs` runs; best of the runs. One timed pass: a 256-token
-prompt in one forward (prefill tok/s, first new token included), then
-`--tokens` greedy steps one token at a time (decode tok/s). The read roofline:
-weight bytes a decoded token reads in the file's stored bytes (every trunk
-matrix, one embedding row, top_k of each MoE layer's experts; from the GGUF's
-tensor sizes; the KV cache not counted) over the read bandwidth measured in
-the same run with the same threads (torch.sum over a float32 buffer of
-max(1 GiB, 8 x the LLC), best of 5, once per run). Prints a table, then one
-JSON line.
+L3 here) written by moetier, converted to an F32 GGUF by moetier and quantized
+by llama.cpp's own quantizer (BF16, Q8_0, Q4_K_M, Q6_K, IQ3_S), cached in
+`--models`. Per format moetier's Engine and llama.cpp (llama-cpp-python) run
+the same GGUF file; transformers runs the HF float32 checkpoint the files came
+from (its row is F32's). Each engine loads once in a process of its own
+(decode_peers.py) with `--threads` threads, every process pinned to the same
+`--threads` CPUs, is warmed up by one untimed pass, then timed in turn
+(moetier, llama.cpp, transformers, moetier, ...) for `--runs` runs, best kept.
+A pass: a 256-token prompt in one forward (prefill tok/s, first new token
+included), then `--tokens` greedy steps one token at a time (decode tok/s).
+The VM is shared: each pass first waits (`--quiet-wait`) for other processes
+to go quiet, and the CPU share they took during it is reported. The read
+roofline: weight bytes one decoded token reads, in the file's stored bytes
+(every trunk matrix, one embedding row, top_k of each MoE layer's experts,
+from the GGUF's tensor sizes; the KV cache not counted), over the read
+bandwidth measured in the same run on the same threads (torch.sum over a
+float32 buffer of max(1 GiB, 8 x the LLC), best of 5, each run). Prints a
+table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -165,6 +167,19 @@ def _process_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def wait_until_quiet(limit_s: float, below: float = 0.1, window_s: float = 0.5) -> float:
+    """Wait (at most limit_s) for a window_s in which other processes used under `below` of the CPUs; seconds waited.
+    Our idle workers are blocked on their pipes, so what is busy is someone else."""
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < limit_s:
+        busy, mine = _busy_ticks(), _process_ticks(os.getpid())
+        time.sleep(window_s)
+        others = (_busy_ticks() - busy) - (_process_ticks(os.getpid()) - mine)
+        if others < below * window_s * os.sysconf("SC_CLK_TCK") * os.cpu_count():
+            break
+    return time.perf_counter() - begin
+
+
 def timed_pass(worker: DecoderProcess, prompt: list[int], tokens: int) -> dict:
     """worker.measure, plus the share of the machine's CPUs that other processes used meanwhile: the VM is
     shared, and a busy core costs a thread-synchronised engine (llama.cpp's barriers) far more than its share."""
@@ -173,7 +188,8 @@ def timed_pass(worker: DecoderProcess, prompt: list[int], tokens: int) -> dict:
     result = worker.measure(prompt, tokens)
     wall = time.perf_counter() - begin
     others = (_busy_ticks() - busy) - (ours() - mine)
-    result["others_cpu_share"] = max(0.0, others / (wall * os.sysconf("SC_CLK_TCK") * os.cpu_count()))
+    ticks = wall * os.sysconf("SC_CLK_TCK") * os.cpu_count()
+    result["others_cpu_share"] = max(0.0, others / ticks) if ticks >= 50 else None  # a shorter pass: a few ticks, noise
     return result
 
 
@@ -223,6 +239,8 @@ def main() -> None:
     parser.add_argument("--preset", default="medium", help="moetier.model.synth preset")
     parser.add_argument("--arch", default="qwen3_moe")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one load or timed pass may take")
+    parser.add_argument("--quiet-wait", type=float, default=60, help="before each timed pass, wait up to this many "
+                        "seconds for other processes to use under 10%% of the CPUs for 0.5 s (0: do not wait)")
     parser.add_argument("--json", type=Path, help="also write the JSON object here")
     args = parser.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -233,6 +251,13 @@ def main() -> None:
         parser.error(f"--threads {args.threads} (expected 1..{8 * os.cpu_count()})")
     if args.tokens < 1 or args.runs < 1:
         parser.error("--tokens and --runs must be >= 1")
+
+    # Every engine (each worker inherits this) and the bandwidth run on the same `threads` CPUs, whatever
+    # thread count an engine picks by itself ("every CPU this process may run on").
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.threads < len(cpus):
+        cpus = cpus[: args.threads]
+        os.sched_setaffinity(0, cpus)
 
     from moetier.model.synth import sample_session
 
@@ -270,13 +295,16 @@ def main() -> None:
     bandwidth_bytes = max(1 << 30, 8 * last_level_cache_bytes())
     bandwidth = {args.threads: [], 1: []}
     timings: dict[tuple[str, str], list[dict]] = {key: [] for key in order}
+    waited_s = 0.0
     for run in range(args.runs):
         for threads in sorted(bandwidth):
+            waited_s += wait_until_quiet(args.quiet_wait)
             bandwidth[threads].append(read_bandwidth(threads, bandwidth_bytes))
         for key in order:
             if key not in workers:
                 continue
             log(f"run {run + 1}/{args.runs}: {key[0]} {key[1]}")
+            waited_s += wait_until_quiet(args.quiet_wait)
             try:
                 timings[key].append(timed_pass(workers[key], prompt, args.tokens))
             except WorkerFailed as error:
@@ -299,7 +327,7 @@ def main() -> None:
             cells[engine][f] = {"decode_tok_per_s": max(decode), "prefill_tok_per_s": max(prefill),
                                 "roofline_share": max(decode) / roofline[f]["tok_per_s"],
                                 "decode_runs": decode, "prefill_runs": prefill, "ids": runs[-1]["ids"],
-                                "others_cpu_share": max(r["others_cpu_share"] for r in runs),
+                                "others_cpu_share": max((r["others_cpu_share"] for r in runs if r["others_cpu_share"] is not None), default=None),
                                 "error": errors.get((engine, f))}
     reference = cells["transformers"].get("F32", {})
     for f in formats:
@@ -315,7 +343,7 @@ def main() -> None:
     result = {
         "bench": "decode", "arch": args.arch, "preset": args.preset, "models": str(args.models),
         "files": {f: str(p) for f, p in files.items()}, "prefill_tokens": PREFILL_TOKENS, "decode_tokens": args.tokens,
-        "runs": args.runs, "threads": args.threads, "settings": settings,
+        "runs": args.runs, "threads": args.threads, "cpus": cpus, "settings": settings, "quiet_wait_s": args.quiet_wait, "waited_s": waited_s,
         "llama_model_params": LLAMA_MODEL_PARAMS,
         "read_bandwidth": {"method": f"torch.sum over {bandwidth_bytes / 2**30:.2f} GiB float32, best of 5 per run",
                            "bytes_per_s": {str(t): v for t, v in best_bandwidth.items()},
@@ -335,7 +363,8 @@ def main() -> None:
 def print_table(result: dict, formats: list[str]) -> None:
     m, bandwidth = result["machine"], result["read_bandwidth"]
     print(f"{result['arch']} {result['preset']}: batch 1, greedy, {result['prefill_tokens']}-token prefill then "
-          f"{result['decode_tokens']} decode steps, best of {result['runs']} alternating runs, {result['threads']} threads each")
+          f"{result['decode_tokens']} decode steps, best of {result['runs']} alternating runs, {result['threads']} threads each, "
+          f"every process on CPUs {result['cpus']}")
     print(f"{m['cpu']} ({m['cpus']} CPUs; {', '.join(k for k, v in m['flags'].items() if v)}), {m['date']}, "
           f"git {m['git_commit'][:10]} ({len(m['git_uncommitted_in_moetier'])} uncommitted in moetier/), "
           f"load average {m['loadavg_before']} before, {m['loadavg']} after")
@@ -362,7 +391,7 @@ def print_table(result: dict, formats: list[str]) -> None:
                 continue
             llama, transformers = (f"{cell[k]:.2f}x" if k in cell else "" for k in ("speedup_vs_llama_cpp", "speedup_vs_transformers"))
             print(row(f, engine, f"{cell['decode_tok_per_s']:.1f}", f"{cell['prefill_tok_per_s']:.1f}", f"{cell['roofline_share']:.1%}",
-                      llama, transformers, f"{cell['others_cpu_share']:.0%}")
+                      llama, transformers, "-" if cell["others_cpu_share"] is None else f"{cell['others_cpu_share']:.0%}")
                   + (f"  (a run failed: {cell['error'][:60]})" if cell["error"] else ""))
     for f in formats:
         roof = result["roofline"].get(f)
@@ -374,7 +403,9 @@ def print_table(result: dict, formats: list[str]) -> None:
             for cell in [result["cells"]["moetier"][f]] if f"same_greedy_tokens_as_{key}" in cell]
     if same:
         print("moetier's greedy tokens, leading run equal to the peer's: " + "; ".join(same))
-    print("others' CPU: the most of the machine's CPUs other processes used during one of the cell's timed passes")
+    print(f"others' CPU: the most of the machine's CPUs other processes used during one of the cell's timed passes "
+          f"(- for passes too short to tell; each pass waited up to {result['quiet_wait_s']:.0f} s for a quiet machine, "
+          f"{result['waited_s']:.0f} s waited in all)")
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import os
 import signal
 import time
 import traceback
@@ -49,8 +50,8 @@ class MoetierDecoder:
             self.threads_note = f"native kernels: threads={threads}"
         else:
             backend = TorchBackend("cpu")
-            self.threads_note = (f"native kernels: no thread count yet (TorchBackend takes no `threads`), so routed "
-                                 f"experts decode on one thread; torch ops (attention, trunk) on {threads}")
+            self.threads_note = (f"TorchBackend takes no `threads` yet: its kernels' threads are as described, on "
+                                 f"CPUs {sorted(os.sched_getaffinity(0))}; torch ops (attention, trunk) on {threads}")
         self.engine = Engine(open_checkpoint(path), backend=backend)
         self.engine.warm_up()
         self.settings = f"{backend.describe()}; {self.threads_note}"
