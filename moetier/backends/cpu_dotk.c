@@ -580,7 +580,8 @@ static inline __m256i sign_bytes(uint32_t m) {
 
 /* 8 grid entries (32 values) by index: offset + value, offset - value where negative */
 static inline __m256i signed_grid(const uint32_t *grid, const uint32_t idx[8], uint32_t neg, int offset) {
-    /* scalar loads beat vpgatherdd on Zen 3 / 4 (ggml's note); the compiler packs them */
+    /* scalar loads packed in registers: vpgatherdd costs 30+ cycles on Zen 4 / 5 (and is slowed on Intel by the
+     * Downfall fix), a trip through memory stalls (8 narrow stores cannot forward to one wide load) */
     const __m256i g = _mm256_setr_epi32((int)grid[idx[0]], (int)grid[idx[1]], (int)grid[idx[2]], (int)grid[idx[3]],
                                         (int)grid[idx[4]], (int)grid[idx[5]], (int)grid[idx[6]], (int)grid[idx[7]]);
     const __m256i o = _mm256_set1_epi8((char)offset);
