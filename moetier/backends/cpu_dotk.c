@@ -358,7 +358,7 @@ static inline __m512i code_plane(const uint8_t *table, int entries, __m512i idx,
  * value by the signs. The two code planes are unpacked into 4 nibbles per entry within 128-bit lanes, which
  * leaves lane L of the q-th result holding positions 16L + 4q .. 16L + 4q + 3; the entries are first permuted so
  * that position to be entry 16q + 4L + s: then result q is values 64q .. 64q + 63 in order. */
-static inline void grid_values(wblock *w, const uint8_t *codes, int entries, const uint8_t levels[2][16], __m512i qs,
+static inline void grid_values(wblock *w, const uint8_t *codes, int entries, uint8_t levels[2][16], __m512i qs,
                                __mmask64 ninth, const __mmask64 neg[4]) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
         0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
@@ -390,7 +390,7 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     const __m512i patterns = _mm512_permutex2var_epi8(_mm512_load_si512(sign_table), _mm512_castsi256_si512(fields),
                                                       _mm512_load_si512(sign_table + 64));
     const __m512i byte = _mm512_srli_epi16(_mm512_and_si512(iota8(), _mm512_set1_epi8(0x38)), 3);
-    const __m512i bit = _mm512_set1_epi64(0x8040201008040201ll);
+    const __m512i bit = _mm512_set1_epi64((long long)0x8040201008040201ull);
     __mmask64 neg[4];
     for (int c = 0; c < 4; c++)
         neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(_mm512_add_epi8(byte, _mm512_set1_epi8((char)(8 * c))), patterns), bit);
@@ -574,7 +574,7 @@ static inline void decode_q3k(const uint8_t *b, wblock *w) {
 /* a 32-bit mask (bit k: value k negative) -> 32 bytes, 0xff where negative */
 static inline __m256i sign_bytes(uint32_t m) {
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
     return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), bit), bit);
 }
 
@@ -673,16 +673,16 @@ typedef float acc_t;
 static inline acc_t acc_zero(void) { return 0.f; }
 static inline float acc_sum(acc_t a) { return a; }
 
-static inline void set_pairs(int32_t *dst, const uint8_t *v8, int bias) {  /* 8 sub-block values -> 16 groups */
-    for (int g = 0; g < 16; g++) dst[g] = (int32_t)v8[g / 2] - bias;
+static inline void set_pairs(int32_t *dst, const uint8_t *v8) {  /* 8 sub-block values -> 16 groups */
+    for (int g = 0; g < 16; g++) dst[g] = v8[g / 2];
 }
 
 static inline void decode_q4k(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     w->d = f16_at(b), w->dmin = f16_at(b + 2);
-    set_pairs(w->sc, sm, 0);
-    set_pairs(w->mn, sm + 8, 0);
+    set_pairs(w->sc, sm);
+    set_pairs(w->mn, sm + 8);
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < 32; l++) w->q[32 * j + l] = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
 }
@@ -691,8 +691,8 @@ static inline void decode_q5k(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     w->d = f16_at(b), w->dmin = f16_at(b + 2);
-    set_pairs(w->sc, sm, 0);
-    set_pairs(w->mn, sm + 8, 0);
+    set_pairs(w->sc, sm);
+    set_pairs(w->mn, sm + 8);
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < 32; l++)
             w->q[32 * j + l] = (uint8_t)(((b[48 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15) | ((b[16 + l] >> j) & 1) << 4);
