@@ -1,0 +1,589 @@
+/* moetier's dot32 family (cpu_dot.h): weights in F32, F16, BF16 or a 32-value block format (Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0, IQ4_NL) times activations in the format llama.cpp's dot product for that format takes.
+ *
+ * dot32_quantize writes the bytes llama.cpp's x86 from_float writes (moetier/backends/activations.py is the
+ * judge): Q8_0 / Q8_1 with d = max|x| / 127, multiplier 127 / max|x|, round half to even (Q8_1's s = d * the
+ * block's sum of quants), float16 fields and F16 by IEEE round to nearest even, BF16 as ggml_compute_fp32_to_bf16.
+ *
+ * Numerics of dot32_dot, as ggml's vec_dot: per 32-block the integer dot product of the weight quants and the
+ * activation quants (exact in int32), times d_w * d_x in float32, plus m_w * s_x for Q4_1 / Q5_1 (q4_1_q8_1),
+ * summed over the row in float32. Float formats: weight and activation values converted to float32 (exactly),
+ * products summed in float32 by fused multiply-add. The sum order is this file's (vector lanes, then a tree) and
+ * depends on neither T nor the row: every (row, token) runs the same operations in every tile shape.
+ *
+ * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
+ * into registers serves the tile's tokens, and the tile's rows stay in L1 while the other token tiles pass, so
+ * each weight byte comes from memory once for all T. Block formats: 4 rows x up to 4 tokens (AVX2: 2), at T = 1
+ * 4 rows (Q8_0: 1); float formats: 1 row x up to 4 tokens, four accumulators each. Each tile prefetches the
+ * next tile's rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew
+ * every tile, and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without,
+ * 36 with). The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32)
+ * into scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none).
+ * No threads here: callers split rows.
+ *
+ * SIMD paths, chosen at compile time (the library is built with -march=native):
+ *  - AVX-512 (F, BW, VL, VNNI, VBMI): two blocks per zmm. Each weight block becomes unsigned bytes u = q + o
+ *    (Q8_0 and IQ4_NL biased by o = 128, Q4_0 / Q5_0 as stored with o = 8 / 16, Q4_1 / Q5_1 o = 0), and one
+ *    vpdpbusd(u, x) started from -o * (x's sums of four), formed once per token block and shared by the rows,
+ *    gives the block's dot product; F16 / BF16 weights widened in registers, 16 values a step.
+ *  - AVX2 (+FMA, F16C): a block per ymm; ggml's sign trick (|w| times x with w's sign) through maddubs / madd,
+ *    or vpdpbusd where AVX-VNNI is present.
+ *  - scalar: any other machine, and the path without scratch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_dot.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__) && defined(__FMA__) && defined(__F16C__)
+#define PATH_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PATH_AVX2 1
+#endif
+#ifndef TILE_ROWS /* a tile: rows x tokens of accumulators in registers (AVX-512: 32 of them, AVX2: 16) */
+#define TILE_ROWS 4
+#endif
+#ifndef TILE_TOKENS
+#if defined(PATH_AVX512)
+#define TILE_TOKENS 4
+#else
+#define TILE_TOKENS 2
+#endif
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, BF16 = 30 };
+
+/* IQ4_NL's 16 values (ggml's kvalues_iq4nl; tests/test_dot32.py checks them against the gguf package) */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* block layout: bytes per block, where the nibbles / quants start, where the 5th bits start, the bias o */
+INLINE int block_bytes(int f) { return f == Q8_0 ? 34 : f == Q4_1 ? 20 : f == Q5_0 ? 22 : f == Q5_1 ? 24 : 18; }
+INLINE int quants_at(int f) { return f == Q4_1 ? 4 : f == Q5_0 ? 6 : f == Q5_1 ? 8 : 2; }
+INLINE int high_bits_at(int f) { return f == Q5_0 ? 2 : 4; }
+INLINE int has_min(int f) { return f == Q4_1 || f == Q5_1; }
+
+int64_t dot32_act_type(int64_t wtype, int64_t float_acts) {
+    switch (wtype) {
+    case F32: return ACT_F32;
+    case F16: return float_acts ? ACT_F32 : ACT_F16;
+    case BF16: return float_acts ? ACT_F32 : ACT_BF16;
+    case Q4_0: case Q5_0: case Q8_0: case IQ4_NL: return ACT_Q8_0;
+    case Q4_1: case Q5_1: return ACT_Q8_1;
+    default: return -1;
+    }
+}
+
+/* ---- scalar conversions ---- */
+
+static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static inline float half_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return bits_float(sign | 0x7f800000 | m << 13);
+    if (e == 0) return bits_float(sign | float_bits((float)m * 0x1p-24f));  /* zero or subnormal: exact */
+    return bits_float(sign | (e + 112) << 23 | m << 13);
+#endif
+}
+
+static inline uint16_t float_half(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x = float_bits(f), sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x > 0x7f800000) return sign | 0x7e00 | (x >> 13 & 0x3ff);  /* NaN, quiet */
+    if (x >= 0x477ff000) return sign | 0x7c00;                      /* rounds to infinity (or is it) */
+    if (x < 0x38800000) /* a subnormal half: adding 0.5 rounds to a multiple of 2**-24, in the low bits */
+        return sign | (uint16_t)(float_bits(bits_float(x) + 0.5f) - 0x3f000000);
+    return sign | (uint16_t)((x + 0xfff + (x >> 13 & 1) - 0x38000000) >> 13);
+#endif
+}
+
+static inline uint16_t float_bf16(float f) {
+    uint32_t u = float_bits(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)(u >> 16 | 64);
+    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
+}
+
+/* ---- activations ---- */
+
+static void quantize_q8(int with_sum, const float *x, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, x += 32, out += with_sum ? 36 : 34) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int8_t q[32];
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            q[j] = (int8_t)rintf(x[j] * id);  /* round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST) */
+            sum += q[j];
+        }
+        const uint16_t dh = float_half(d), sh = float_half(d * (float)sum);
+        memcpy(out, &dh, 2);
+        if (with_sum) memcpy(out + 2, &sh, 2);
+        memcpy(out + (with_sum ? 4 : 2), q, 32);
+    }
+}
+
+void dot32_quantize(int64_t act, const float *x, void *xq, int64_t n) {
+    uint16_t *out16 = xq;
+    int64_t i = 0;
+    switch (act) {
+    case ACT_F32: memcpy(xq, x, (size_t)n * 4); return;
+    case ACT_F16:
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(out16 + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++) out16[i] = float_half(x[i]);
+        return;
+    case ACT_BF16:
+        for (; i < n; i++) out16[i] = float_bf16(x[i]);
+        return;
+    case ACT_Q8_0: case ACT_Q8_1: quantize_q8(act == ACT_Q8_1, x, xq, n); return;
+    default: return;
+    }
+}
+
+/* ---- scalar path: the raw activation bytes, no scratch ---- */
+
+/* one block -> its 32 quants (signed: q - o for Q4_0 / Q5_0, the kvalues for IQ4_NL; q for Q4_1 / Q5_1), d, m */
+static void decode_block(int f, const uint8_t *p, int8_t v[32], float *d, float *m) {
+    const uint8_t *qs = p + quants_at(f);
+    *d = half_float(load16(p));
+    *m = has_min(f) ? half_float(load16(p + 2)) : 0.0f;
+    if (f == Q8_0) { memcpy(v, qs, 32); return; }
+    const uint32_t qh = f == Q5_0 || f == Q5_1 ? load32(p + high_bits_at(f)) : 0;
+    for (int j = 0; j < 16; j++) {
+        int lo = qs[j] & 15, hi = qs[j] >> 4;
+        lo |= (qh >> j & 1) << 4;
+        hi |= (qh >> (j + 16) & 1) << 4;
+        if (f == IQ4_NL) lo = KVALUES[lo], hi = KVALUES[hi];
+        else if (f == Q4_0) lo -= 8, hi -= 8;
+        else if (f == Q5_0) lo -= 16, hi -= 16;
+        v[j] = (int8_t)lo, v[j + 16] = (int8_t)hi;
+    }
+}
+
+static void blocks_scalar(int f, int64_t act, int64_t nb, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                          const uint8_t *xq, int64_t T, float *y, int64_t ldy) {
+    const int64_t bb = block_bytes(f), xb = act == ACT_Q8_1 ? 36 : 34, xs = act == ACT_Q8_1 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t t = 0; t < T; t++) y[t * ldy + r] = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t v[32];
+            float dw, mw;
+            decode_block(f, w + r * row_bytes + b * bb, v, &dw, &mw);
+            for (int64_t t = 0; t < T; t++) {
+                const uint8_t *x = xq + (t * nb + b) * xb;
+                const int8_t *q = (const int8_t *)(x + xs);
+                int32_t sumi = 0;
+                for (int j = 0; j < 32; j++) sumi += v[j] * q[j];
+                const float sx = act == ACT_Q8_1 ? half_float(load16(x + 2)) : 0.0f;
+                y[t * ldy + r] += dw * half_float(load16(x)) * (float)sumi + mw * sx;
+            }
+        }
+    }
+}
+
+static inline float float_at(int64_t f, const void *p, int64_t k) {
+    if (f == F32) return ((const float *)p)[k];
+    if (f == F16) return half_float(((const uint16_t *)p)[k]);
+    return bits_float((uint32_t)((const uint16_t *)p)[k] << 16);
+}
+
+static void floats_scalar(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                          const uint8_t *xq, int64_t T, float *y, int64_t ldy) {
+    const int64_t x_bytes = act == ACT_F32 ? 4 * n : 2 * n;
+    float chunk[256];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t t = 0; t < T; t++) y[t * ldy + r] = 0.0f;
+        for (int64_t k0 = 0; k0 < n; k0 += 256) {
+            const int64_t len = n - k0 < 256 ? n - k0 : 256;
+            for (int64_t k = 0; k < len; k++) chunk[k] = float_at(f, w + r * row_bytes, k0 + k);
+            for (int64_t t = 0; t < T; t++) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < len; k++) sum += chunk[k] * float_at(act, xq + t * x_bytes, k0 + k);
+                y[t * ldy + r] += sum;
+            }
+        }
+    }
+}
+
+#if defined(PATH_AVX512) || defined(PATH_AVX2)
+/* ---- SIMD paths: activations unpacked once per call, per token [nbp int8 quants [32] | nbp float d | nbp float s]
+ * (nbp: the blocks rounded up to a pair; the pad block is all zeros, so an odd last block reads as a pair) ---- */
+
+typedef struct { const int8_t *q; const float *d, *s; } act_view;
+#define SCRATCH_BYTES 32768
+#define ACT_BLOCK_BYTES 40  /* quants and two floats */
+
+static void unpack_blocks(int64_t act, const uint8_t *xq, int64_t nb, int64_t nbp, int64_t T, uint8_t *xs, act_view *view) {
+    const int64_t xb = act == ACT_Q8_1 ? 36 : 34, at = act == ACT_Q8_1 ? 4 : 2;
+    for (int64_t t = 0; t < T; t++) {
+        int8_t *q = (int8_t *)(xs + t * nbp * ACT_BLOCK_BYTES);
+        float *d = (float *)(q + nbp * 32), *s = d + nbp;
+        view[t] = (act_view){q, d, s};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *x = xq + (t * nb + b) * xb;
+            memcpy(q + 32 * b, x + at, 32);
+            d[b] = half_float(load16(x));
+            s[b] = act == ACT_Q8_1 ? half_float(load16(x + 2)) : 0.0f;
+        }
+        if (nb < nbp) memset(q + 32 * nb, 0, 32), d[nb] = s[nb] = 0.0f;
+    }
+}
+#endif
+
+#if defined(PATH_AVX512)
+/* nibble sources for a block pair: bytes quants_at + j % 16 (+ block_bytes for the second 32), low nibbles in
+ * 16-byte groups 0 and 2, high ones (shifted down 4 within 16-bit words) in groups 1 and 3 */
+static const uint8_t PAIR_J[64] __attribute__((aligned(64))) = {
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const uint16_t PAIR_SHIFT[32] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+
+/* two blocks at p (one when single: the second reads as zeros) -> u8 quants [64], d [d0 x8 | d1 x8], m alike */
+INLINE void decode_pair(const int f, const int single, const uint8_t *p, __m512i *u, __m512 *d, __m512 *m) {
+    const int bb = block_bytes(f);
+    if (f == Q8_0) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 2));
+        const __m256i hi = single ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(p + 36));
+        *u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8((char)0x80));
+        const __m128i d0 = _mm_set1_epi16((short)load16(p)), d1 = _mm_set1_epi16(single ? 0 : (short)load16(p + 34));
+        *d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d0), d1, 1));
+        return;
+    }
+    const __m512i v = _mm512_maskz_loadu_epi8(single ? (1ull << bb) - 1 : (1ull << 2 * bb) - 1, p);
+    const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi8((char)bb), 1);
+    const __m512i at = _mm512_add_epi8(_mm512_add_epi8(_mm512_load_si512(PAIR_J), second),
+                                       _mm512_set1_epi8((char)quants_at(f)));
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(at, v), _mm512_load_si512(PAIR_SHIFT)),
+                                 _mm512_set1_epi8(0x0f));
+    if (f == Q5_0 || f == Q5_1) {
+        const uint64_t h = load32(p + high_bits_at(f)) | (single ? 0 : (uint64_t)load32(p + bb + high_bits_at(f)) << 32);
+        q = _mm512_mask_add_epi8(q, _cvtu64_mask64(h), q, _mm512_set1_epi8(16));
+    }
+    if (f == IQ4_NL) {
+        const __m128i kv = _mm_add_epi8(_mm_loadu_si128((const __m128i *)KVALUES), _mm_set1_epi8((char)0x80));
+        q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(kv), q);
+    }
+    *u = q;
+    /* words [d0 x8, d1 x8, m0 x8, m1 x8]: d at word 0 of each block, m at word 1 */
+    const __m512i words = _mm512_set_epi16(bb / 2 + 1, bb / 2 + 1, bb / 2 + 1, bb / 2 + 1, bb / 2 + 1, bb / 2 + 1,
+                                           bb / 2 + 1, bb / 2 + 1, 1, 1, 1, 1, 1, 1, 1, 1, bb / 2, bb / 2, bb / 2,
+                                           bb / 2, bb / 2, bb / 2, bb / 2, bb / 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i dm = _mm512_permutexvar_epi16(words, v);
+    *d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    if (has_min(f)) *m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+}
+
+INLINE int bias(int f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : f == Q8_0 || f == IQ4_NL ? 128 : 0; }
+
+/* two floats at p in lanes 0 and 1 */
+INLINE __m512 two_floats(const float *p) { return _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* one block pair (b, b + 1) of R rows x TT tokens into acc */
+INLINE void pair_step(const int f, const int R, const int TT, const int single, const uint8_t *w, int64_t row_bytes,
+                      const act_view *x, int64_t b, __m512 acc[TILE_ROWS][TILE_TOKENS]) {
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i xq[TILE_TOKENS], c[TILE_TOKENS];
+    __m512 dx[TILE_TOKENS], sx[TILE_TOKENS];
+    for (int t = 0; t < TT; t++) { /* per token block: shared by the R rows */
+        xq[t] = _mm512_loadu_si512(x[t].q + 32 * b);
+        c[t] = _mm512_setzero_si512();
+        if (bias(f)) c[t] = _mm512_sub_epi32(c[t], _mm512_dpbusd_epi32(c[t], _mm512_set1_epi8((char)bias(f)), xq[t]));
+        dx[t] = _mm512_permutexvar_ps(halves, two_floats(x[t].d + b));  /* [d0 x8 | d1 x8] */
+        if (has_min(f)) sx[t] = _mm512_maskz_permutexvar_ps(0x0101, halves, two_floats(x[t].s + b));  /* s0, s1 in lanes 0, 8 */
+    }
+    for (int r = 0; r < R; r++) {
+        __m512i u;
+        __m512 dw, mw = _mm512_setzero_ps();
+        decode_pair(f, single, w + r * row_bytes + b * block_bytes(f), &u, &dw, &mw);
+        /* the next tile's rows, at this offset: a tile's short rows are streams the hardware prefetcher would
+         * have to find anew each tile (and a masked load that misses stalls); one line per pair, two for Q8_0 */
+        _mm_prefetch((const char *)(w + (R + r) * row_bytes + b * block_bytes(f)), _MM_HINT_T0);
+        if (2 * block_bytes(f) > 64) _mm_prefetch((const char *)(w + (R + r) * row_bytes + b * block_bytes(f) + 64), _MM_HINT_T0);
+        for (int t = 0; t < TT; t++) {
+            const __m512 i = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c[t], u, xq[t]));
+            acc[r][t] = _mm512_fmadd_ps(i, _mm512_mul_ps(dw, dx[t]), acc[r][t]);
+            if (has_min(f)) acc[r][t] = _mm512_fmadd_ps(mw, sx[t], acc[r][t]);
+        }
+    }
+}
+
+INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const act_view *x,
+                        int64_t nb, float *y, int64_t ldy) {
+    __m512 acc[TILE_ROWS][TILE_TOKENS];  /* fixed sizes (R, TT are constants once inlined): registers, not a VLA */
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b + 2 <= nb; b += 2) pair_step(f, R, TT, 0, w, row_bytes, x, b, acc);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+    if (nb & 1) { /* the odd last block, apart: sharing acc with the loop would keep acc in memory */
+        __m512 last[TILE_ROWS][TILE_TOKENS];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < TT; t++) last[r][t] = _mm512_setzero_ps();
+        pair_step(f, R, TT, 1, w, row_bytes, x, nb - 1, last);
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < TT; t++) y[t * ldy + r] += _mm512_reduce_add_ps(last[r][t]);
+    }
+}
+
+/* 16 weights from k (the first `live` of them when live < 16) as float32 */
+INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int tail, __mmask16 live) {
+    if (f == F32) return tail ? _mm512_maskz_loadu_ps(live, (const float *)row + k) : _mm512_loadu_ps((const float *)row + k);
+    const __m256i h = tail ? _mm256_maskz_loadu_epi16(live, (const uint16_t *)row + k)
+                           : _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
+    if (f == F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* one row x TT tokens, four accumulators each (one FMA chain would wait on its latency); the next row prefetched */
+INLINE void tile_floats(const int f, const int TT, const uint8_t *w, const uint8_t *next, const float *x, int64_t n,
+                        float *y, int64_t ldy) {
+    __m512 acc[TILE_TOKENS][4];
+    for (int t = 0; t < TT; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = _mm512_setzero_ps();
+    const int size = f == F32 ? 4 : 2;
+    int64_t k = 0;
+    for (; k + 64 <= n; k += 64) {
+        for (int j = 0; j < 4; j++) {
+            const __m512 wv = float_weights(f, w, k + 16 * j, 0, 0);
+            if (j < size) _mm_prefetch((const char *)next + (k + 16 * j) * size, _MM_HINT_T0);
+            for (int t = 0; t < TT; t++) acc[t][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * n + k + 16 * j), acc[t][j]);
+        }
+    }
+    for (; k < n; k += 16) { /* the last 16s into the first accumulator, the very last masked */
+        const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
+        const __m512 wv = float_weights(f, w, k, 1, live);
+        for (int t = 0; t < TT; t++) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[t][0]);
+    }
+    for (int t = 0; t < TT; t++)
+        y[t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3])));
+}
+#endif /* PATH_AVX512 */
+
+#if defined(PATH_AVX2)
+#if defined(__AVXVNNI__)
+#define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#else
+#define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#endif
+
+INLINE float sum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+/* one block -> 32 quants: signed (w, with |w| in *u) for Q4_0 / Q5_0 / Q8_0 / IQ4_NL; unsigned (in *u) for Q4_1 / Q5_1 */
+INLINE void decode_block256(const int f, const uint8_t *p, __m256i *u, __m256i *s, float *d, float *m) {
+    *d = half_float(load16(p));
+    *m = has_min(f) ? half_float(load16(p + 2)) : 0.0f;
+    __m256i q;
+    if (f == Q8_0) {
+        q = _mm256_loadu_si256((const __m256i *)(p + 2));
+    } else {
+        const __m128i t = _mm_loadu_si128((const __m128i *)(p + quants_at(f)));
+        q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+    }
+    if (f == Q5_0 || f == Q5_1) { /* ggml's bytes_from_bits_32: 0xff where the block's 5th bit is set */
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)load32(p + high_bits_at(f))),
+            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+        const __m256i bits = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                               _mm256_set1_epi64x(-1));
+        q = f == Q5_0 ? _mm256_or_si256(q, _mm256_andnot_si256(bits, _mm256_set1_epi8((char)0xf0)))  /* q - 16 */
+                      : _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+    }
+    if (f == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    if (f == IQ4_NL) q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES)), q);
+    *s = q;
+    *u = has_min(f) ? q : _mm256_sign_epi8(q, q);
+}
+
+INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const act_view *x,
+                        int64_t nb, float *y, int64_t ldy) {
+    __m256 acc[TILE_ROWS][TILE_TOKENS];
+    float mins[TILE_ROWS][TILE_TOKENS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps(), mins[r][t] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i xq[TILE_TOKENS];
+        __m256 dx[TILE_TOKENS];
+        for (int t = 0; t < TT; t++) xq[t] = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b)), dx[t] = _mm256_broadcast_ss(x[t].d + b);
+        for (int r = 0; r < R; r++) {
+            __m256i u, s;
+            float dw, mw;
+            decode_block256(f, w + r * row_bytes + b * block_bytes(f), &u, &s, &dw, &mw);
+            if (b & 1 || block_bytes(f) > 32) _mm_prefetch((const char *)(w + (R + r) * row_bytes + b * block_bytes(f)), _MM_HINT_T0);
+            const __m256 dwv = _mm256_set1_ps(dw);
+            for (int t = 0; t < TT; t++) {
+                const __m256i i = DOT_U8S8(u, has_min(f) ? xq[t] : _mm256_sign_epi8(xq[t], s));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dwv, dx[t]), acc[r][t]);
+                if (has_min(f)) mins[r][t] += mw * x[t].s[b];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) y[t * ldy + r] = sum8(acc[r][t]) + mins[r][t];
+}
+
+INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
+    if (f == F32) return _mm256_loadu_ps((const float *)row + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
+    if (f == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* one row x TT tokens, four accumulators each (one FMA chain would wait on its latency); the next row prefetched */
+INLINE void tile_floats(const int f, const int TT, const uint8_t *w, const uint8_t *next, const float *x, int64_t n,
+                        float *y, int64_t ldy) {
+    __m256 acc[TILE_TOKENS][4];
+    for (int t = 0; t < TT; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+    const int size = f == F32 ? 4 : 2;
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        for (int j = 0; j < 4; j++) {
+            const __m256 wv = float_weights(f, w, k + 8 * j);
+            if (j * 2 < size) _mm_prefetch((const char *)next + (k + 8 * j) * size, _MM_HINT_T0);
+            for (int t = 0; t < TT; t++) acc[t][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k + 8 * j), acc[t][j]);
+        }
+    }
+    for (; k + 8 <= n; k += 8) {
+        const __m256 wv = float_weights(f, w, k);
+        for (int t = 0; t < TT; t++) acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[t][0]);
+    }
+    for (int t = 0; t < TT; t++) {
+        float sum = sum8(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), _mm256_add_ps(acc[t][2], acc[t][3])));
+        for (int64_t j = k; j < n; j++) sum += float_at(f, w, j) * x[t * n + j];
+        y[t * ldy] = sum;
+    }
+}
+#endif /* PATH_AVX2 */
+
+#if defined(PATH_AVX512) || defined(PATH_AVX2)
+/* Rows in tiles of TILE_ROWS (the last few one at a time), each over every token in tiles of up to TILE_TOKENS.
+ * At T = 1 a tile is one row where decoding is cheap next to the bytes (Q8_0: one sequential stream, what the
+ * prefetchers like best) and TILE_ROWS where it is not (the token's work shared by the rows). Float rows go one
+ * at a time (floats_simd). */
+INLINE int rows_at_one_token(int f) { return f == Q8_0 ? 1 : TILE_ROWS; }
+#define TOKEN_TILES(tile, f, R, r, x, extent)                                                                          \
+    for (int64_t t = 0; t < T; t += TILE_TOKENS) {                                                                     \
+        const int64_t tt = T - t < TILE_TOKENS ? T - t : TILE_TOKENS;                                                  \
+        const uint8_t *wr = w + (r) * row_bytes;                                                                       \
+        float *yr = y + t * ldy + (r);                                                                                 \
+        if (tt == TILE_TOKENS) tile(f, R, TILE_TOKENS, wr, row_bytes, x(t), extent, yr, ldy);                          \
+        else if (tt == 1) tile(f, R, 1, wr, row_bytes, x(t), extent, yr, ldy);                                         \
+        else if (tt == 2 && TILE_TOKENS > 2) tile(f, R, 2, wr, row_bytes, x(t), extent, yr, ldy);                      \
+        else tile(f, R, TILE_TOKENS - 1, wr, row_bytes, x(t), extent, yr, ldy);                                        \
+    }
+#define TILES(tile, f, x, extent)                                                                                      \
+    do {                                                                                                               \
+        int64_t r = 0;                                                                                                 \
+        if (T == 1 && rows_at_one_token(f) == 1)                                                                       \
+            for (; r < rows; r++) tile(f, 1, 1, w + r * row_bytes, row_bytes, x(0), extent, y + r, ldy);               \
+        else if (T == 1)                                                                                               \
+            for (; r + TILE_ROWS <= rows; r += TILE_ROWS) tile(f, TILE_ROWS, 1, w + r * row_bytes, row_bytes, x(0), extent, y + r, ldy); \
+        else                                                                                                           \
+            for (; r + TILE_ROWS <= rows; r += TILE_ROWS) { TOKEN_TILES(tile, f, TILE_ROWS, r, x, extent) }            \
+        for (; r < rows; r++) { TOKEN_TILES(tile, f, 1, r, x, extent) }                                                \
+    } while (0)
+
+INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *xv,
+                        int64_t T, float *y, int64_t ldy) {
+#define AT(t) (xv + (t))
+    TILES(tile_blocks, f, AT, nb);
+#undef AT
+}
+
+INLINE void floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
+                        int64_t T, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        for (int64_t t = 0; t < T; t += TILE_TOKENS) {
+            const int64_t tt = T - t < TILE_TOKENS ? T - t : TILE_TOKENS;
+            float *yr = y + t * ldy + r;
+            if (tt == TILE_TOKENS) tile_floats(f, TILE_TOKENS, wr, wr + row_bytes, x + t * n, n, yr, ldy);
+            else if (tt == 1) tile_floats(f, 1, wr, wr + row_bytes, x + t * n, n, yr, ldy);
+            else if (tt == 2 && TILE_TOKENS > 2) tile_floats(f, 2, wr, wr + row_bytes, x + t * n, n, yr, ldy);
+            else tile_floats(f, TILE_TOKENS - 1, wr, wr + row_bytes, x + t * n, n, yr, ldy);
+        }
+    }
+}
+
+/* -> 1 if done here, 0 if the scratch would not come (the caller runs the scalar path) */
+static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                    const uint8_t *xq, int64_t T, float *y, int64_t ldy) {
+    unsigned char stack[SCRATCH_BYTES] __attribute__((aligned(64)));
+    const int blocks = f != F32 && f != F16 && f != BF16;
+    const int64_t nb = n / 32, nbp = (nb + 1) & ~(int64_t)1;
+    const int64_t bytes = blocks ? T * (nbp * ACT_BLOCK_BYTES + (int64_t)sizeof(act_view)) : act == ACT_F32 ? 0 : T * n * 4;
+    uint8_t *scratch = bytes <= SCRATCH_BYTES ? stack : aligned_alloc(64, ((size_t)bytes + 63) & ~(size_t)63);
+    if (scratch == NULL) return 0;
+    if (blocks) {
+        act_view *xv = (act_view *)(scratch + T * nbp * ACT_BLOCK_BYTES);
+        unpack_blocks(act, xq, nb, nbp, T, scratch, xv);
+        switch (f) {
+        case Q4_0: blocks_simd(Q4_0, nb, w, row_bytes, rows, xv, T, y, ldy); break;
+        case Q4_1: blocks_simd(Q4_1, nb, w, row_bytes, rows, xv, T, y, ldy); break;
+        case Q5_0: blocks_simd(Q5_0, nb, w, row_bytes, rows, xv, T, y, ldy); break;
+        case Q5_1: blocks_simd(Q5_1, nb, w, row_bytes, rows, xv, T, y, ldy); break;
+        case Q8_0: blocks_simd(Q8_0, nb, w, row_bytes, rows, xv, T, y, ldy); break;
+        case IQ4_NL: blocks_simd(IQ4_NL, nb, w, row_bytes, rows, xv, T, y, ldy); break;
+        }
+    } else {
+        const float *x = (const float *)xq;
+        if (act != ACT_F32) {
+            float *xf = (float *)scratch;
+            for (int64_t i = 0; i < T * n; i++) xf[i] = float_at(act, xq, i);
+            x = xf;
+        }
+        switch (f) {
+        case F32: floats_simd(F32, n, w, row_bytes, rows, x, T, y, ldy); break;
+        case F16: floats_simd(F16, n, w, row_bytes, rows, x, T, y, ldy); break;
+        case BF16: floats_simd(BF16, n, w, row_bytes, rows, x, T, y, ldy); break;
+        }
+    }
+    if (scratch != stack) free(scratch);
+    return 1;
+}
+#endif
+
+void dot32_dot(int64_t wtype, int64_t act, int64_t n, const void *w, int64_t row_bytes, int64_t rows, const void *xq,
+               int64_t T, float *y, int64_t ldy) {
+    if (rows <= 0 || T <= 0) return;
+#if defined(PATH_AVX512) || defined(PATH_AVX2)
+    if (dot_simd(wtype, act, n, w, row_bytes, rows, xq, T, y, ldy)) return;
+#endif
+    if (wtype == F32 || wtype == F16 || wtype == BF16) floats_scalar(wtype, act, n, w, row_bytes, rows, xq, T, y, ldy);
+    else blocks_scalar((int)wtype, act, n / 32, w, row_bytes, rows, xq, T, y, ldy);
+}
+
+/* which SIMD path this build took: 2 AVX-512, 1 AVX2, 0 scalar (for tests and status lines) */
+int64_t dot32_path(void) {
+#if defined(PATH_AVX512)
+    return 2;
+#elif defined(PATH_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}

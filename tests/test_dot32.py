@@ -1,0 +1,206 @@
+"""The dot32 family (moetier/backends/cpu_dot32.c): F32, F16, BF16 and the 32-value block formats.
+
+Fast: activation bytes equal moetier.backends.activations (the numpy judge); every format's dot products
+within 1e-5 of the float64 reference (gguf's dequantized weights times the dequantized activations) relative
+to the row's sum of |w| |x|; T tokens at once bit for bit T calls of one; the AVX2 (with and without
+AVX-VNNI) and scalar builds of the same file within the same bound where this machine builds them; bad input
+one ValueError. Peer (marker `peer`): equal to llama.cpp's own vec_dot (libggml-cpu) within 2e-6 of the
+same scale. `python tests/test_dot32.py` prints the largest relative errors seen per format.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+from quant_blocks import random_float_rows, random_rows
+
+from moetier.backends import activations as A
+from moetier.backends import dot_kernels as D
+from moetier.model.formats import BY_NAME, Format
+from moetier.native import FAST_FLAGS, library
+
+kernels = D.dot_kernels()
+pytestmark = pytest.mark.skipif(kernels is None or not any(f.name == "dot32" for f in kernels.families),
+                                reason=f"dot32 family {D.status()}")
+FAMILY = tuple(BY_NAME[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "Q4_1", "Q5_1"))
+SHAPES = [(T, n) for T in (1, 3, 8) for n in (256, 1024)] + [(5, 352)]  # 352: 11 blocks, an odd last pair
+FORCED = {"avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx2+vnni": ("-mno-avx512f",),
+          "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx")}
+
+
+def acts_of(fmt: Format) -> tuple[int, ...]:
+    return tuple(sorted({A.act_type(fmt.id), A.act_type(fmt.id, float_acts=True)}))
+
+
+def weights(fmt: Format, rows: int, n: int, rng: np.random.Generator) -> torch.Tensor:
+    if fmt.dtype is not None:
+        return random_float_rows(fmt, rows, n, rng)
+    return torch.from_numpy(random_rows(fmt, rows, n, rng))
+
+
+def tokens(T: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    x = (rng.standard_normal((T, n)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
+    x[0, :32] = 0  # a zero block
+    return x
+
+
+def reference(fmt: Format, w: torch.Tensor, act: int, xq: torch.Tensor, n: int, with_s: bool = True):
+    """-> float64 [T, rows] dequantized weights times dequantized activations, and the scale sum |w| |x|.
+
+    Q4_1 / Q5_1 (with_s): a block's m_w times Q8_1's stored s, as llama.cpp's q4_1_q8_1 takes it, not times
+    d_x * sum(q_x): s is float16, and its rounding (up to 2**-11 of it) alone would be ~1.7e-5 of the scale."""
+    raw = w.contiguous().view(torch.uint8).numpy()
+    wf = gguf.quants.dequantize(raw, fmt.id).astype(np.float64)  # [rows, n]
+    xf = A.dequantize(act, xq.numpy(), n).astype(np.float64)  # [T, n]
+    dot = xf @ wf.T  # [T, rows]
+    if act == A.ACT_Q8_1 and with_s:
+        blocks = xq.numpy().reshape(-1).view(A.Q8_1_BLOCK).reshape(len(xf), -1)  # [T, n / 32]
+        drift = blocks["s"].astype(np.float64) - blocks["d"].astype(np.float64) * blocks["qs"].sum(axis=-1)
+        m = raw.reshape(len(wf), -1, fmt.block_bytes)[:, :, 2:4].copy().view(np.float16)[..., 0]  # [rows, n / 32]
+        dot += drift @ m.astype(np.float64).T
+    return dot, np.abs(xf) @ np.abs(wf).T
+
+
+def worst_error(fmt: Format, family=None, shapes=SHAPES, rows: int = 13, seed: int = 0, with_s: bool = True) -> float:
+    """The largest |dot - reference| / (sum |w| |x|) over shapes and activation formats."""
+    family = family or kernels
+    rng, worst = np.random.default_rng(seed + fmt.id), 0.0
+    for T, n in shapes:
+        n = n if fmt.block > 1 else n + 7  # float rows of any length: the vector tails
+        w = weights(fmt, rows, n, rng)
+        x = tokens(T, n, rng)
+        for act in acts_of(fmt):
+            xq = torch.from_numpy(A.quantize(act, x))
+            got = family.dot(fmt.id, act, w, xq, n).numpy().astype(np.float64)  # [T, rows]
+            want, scale = reference(fmt, w, act, xq, n, with_s)
+            assert np.isfinite(got).all(), (fmt.name, act, T, n)
+            worst = max(worst, float((np.abs(got - want) / scale).max()))
+    return worst
+
+
+@pytest.mark.parametrize("act", (A.ACT_F32, A.ACT_F16, A.ACT_BF16, A.ACT_Q8_0, A.ACT_Q8_1))
+def test_quantize_writes_the_reference_bytes(act):
+    x = tokens(8, 1024, np.random.default_rng(act)) * 3
+    x[1, 7] = -2 * np.abs(x[1]).max()  # the largest magnitude negative
+    x[2, :32] = np.arange(32, dtype=np.float32) - 15.5  # ties at every step of the multiplier
+    x[3, 40:72] = 1e-6  # tiny scales: subnormal float16 d
+    got = kernels.quantize(act, torch.from_numpy(x))
+    assert np.array_equal(got.numpy(), A.quantize(act, x)), act
+
+
+@pytest.mark.parametrize("fmt", FAMILY, ids=lambda f: f.name)
+def test_dot_is_the_float64_reference_within_float32_rounding(fmt):
+    assert kernels.act_type(fmt.id) == A.act_type(fmt.id) and kernels.act_type(fmt.id, True) == A.act_type(fmt.id, True)
+    assert worst_error(fmt) <= 1e-5, fmt.name
+
+
+@pytest.mark.parametrize("fmt", FAMILY, ids=lambda f: f.name)
+def test_tokens_at_once_are_bit_for_bit_one_at_a_time(fmt):
+    rng = np.random.default_rng(fmt.id)
+    n = 1024 if fmt.block > 1 else 1000
+    w, x = weights(fmt, 9, n, rng), tokens(8, n, rng)
+    for act in acts_of(fmt):
+        xq = torch.from_numpy(A.quantize(act, x))
+        together = kernels.dot(fmt.id, act, w, xq, n)  # [8, 9]
+        alone = torch.cat([kernels.dot(fmt.id, act, w, xq[t:t + 1], n) for t in range(8)])
+        rows = torch.cat([kernels.dot(fmt.id, act, w[r:r + 1], xq, n) for r in range(9)], dim=1)
+        assert torch.equal(together, alone) and torch.equal(together, rows), (fmt.name, act)
+
+
+def test_iq4_nl_kvalues_are_gguf_s():
+    source = (D.HERE / "cpu_dot32.c").read_text()
+    table = re.search(r"KVALUES\[16\] = \{([^}]*)\}", source).group(1)
+    assert tuple(int(v) for v in table.split(",")) == tuple(gguf.quants.IQ4_NL.kvalues)
+
+
+@pytest.mark.parametrize("path", FORCED)
+def test_every_simd_path_keeps_the_bound(path):
+    """The same file built as for an AVX2-only machine (Zen 3: no AVX-VNNI), AVX-VNNI, and no SIMD at all."""
+    lib, where, why = library(D.HERE / "cpu_dot32.c", FAST_FLAGS + FORCED[path])
+    if lib is None:
+        pytest.skip(f"{path} build: {why}")
+    family = D.DotKernels([D._Family("dot32", lib, where)])
+    lib.dot32_path.restype = ctypes.c_int64
+    assert lib.dot32_path() == (0 if path == "scalar" else 1)
+    for fmt in FAMILY:
+        assert worst_error(fmt, family, shapes=[(1, 256), (5, 352)], rows=6) <= 1e-5, (path, fmt.name)
+
+
+def test_bad_inputs_are_one_value_error():
+    rng = np.random.default_rng(0)
+    q4 = weights(BY_NAME["Q4_0"], 4, 256, rng)
+    x = torch.from_numpy(tokens(2, 256, rng))
+    xq = kernels.quantize(A.ACT_Q8_0, x)
+    with pytest.raises(ValueError, match="activations of format"):
+        kernels.dot(BY_NAME["Q4_0"].id, A.ACT_Q8_1, q4, kernels.quantize(A.ACT_Q8_1, x), 256)
+    with pytest.raises(ValueError, match="hold 224 values"):
+        kernels.dot(BY_NAME["Q4_0"].id, A.ACT_Q8_0, q4[:, :-18].contiguous(), xq, 256)
+    with pytest.raises(ValueError, match="activations must be"):
+        kernels.dot(BY_NAME["Q4_0"].id, A.ACT_Q8_0, q4, xq[:, :-34].contiguous(), 256)
+    with pytest.raises(ValueError, match="weights must be"):
+        kernels.dot(BY_NAME["F16"].id, A.ACT_F16, q4, xq, 256)
+    with pytest.raises(ValueError, match="not whole 32-value blocks"):
+        kernels.quantize(A.ACT_Q8_0, x[:, :100])
+    with pytest.raises(ValueError, match="no native family"):
+        kernels.quantize(77, x)
+
+
+class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+def llama_vec_dot():
+    """type -> llama.cpp's vec_dot(n, s, bs, vx, bx, vy, by, nrc) from its CPU backend"""
+    import llama_cpp
+
+    cpu = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
+    cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    cpu.ggml_cpu_init()  # fills the float16 table its scalar conversions read: without it every d reads as 0
+    signature = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return lambda wtype: signature(cpu.ggml_get_type_traits_cpu(wtype).contents.vec_dot)
+
+
+def worst_peer_error(fmt: Format, vec_dot, rows: int = 16) -> float:
+    rng, worst = np.random.default_rng(100 + fmt.id), 0.0
+    theirs_fn = vec_dot(fmt.id)
+    for T, n in ((3, 256), (2, 1024), (2, 352)):
+        w, x = weights(fmt, rows, n, rng), tokens(T, n, rng)
+        act = A.act_type(fmt.id)
+        xq = torch.from_numpy(A.quantize(act, x))
+        ours = kernels.dot(fmt.id, act, w, xq, n).numpy().astype(np.float64)  # [T, rows]
+        theirs = np.zeros((T, rows), np.float32)
+        out = ctypes.c_float()
+        for t in range(T):
+            for r in range(rows):
+                theirs_fn(n, ctypes.addressof(out), 0, w[r].data_ptr(), 0, xq[t].data_ptr(), 0, 1)
+                theirs[t, r] = out.value
+        _, scale = reference(fmt, w, act, xq, n)
+        worst = max(worst, float((np.abs(ours - theirs) / scale).max()))
+    return worst
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("fmt", FAMILY, ids=lambda f: f.name)
+def test_dot_is_llama_cpp_s_vec_dot(fmt):
+    assert worst_peer_error(fmt, llama_vec_dot()) <= 2e-6, fmt.name
+
+
+if __name__ == "__main__":
+    try:
+        peer = llama_vec_dot()
+    except (ImportError, OSError):
+        peer = None
+    print(f"{'format':8} {'vs float64':>12} {'(s as d*sum q)':>15} {'vs llama.cpp':>14}")
+    for fmt in FAMILY:
+        theirs = f"{worst_peer_error(fmt, peer):14.2e}" if peer else f"{'-':>14}"
+        plain = f"{worst_error(fmt, with_s=False):15.2e}" if A.act_type(fmt.id) == A.ACT_Q8_1 else f"{'':15}"
+        print(f"{fmt.name:8} {worst_error(fmt):12.2e} {plain} {theirs}")
