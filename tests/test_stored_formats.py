@@ -94,6 +94,16 @@ def test_torch_and_native_paths_match_the_reference_on_every_format(files, name)
     assert generate(Engine(checkpoint), [5, 9, 13], 6).ids == tokens
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_K/Q6_K", "IQ3_S", "Q8_0", "bf16"])
+def test_the_cuda_path_matches_the_reference(files, name):
+    """On a GPU the experts (and the trunk) are dequantized on the device each call: the reference's values."""
+    checkpoint = open_checkpoint(files[name])
+    reference = score(Engine(checkpoint, backend="numpy"), IDS)
+    got = score(Engine(checkpoint, device="cuda"), IDS)
+    assert np.abs(got - reference).max() <= 1e-4 * float(np.abs(reference).max()), name
+
+
 def test_bf16_experts_compute_as_their_float32_values(files):
     """bf16 -> float32 is exact, so a bf16 folder's logits equal those of a float32 folder of the same values."""
     widened = files["bf16"].parent / "bf16-as-f32"

@@ -11,7 +11,8 @@ moetier.backends.activations.act_type), `quantize(act, x)` (activations to
 that format: the bytes llama.cpp's CPU backend writes) and `dot(wtype, act, w,
 xq)` ([T, rows] float32). Every argument is checked here, before C sees it;
 `entry(wtype)` gives the three C functions' addresses for the decode library,
-which calls them directly. `status()` says in one line which families are on.
+which calls them directly. A family that exports `<family>_tables` (the IQ
+formats' grids, signs and kvalues) gets them from the gguf package at load. `status()` says in one line which families are on.
 """
 
 from __future__ import annotations
@@ -127,6 +128,18 @@ def _load() -> tuple[DotKernels | None, str]:
         if lib is None:
             why.append(f"{name}: {reason}")
             continue
+        tables = getattr(lib, f"{name}_tables", None)
+        if tables is not None:  # the IQ formats' grids, signs and kvalues, from the gguf package (the reference)
+            from moetier.backends.cpu_kernels import _tables  # imported here: cpu_kernels loads this module
+
+            grids = _tables()
+            if isinstance(grids, str):
+                why.append(f"{name}: {grids}")
+            else:
+                tables.restype, tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * 4
+                refused = tables(*grids)
+                if refused:
+                    why.append(f"{name}: the IQ tables were refused ({refused}): IQ formats off")
         families.append(_Family(name, lib, path))
     if not families:
         return None, "; ".join(why) or "no families"
