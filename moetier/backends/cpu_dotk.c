@@ -792,7 +792,9 @@ static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, 
 
 /* ---- rows: each weight block decoded once, applied to up to TILE activation rows ----------------------- */
 
-enum { TILE = 64, ROW_GROUP = 4 };
+/* AHEAD: bytes of each row prefetched ahead when rows are walked together (T > 1): the hardware prefetchers lose
+ * 4 slow interleaved streams (seen: a 9.4 MB Q4_K matrix at T = 8, 4.1 ns a block and token without, 1.8 with) */
+enum { TILE = 64, ROW_GROUP = 4, AHEAD = 1024 };
 
 /* T activation rows (Q8_K) -> packed blocks, block-major: out[i][t] */
 static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *out) {
@@ -839,8 +841,10 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
                 for (int64_t i = 0; i < blocks; i++) {                                                               \
                     const uint8_t *column = packed + i * tt * PACKED_BYTES;                                          \
                     for (int64_t r = 0; r < rr; r++) {                                                               \
+                        const uint8_t *block = w + (r0 + r) * row_bytes + (block_bytes) * i;                         \
+                        for (int line = 0; line < (block_bytes); line += 64) __builtin_prefetch(block + AHEAD + line);\
                         wblock wb;                                                                                   \
-                        decode(w + (r0 + r) * row_bytes + (block_bytes) * i, &wb);                                   \
+                        decode(block, &wb);                                                                          \
                         for (int64_t t = 0; t < tt; t++)                                                             \
                             acc[r][t] = apply_block(&wb, column + t * PACKED_BYTES, acc[r][t], kind, 1);             \
                     }                                                                                                \
