@@ -46,7 +46,8 @@ def tables() -> tuple[bytes, bytes, bytes, bytes]:
 
 def with_tables(lib: ctypes.CDLL, path: Path) -> D.DotKernels:
     lib.dotk_tables.restype, lib.dotk_tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * 4
-    assert lib.dotk_tables(*tables()) == 0, "gguf's IQ2_XXS signs are not the parity rule cpu_dotk.c computes"
+    code = lib.dotk_tables(*tables())
+    assert code == 0, f"dotk_tables refused gguf's tables ({'signs not the parity rule' if code == 1 else 'a grid value out of range'})"
     return D.DotKernels([D._Family("dotk", lib, path)])
 
 
