@@ -13,8 +13,8 @@
  *
  * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
  * into registers serves the tile's tokens, and the tile's rows stay in L1 while the other token tiles pass, so
- * each weight byte comes from memory once for all T. Block formats: 4 rows x up to 4 tokens (AVX2: 2), at T = 1
- * 4 rows (Q8_0: 1); float formats: 1 row x up to 4 tokens, four accumulators each. Each tile prefetches the
+ * each weight byte comes from memory once for all T. Tiles are 4 rows x up to 4 tokens (AVX2: 2), an accumulator
+ * each; at T = 1, 4 rows (Q8_0: 1, its decode is cheap next to its bytes). Each tile prefetches the
  * next tile's rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew
  * every tile, and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without,
  * 36 with). The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32)
@@ -26,8 +26,9 @@
  *    (Q8_0 and IQ4_NL biased by o = 128, Q4_0 / Q5_0 as stored with o = 8 / 16, Q4_1 / Q5_1 o = 0), and one
  *    vpdpbusd(u, x) started from -o * (x's sums of four), formed once per token block and shared by the rows,
  *    gives the block's dot product; F16 / BF16 weights widened in registers, 16 values a step.
- *  - AVX2 (+FMA, F16C): a block per ymm; ggml's sign trick (|w| times x with w's sign) through maddubs / madd,
- *    or vpdpbusd where AVX-VNNI is present.
+ *  - AVX2 (+FMA, F16C): a block per ymm, through maddubs / madd (vpdpbusd where AVX-VNNI is present): Q4_* /
+ *    Q5_* as unsigned quants (Q4_0 / Q5_0 with the same -o * sum(x) start), Q8_0 and IQ4_NL by ggml's sign trick
+ *    (|w| times x with w's sign: biased they would saturate maddubs).
  *  - scalar: any other machine, and the path without scratch.
  */
 #include <math.h>
@@ -353,38 +354,41 @@ INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* one row x TT tokens, four accumulators each (one FMA chain would wait on its latency); the next row prefetched */
-INLINE void tile_floats(const int f, const int TT, const uint8_t *w, const uint8_t *next, const float *x, int64_t n,
-                        float *y, int64_t ldy) {
-    __m512 acc[TILE_TOKENS][4];
-    for (int t = 0; t < TT; t++)
-        for (int j = 0; j < 4; j++) acc[t][j] = _mm512_setzero_ps();
+/* R rows x TT tokens, an accumulator each (a 4-row tile is four FMA chains even at T = 1), 16 values a step; the
+ * next tile's rows prefetched, a line a step */
+INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
+                        int64_t n, float *y, int64_t ldy) {
+    __m512 acc[TILE_ROWS][TILE_TOKENS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
     const int size = f == F32 ? 4 : 2;
     int64_t k = 0;
-    for (; k + 64 <= n; k += 64) {
-        for (int j = 0; j < 4; j++) {
-            const __m512 wv = float_weights(f, w, k + 16 * j, 0, 0);
-            if (j < size) _mm_prefetch((const char *)next + (k + 16 * j) * size, _MM_HINT_T0);
-            for (int t = 0; t < TT; t++) acc[t][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * n + k + 16 * j), acc[t][j]);
+    for (; k + 16 <= n; k += 16)
+        for (int r = 0; r < R; r++) {
+            const __m512 wv = float_weights(f, w + r * row_bytes, k, 0, 0);
+            if (size == 4 || (k & 16)) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + k * size, _MM_HINT_T0);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * n + k), acc[r][t]);
+        }
+    if (k < n) {
+        const __mmask16 live = (__mmask16)((1u << (n - k)) - 1);
+        for (int r = 0; r < R; r++) {
+            const __m512 wv = float_weights(f, w + r * row_bytes, k, 1, live);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[r][t]);
         }
     }
-    for (; k < n; k += 16) { /* the last 16s into the first accumulator, the very last masked */
-        const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
-        const __m512 wv = float_weights(f, w, k, 1, live);
-        for (int t = 0; t < TT; t++) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[t][0]);
-    }
-    for (int t = 0; t < TT; t++)
-        y[t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3])));
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 #endif /* PATH_AVX512 */
 
 #if defined(PATH_AVX2)
+/* from + u . s in int32 lanes of four bytes (u unsigned, s signed; maddubs cannot saturate on the values here) */
 #if defined(__AVXVNNI__)
-#define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define DOT_FROM(from, u, s) _mm256_dpbusd_avx_epi32(from, u, s)
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define DOT_FROM(from, u, s) _mm256_dpbusd_epi32(from, u, s)
 #else
-#define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define DOT_FROM(from, u, s) _mm256_add_epi32(from, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #endif
 
 INLINE float sum8(__m256 v) {
@@ -393,7 +397,12 @@ INLINE float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-/* one block -> 32 quants: signed (w, with |w| in *u) for Q4_0 / Q5_0 / Q8_0 / IQ4_NL; unsigned (in *u) for Q4_1 / Q5_1 */
+/* The bias o the AVX2 path leaves in a format's quants (then takes o * x's sums off once per token block): Q4_0 / Q5_0
+ * stay unsigned, 0..15 / 0..31; Q8_0 and IQ4_NL (to +-127, where maddubs would saturate) take ggml's sign trick. */
+INLINE int bias(int f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : 0; }
+INLINE int signed_quants(int f) { return f == Q8_0 || f == IQ4_NL; }
+
+/* one block -> 32 quants: *u the unsigned bytes to multiply (q, or |w| for signed_quants), *s w itself (its signs) */
 INLINE void decode_block256(const int f, const uint8_t *p, __m256i *u, __m256i *s, float *d, float *m) {
     *d = half_float(load16(p));
     *m = has_min(f) ? half_float(load16(p + 2)) : 0.0f;
@@ -409,13 +418,11 @@ INLINE void decode_block256(const int f, const uint8_t *p, __m256i *u, __m256i *
             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
         const __m256i bits = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                                                _mm256_set1_epi64x(-1));
-        q = f == Q5_0 ? _mm256_or_si256(q, _mm256_andnot_si256(bits, _mm256_set1_epi8((char)0xf0)))  /* q - 16 */
-                      : _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+        q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
     }
-    if (f == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
     if (f == IQ4_NL) q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES)), q);
     *s = q;
-    *u = has_min(f) ? q : _mm256_sign_epi8(q, q);
+    *u = signed_quants(f) ? _mm256_sign_epi8(q, q) : q;
 }
 
 INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const act_view *x,
@@ -425,9 +432,14 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps(), mins[r][t] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        __m256i xq[TILE_TOKENS];
+        __m256i xq[TILE_TOKENS], c[TILE_TOKENS];
         __m256 dx[TILE_TOKENS];
-        for (int t = 0; t < TT; t++) xq[t] = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b)), dx[t] = _mm256_broadcast_ss(x[t].d + b);
+        for (int t = 0; t < TT; t++) { /* per token block: shared by the R rows */
+            xq[t] = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));
+            dx[t] = _mm256_broadcast_ss(x[t].d + b);
+            c[t] = _mm256_setzero_si256();
+            if (bias(f)) c[t] = _mm256_sub_epi32(c[t], DOT_FROM(c[t], _mm256_set1_epi8((char)bias(f)), xq[t]));
+        }
         for (int r = 0; r < R; r++) {
             __m256i u, s;
             float dw, mw;
@@ -435,7 +447,7 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
             if (b & 1 || block_bytes(f) > 32) _mm_prefetch((const char *)(w + (R + r) * row_bytes + b * block_bytes(f)), _MM_HINT_T0);
             const __m256 dwv = _mm256_set1_ps(dw);
             for (int t = 0; t < TT; t++) {
-                const __m256i i = DOT_U8S8(u, has_min(f) ? xq[t] : _mm256_sign_epi8(xq[t], s));
+                const __m256i i = DOT_FROM(c[t], u, signed_quants(f) ? _mm256_sign_epi8(xq[t], s) : xq[t]);
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dwv, dx[t]), acc[r][t]);
                 if (has_min(f)) mins[r][t] += mw * x[t].s[b];
             }
@@ -452,38 +464,33 @@ INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* one row x TT tokens, four accumulators each (one FMA chain would wait on its latency); the next row prefetched */
-INLINE void tile_floats(const int f, const int TT, const uint8_t *w, const uint8_t *next, const float *x, int64_t n,
-                        float *y, int64_t ldy) {
-    __m256 acc[TILE_TOKENS][4];
-    for (int t = 0; t < TT; t++)
-        for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+/* R rows x TT tokens, an accumulator each, 8 values a step (the last n % 8 in scalar); the next tile prefetched */
+INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
+                        int64_t n, float *y, int64_t ldy) {
+    __m256 acc[TILE_ROWS][TILE_TOKENS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const int size = f == F32 ? 4 : 2;
     int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-        for (int j = 0; j < 4; j++) {
-            const __m256 wv = float_weights(f, w, k + 8 * j);
-            if (j * 2 < size) _mm_prefetch((const char *)next + (k + 8 * j) * size, _MM_HINT_T0);
-            for (int t = 0; t < TT; t++) acc[t][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k + 8 * j), acc[t][j]);
+    for (; k + 8 <= n; k += 8)
+        for (int r = 0; r < R; r++) {
+            const __m256 wv = float_weights(f, w + r * row_bytes, k);
+            if ((k & (size == 4 ? 8 : 24)) == 0) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + k * size, _MM_HINT_T0);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[r][t]);
         }
-    }
-    for (; k + 8 <= n; k += 8) {
-        const __m256 wv = float_weights(f, w, k);
-        for (int t = 0; t < TT; t++) acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[t][0]);
-    }
-    for (int t = 0; t < TT; t++) {
-        float sum = sum8(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), _mm256_add_ps(acc[t][2], acc[t][3])));
-        for (int64_t j = k; j < n; j++) sum += float_at(f, w, j) * x[t * n + j];
-        y[t * ldy] = sum;
-    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) {
+            float sum = sum8(acc[r][t]);
+            for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * row_bytes, j) * x[t * n + j];
+            y[t * ldy + r] = sum;
+        }
 }
 #endif /* PATH_AVX2 */
 
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
 /* Rows in tiles of TILE_ROWS (the last few one at a time), each over every token in tiles of up to TILE_TOKENS.
  * At T = 1 a tile is one row where decoding is cheap next to the bytes (Q8_0: one sequential stream, what the
- * prefetchers like best) and TILE_ROWS where it is not (the token's work shared by the rows). Float rows go one
- * at a time (floats_simd). */
+ * prefetchers like best) and TILE_ROWS where it is not (the token's work shared by the rows). */
 INLINE int rows_at_one_token(int f) { return f == Q8_0 ? 1 : TILE_ROWS; }
 #define TOKEN_TILES(tile, f, R, r, x, extent)                                                                          \
     for (int64_t t = 0; t < T; t += TILE_TOKENS) {                                                                     \
@@ -516,17 +523,9 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
 
 INLINE void floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                         int64_t T, float *y, int64_t ldy) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *wr = w + r * row_bytes;
-        for (int64_t t = 0; t < T; t += TILE_TOKENS) {
-            const int64_t tt = T - t < TILE_TOKENS ? T - t : TILE_TOKENS;
-            float *yr = y + t * ldy + r;
-            if (tt == TILE_TOKENS) tile_floats(f, TILE_TOKENS, wr, wr + row_bytes, x + t * n, n, yr, ldy);
-            else if (tt == 1) tile_floats(f, 1, wr, wr + row_bytes, x + t * n, n, yr, ldy);
-            else if (tt == 2 && TILE_TOKENS > 2) tile_floats(f, 2, wr, wr + row_bytes, x + t * n, n, yr, ldy);
-            else tile_floats(f, TILE_TOKENS - 1, wr, wr + row_bytes, x + t * n, n, yr, ldy);
-        }
-    }
+#define AT(t) (x + (t) * n)
+    TILES(tile_floats, f, AT, n);
+#undef AT
 }
 
 /* -> 1 if done here, 0 if the scratch would not come (the caller runs the scalar path) */
