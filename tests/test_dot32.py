@@ -84,14 +84,19 @@ def worst_error(fmt: Format, family=None, shapes=SHAPES, rows: int = 13, seed: i
     return worst
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the reference's, on the 7e4 row
 @pytest.mark.parametrize("act", (A.ACT_F32, A.ACT_F16, A.ACT_BF16, A.ACT_Q8_0, A.ACT_Q8_1))
 def test_quantize_writes_the_reference_bytes(act):
-    x = tokens(8, 1024, np.random.default_rng(act)) * 3
+    rng = np.random.default_rng(act)
+    x = tokens(8, 1024, rng) * 3
     x[1, 7] = -2 * np.abs(x[1]).max()  # the largest magnitude negative
     x[2, :32] = np.arange(32, dtype=np.float32) - 15.5  # ties at every step of the multiplier
     x[3, 40:72] = 1e-6  # tiny scales: subnormal float16 d
-    got = kernels.quantize(act, torch.from_numpy(x))
-    assert np.array_equal(got.numpy(), A.quantize(act, x)), act
+    x[4, 100:132] = 7e4  # past float16's largest: inf in F16 (and in a Q8 d only beyond 127 * 65504)
+    for T, n in SHAPES:
+        rows = x[:T, :n] if n <= 1024 else tokens(T, n, rng)
+        got = kernels.quantize(act, torch.from_numpy(np.ascontiguousarray(rows)))
+        assert np.array_equal(got.numpy(), A.quantize(act, rows)), (act, T, n)
 
 
 @pytest.mark.parametrize("fmt", FAMILY, ids=lambda f: f.name)
@@ -111,6 +116,20 @@ def test_tokens_at_once_are_bit_for_bit_one_at_a_time(fmt):
         alone = torch.cat([kernels.dot(fmt.id, act, w, xq[t:t + 1], n) for t in range(8)])
         rows = torch.cat([kernels.dot(fmt.id, act, w[r:r + 1], xq, n) for r in range(9)], dim=1)
         assert torch.equal(together, alone) and torch.equal(together, rows), (fmt.name, act)
+
+
+@pytest.mark.parametrize("name", ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16"))
+def test_scratch_beyond_the_stack_buffer(name):
+    """T x n whose unpacked activations outgrow the kernel's 32 KB stack buffer (malloc'd scratch): the same bits as
+    one token at a time, and the reference's bound."""
+    fmt, rng = BY_NAME[name], np.random.default_rng(7)
+    w, x = weights(fmt, 6, 4096, rng), tokens(9, 4096, rng)
+    act = A.act_type(fmt.id)
+    xq = torch.from_numpy(A.quantize(act, x))
+    together = kernels.dot(fmt.id, act, w, xq, 4096)  # [9, 6]
+    assert torch.equal(together, torch.cat([kernels.dot(fmt.id, act, w, xq[t:t + 1], 4096) for t in range(9)]))
+    want, scale = reference(fmt, w, act, xq, 4096)
+    assert (np.abs(together.numpy() - want) / scale).max() <= 1e-5
 
 
 def test_iq4_nl_kvalues_are_gguf_s():
