@@ -140,7 +140,7 @@ def reference_deferred(engine: Engine, ids: np.ndarray, boundaries: list[range],
     spec, eps = engine.spec, engine.spec.rms_norm_eps
     cache = engine.new_cache()
     tokens = torch.tensor(ids)
-    h = engine.embed[tokens]
+    h = engine.embed.rows(tokens)
     mask = attention_mask(0, len(ids), spec.sliding_window, h.device)
     for index, part in enumerate(boundaries):
         pending = None
@@ -160,7 +160,7 @@ def reference_deferred(engine: Engine, ids: np.ndarray, boundaries: list[range],
             else:
                 h = h + (partials.now + lane)
         assert pending is None  # flushed inside the part
-    return torch.nn.functional.linear(rms_norm(h, engine.final_norm, eps), engine.lm_head).numpy()
+    return engine.lm_head(rms_norm(h, engine.final_norm, eps)).numpy()
 
 
 @pytest.fixture(scope="module")

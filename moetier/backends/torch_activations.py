@@ -2,7 +2,7 @@
 
 The torch path (CUDA, or a CPU without the native kernels) computes a stored
 matrix by dequantizing it (moetier.backends.torch_dequant) and multiplying in
-float32; `as_dot_input(x, act)` first replaces each row of x by the values of
+float32 (`stored_product`); `as_dot_input(x, act)` first replaces each row of x by the values of
 its conversion to activation format `act` (Q8_K, Q8_0, Q8_1, F16, BF16: what
 llama.cpp quantizes x to for that weight format, moetier.backends.activations
 is the reference), so the torch path computes the same products as the
@@ -14,8 +14,18 @@ native integer kernels, up to float32 summation order. Bit for bit:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from moetier.backends.activations import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K
+from moetier.backends.activations import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, act_type
+from moetier.backends.torch_dequant import dequantize
+
+
+def stored_product(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool) -> torch.Tensor:
+    """x [T, n] float32 times a stored matrix [rows, ...] of GGML type qtype, the torch path: the matrix dequantized
+    on its device for this call, x converted as the format's dot product takes it -> [T, rows]."""
+    if qtype == ACT_F32:  # F32 weights (type 0): the plain product
+        return F.linear(x, data)
+    return F.linear(as_dot_input(x, act_type(qtype, float_acts)), dequantize(data, qtype))
 
 
 def as_dot_input(x: torch.Tensor, act: int) -> torch.Tensor:

@@ -33,31 +33,25 @@ import torch.nn.functional as F
 
 from moetier.backends import cpu_kernels
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
-from moetier.backends.torch_dequant import dequantize
+from moetier.backends.torch_activations import stored_product
 from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS
 
 
-def as_float32(w: ExpertWeights) -> ExpertWeights:
-    """w itself when held as float32, else its matrices dequantized to float32 on their own device
-    (moetier.backends.torch_dequant, bit for bit gguf's values): a transient copy for one call."""
-    if w.float32:
-        return w
-    return ExpertWeights(dequantize(w.gate_up, w.gate_up_type), dequantize(w.down, w.down_type))  # [2I, D], [D, I]
-
-
 def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """x [n, D] -> [n, D] = down(silu(gate x) * up x)."""
-    w = as_float32(w)
-    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [n, I] each
-    return F.linear(F.silu(gate) * up, w.down)
+    """x [n, D] -> [n, D] = down(silu(gate x) * up x), the torch path: each stored matrix dequantized on its device
+    for this call and multiplied with the activations its format's dot product takes (torch_activations)."""
+    gate, up = stored_product(x, w.gate_up, w.gate_up_type, w.float_acts).chunk(2, dim=-1)  # [n, I] each
+    return stored_product(F.silu(gate) * up, w.down, w.down_type, w.float_acts)
 
 
 def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
     """One token through some experts with torch ops: x [1, D] -> sum of scale * ffn(x) [1, D]."""
     out = torch.zeros_like(x)
     for w, scale in zip(experts, scales):
-        w = as_float32(w)
+        if not w.float32:
+            out.add_(swiglu(x, w), alpha=scale)
+            continue
         gate_up = F.linear(x, w.gate_up)  # [1, 2I]
         inter = w.down.shape[1]
         hidden = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [1, I]

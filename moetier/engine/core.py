@@ -21,9 +21,8 @@ import torch.nn.functional as F
 
 from moetier.backends import Backend, ExpertWork, get_backend
 from moetier.backends.base import ROW0
-from moetier.backends.torch_backend import swiglu
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
-from moetier.engine.linear import StoredEmbedding, StoredLinear
+from moetier.engine.linear import StoredEmbedding, StoredLinear, stored_ffn
 from moetier.engine.router import Route, route_gate
 from moetier.engine.router_bias import RouterBias
 from moetier.tiers.base import ExpertJob
@@ -226,7 +225,7 @@ class Engine:
                     pending = None
                 if w.mlp is not None:  # a dense layer: trunk work, accounted with attention
                     begin = time.perf_counter() if times is not None else 0.0
-                    h = h + swiglu(rms_norm(h, w.post_norm, eps), w.mlp)
+                    h = h + stored_ffn(rms_norm(h, w.post_norm, eps), w.mlp)
                     if times is not None:
                         times.add("attention", time.perf_counter() - begin)
                     continue
@@ -287,4 +286,4 @@ class Engine:
         partials = self.executor.dispatch(layer, x, decision)
         if w.shared is None:
             return partials
-        return Partials(partials.now + swiglu(x, w.shared), partials.lane)
+        return Partials(partials.now + stored_ffn(x, w.shared), partials.lane)

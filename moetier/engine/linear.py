@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from moetier.backends import cpu_kernels
-from moetier.backends.activations import act_type
-from moetier.backends.torch_activations import as_dot_input
+from moetier.backends.base import ExpertWork
+from moetier.backends.torch_backend import swiglu
+from moetier.backends.torch_activations import stored_product
 from moetier.backends.torch_dequant import dequantize
+from moetier.model.expert_weights import ExpertWeights
 from moetier.model.formats import F32, format_of
 
 
@@ -34,9 +36,19 @@ def stored_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: b
     if qtype == F32:
         return F.linear(x, data)
     kernel = cpu_kernels.decode_kernel() if x.device.type == "cpu" else None
-    if kernel is not None and hasattr(kernel, "linear"):
+    if kernel is not None:
         return kernel.linear(x.contiguous(), data, qtype, float_acts)
-    return F.linear(as_dot_input(x, act_type(qtype, float_acts)), dequantize(data, qtype))
+    return stored_product(x, data, qtype, float_acts)
+
+
+def stored_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """A dense or shared SwiGLU MLP held as stored: x [T, D] -> [T, D]. On the CPU a stored one runs through the
+    native kernels (as a routed expert does); a float32 one, or one on another device, through torch (swiglu)."""
+    kernel = cpu_kernels.decode_kernel() if x.device.type == "cpu" and not w.float32 else None
+    if kernel is None or not kernel.fits(w):
+        return swiglu(x, w)
+    rows = torch.arange(x.shape[0])
+    return kernel.experts(x.contiguous(), [ExpertWork(w, rows, torch.ones(x.shape[0]))])
 
 
 class StoredLinear:
