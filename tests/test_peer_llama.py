@@ -131,19 +131,11 @@ def quantized_logits(model):
     return out
 
 
-# The 2-3 bit K-quant mixes: mean KL 1.7e-3 on qwen3moe Q2_K and glm4moe Q3_K_M (the others within 1e-3). Not the
-# dequantization (every expert's values are ggml's, test_dequantizers_equal_ggml_s_own): llama.cpp quantizes the
-# activations of every quantized matmul (Q8_K for these, trunk included); quantizing them to Q8_K in moetier's
-# reference took glm4moe Q3_K_M from 1.73e-3 to 1.28e-3. The kernels that do as llama.cpp does are the CPU-kernels
-# issue's; until then these two mixes are held to 2.5e-3.
-LOW_BIT_KL = {"Q2_K": 2.5e-3, "Q3_K_M": 2.5e-3}
-
-
 def test_quantized_gguf_kl_against_llama_cpp(model, quantized_logits):
     for name, (reference, mine, path) in quantized_logits.items():
         kl, top1 = kl_and_top1(reference, mine)
         print(f"{model[0]} {model[1]} {name}: mean KL(llama.cpp || moetier) {kl:.3g} nats, top-1 agreement {top1:.1%}")
-        assert kl <= LOW_BIT_KL.get(name, 1e-3), (model[0], name, kl)
+        assert kl <= 1e-3, (model[0], name, kl)
 
 
 def test_quantized_experts_are_their_stored_bytes_and_dequantize_as_gguf_does(model, quantized_logits):
@@ -206,9 +198,15 @@ def test_dequantizers_equal_ggml_s_own(tmp_path):
             assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (fmt.name, name)
 
 
-@pytest.mark.xfail(strict=True, reason="llama.cpp quantizes the activations to Q8_0 for its Q8_0 dot products and "
-                   "moetier's reference path does not; on these tiny random models llama.cpp's own Q8_0 agrees with its "
-                   "own F32 on only ~95% of argmaxes, and moetier's Q8_0 with llama.cpp's on 97-98%. The native "
-                   "kernels (the CPU-kernels issue) quantize activations as llama.cpp does.")
 def test_quantized_gguf_top1_agrees_with_llama_cpp(model, quantized_logits):
-    assert all(kl_and_top1(reference, mine)[1] >= 0.99 for reference, mine, _ in quantized_logits.values())
+    """top-1 >= 99%: moetier converts every product's activations as llama.cpp does (Q8_K, Q8_0, Q8_1, F16, BF16)
+    and sums the same integer block products, so what is left is float32 summation order. Met on tiny (Q8_0 files:
+    KL ~1e-14, the same argmaxes) and on most blocks files; on small (48 experts, top-6, 96-wide expert rows in
+    llama.cpp's fallback types) 94-98%, recorded as an xfail naming the files until the difference is found."""
+    arch, preset = model[0], model[1]
+    below = {name: f"{top1:.1%}" for name, (reference, mine, _) in quantized_logits.items()
+             if (top1 := kl_and_top1(reference, mine)[1]) < 0.99}
+    if preset == "tiny":
+        assert not below, (arch, below)
+    elif below:
+        pytest.xfail(f"{arch} {preset}: top-1 below 99% on {below}")

@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
 from moetier.model.expert_weights import ExpertWeights, NamedWeights
-from moetier.model.formats import BF16, FORMATS
+from moetier.model.formats import BF16, F32, FORMATS
 from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
@@ -263,10 +263,13 @@ class GgufCheckpoint(NamedWeights):
     def stored(self, name: str) -> tuple[torch.Tensor, int]:
         """(tensor, its GGML type id) by HF name, in the bytes stored, a view of the mapping (Mixtral's Q/K rows:
         a copy, put back in HF order): float32 / float16 / bfloat16 [rows, cols] for F32 / F16 / BF16, uint8 [rows,
-        row bytes] for a block format."""
+        row bytes] for a block format; a trunk tensor of a type outside the stored formats (IQ2_S, TQ2_0, ...) as
+        its float32 values (F32), dequantized once."""
         source = self._sources.get(name)
         if source is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
+        if int(source.tensor.tensor_type) not in FORMATS:  # a trunk-only type (IQ2_S, ...): float32 values, once
+            return self.load(name), F32
         raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
         if source.permuted_heads is not None:  # whole rows move: a row's blocks stay as they are (a copy)
             raw = _unpermute(raw, source.permuted_heads).copy()
