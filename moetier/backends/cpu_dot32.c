@@ -8,13 +8,16 @@
  * Numerics of dot32_dot, as ggml's vec_dot: per 32-block the integer dot product of the weight quants and the
  * activation quants (exact in int32), times d_w * d_x in float32, plus m_w * s_x for Q4_1 / Q5_1 (q4_1_q8_1),
  * summed over the row in float32. Float formats: weight and activation values converted to float32 (exactly),
- * products summed in float32 by fused multiply-add. The sum order is this file's (vector lanes, then a tree) and
- * depends on neither T nor the row: every (row, token) runs the same operations in every tile shape.
+ * products summed in float32 by fused multiply-add. The sum order is this file's (vector lanes, then a tree); for
+ * the block formats it depends on neither T nor the row (every (row, token) runs the same operations in every
+ * tile shape: T tokens at once are bit for bit T calls of one); float formats sum in four interleaved
+ * accumulators at T = 1 and in one per (row, token) in the T > 1 tiles, equal within float32 rounding.
  *
  * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
  * into registers serves the tile's tokens, and the tile's rows stay in L1 while the other token tiles pass, so
  * each weight byte comes from memory once for all T. Tiles are 4 rows x up to 4 tokens (AVX2: 2), an accumulator
- * each; at T = 1, 4 rows (Q8_0: 1, its decode is cheap next to its bytes). Each tile prefetches the
+ * each; at T = 1 block formats take 4 rows (Q8_0: 1, its decode cheap next to its bytes), floats 1 row with four
+ * accumulators (one FMA chain would wait on its latency). Each tile prefetches the
  * next tile's rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew
  * every tile, and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without,
  * 36 with). The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32)
@@ -57,6 +60,8 @@
 #define TILE_TOKENS 2
 #endif
 #endif
+#define FLOAT_ROWS TILE_ROWS  /* float formats: the same tiles (a lone row at T = 1) */
+#define FLOAT_TOKENS TILE_TOKENS
 #define INLINE static inline __attribute__((always_inline))
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, BF16 = 30 };
@@ -354,30 +359,35 @@ INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* R rows x TT tokens, an accumulator each (a 4-row tile is four FMA chains even at T = 1), 16 values a step; the
- * next tile's rows prefetched, a line a step */
+/* R rows x TT tokens: an accumulator each, or four (k in 64s) for a lone row and token, whose one FMA chain would
+ * wait on its latency; the last 16s into the first, the very last masked; the next tile's rows prefetched */
 INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
                         int64_t n, float *y, int64_t ldy) {
-    __m512 acc[TILE_ROWS][TILE_TOKENS];
+    const int K = R * TT == 1 ? 4 : 1, size = f == F32 ? 4 : 2;
+    __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    const int size = f == F32 ? 4 : 2;
+        for (int t = 0; t < TT; t++)
+            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 16 <= n; k += 16)
-        for (int r = 0; r < R; r++) {
-            const __m512 wv = float_weights(f, w + r * row_bytes, k, 0, 0);
-            if (size == 4 || (k & 16)) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + k * size, _MM_HINT_T0);
-            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * n + k), acc[r][t]);
-        }
-    if (k < n) {
-        const __mmask16 live = (__mmask16)((1u << (n - k)) - 1);
+    for (; k + 16 * K <= n; k += 16 * K)
+        for (int j = 0; j < K; j++)
+            for (int r = 0; r < R; r++) {
+                const int64_t at = k + 16 * j;
+                const __m512 wv = float_weights(f, w + r * row_bytes, at, 0, 0);
+                if (size == 4 || (at & 16)) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * size, _MM_HINT_T0);
+                for (int t = 0; t < TT; t++) acc[r][t][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * n + at), acc[r][t][j]);
+            }
+    for (; k < n; k += 16) {
+        const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
         for (int r = 0; r < R; r++) {
             const __m512 wv = float_weights(f, w + r * row_bytes, k, 1, live);
-            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[r][t]);
+            for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[r][t][0]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < TT; t++)
+            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
+                                                                                        _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
 }
 #endif /* PATH_AVX512 */
 
@@ -464,23 +474,33 @@ INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* R rows x TT tokens, an accumulator each, 8 values a step (the last n % 8 in scalar); the next tile prefetched */
+/* R rows x TT tokens: an accumulator each, or four (k in 32s) for a lone row and token; the last 8s into the first,
+ * the last n % 8 in scalar; the next tile's rows prefetched */
 INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
                         int64_t n, float *y, int64_t ldy) {
-    __m256 acc[TILE_ROWS][TILE_TOKENS];
+    const int K = R * TT == 1 ? 4 : 1, size = f == F32 ? 4 : 2;
+    __m256 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
-    const int size = f == F32 ? 4 : 2;
+        for (int t = 0; t < TT; t++)
+            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm256_setzero_ps();
     int64_t k = 0;
+    for (; k + 8 * K <= n; k += 8 * K)
+        for (int j = 0; j < K; j++)
+            for (int r = 0; r < R; r++) {
+                const int64_t at = k + 8 * j;
+                const __m256 wv = float_weights(f, w + r * row_bytes, at);
+                if ((at & (size == 4 ? 8 : 24)) == 0) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * size, _MM_HINT_T0);
+                for (int t = 0; t < TT; t++) acc[r][t][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + at), acc[r][t][j]);
+            }
     for (; k + 8 <= n; k += 8)
         for (int r = 0; r < R; r++) {
             const __m256 wv = float_weights(f, w + r * row_bytes, k);
-            if ((k & (size == 4 ? 8 : 24)) == 0) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + k * size, _MM_HINT_T0);
-            for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[r][t]);
+            for (int t = 0; t < TT; t++) acc[r][t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[r][t][0]);
         }
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++) {
-            float sum = sum8(acc[r][t]);
+            float sum = sum8(K == 1 ? acc[r][t][0] : _mm256_add_ps(_mm256_add_ps(acc[r][t][0], acc[r][t][1]),
+                                                                   _mm256_add_ps(acc[r][t][2], acc[r][t][3])));
             for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * row_bytes, j) * x[t * n + j];
             y[t * ldy + r] = sum;
         }
@@ -488,43 +508,40 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
 #endif /* PATH_AVX2 */
 
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
-/* Rows in tiles of TILE_ROWS (the last few one at a time), each over every token in tiles of up to TILE_TOKENS.
- * At T = 1 a tile is one row where decoding is cheap next to the bytes (Q8_0: one sequential stream, what the
- * prefetchers like best) and TILE_ROWS where it is not (the token's work shared by the rows). */
-INLINE int rows_at_one_token(int f) { return f == Q8_0 ? 1 : TILE_ROWS; }
-#define TOKEN_TILES(tile, f, R, r, x, extent)                                                                          \
-    for (int64_t t = 0; t < T; t += TILE_TOKENS) {                                                                     \
-        const int64_t tt = T - t < TILE_TOKENS ? T - t : TILE_TOKENS;                                                  \
+/* Rows in tiles of ROWS (the last few one at a time), each over every token in tiles of up to TTMAX. At T = 1 a tile
+ * is ROWS1 rows: one where decoding is cheap next to the bytes (Q8_0, the float formats: one sequential stream,
+ * what the prefetchers like best), TILE_ROWS where it is not (the token's work shared by the rows). */
+#define TOKEN_TILES(tile, f, R, TTMAX, r, x, extent)                                                                   \
+    for (int64_t t = 0; t < T; t += TTMAX) {                                                                           \
+        const int64_t tt = T - t < TTMAX ? T - t : TTMAX;                                                              \
         const uint8_t *wr = w + (r) * row_bytes;                                                                       \
         float *yr = y + t * ldy + (r);                                                                                 \
-        if (tt == TILE_TOKENS) tile(f, R, TILE_TOKENS, wr, row_bytes, x(t), extent, yr, ldy);                          \
+        if (tt == TTMAX) tile(f, R, TTMAX, wr, row_bytes, x(t), extent, yr, ldy);                                      \
         else if (tt == 1) tile(f, R, 1, wr, row_bytes, x(t), extent, yr, ldy);                                         \
-        else if (tt == 2 && TILE_TOKENS > 2) tile(f, R, 2, wr, row_bytes, x(t), extent, yr, ldy);                      \
-        else tile(f, R, TILE_TOKENS - 1, wr, row_bytes, x(t), extent, yr, ldy);                                        \
+        else if (tt == 2 && TTMAX > 2) tile(f, R, 2, wr, row_bytes, x(t), extent, yr, ldy);                            \
+        else tile(f, R, TTMAX > 1 ? TTMAX - 1 : 1, wr, row_bytes, x(t), extent, yr, ldy);                              \
     }
-#define TILES(tile, f, x, extent)                                                                                      \
+#define TILES(tile, f, ROWS, ROWS1, TTMAX, x, extent)                                                                  \
     do {                                                                                                               \
         int64_t r = 0;                                                                                                 \
-        if (T == 1 && rows_at_one_token(f) == 1)                                                                       \
-            for (; r < rows; r++) tile(f, 1, 1, w + r * row_bytes, row_bytes, x(0), extent, y + r, ldy);               \
-        else if (T == 1)                                                                                               \
-            for (; r + TILE_ROWS <= rows; r += TILE_ROWS) tile(f, TILE_ROWS, 1, w + r * row_bytes, row_bytes, x(0), extent, y + r, ldy); \
+        if (T == 1)                                                                                                    \
+            for (; r + ROWS1 <= rows; r += ROWS1) tile(f, ROWS1, 1, w + r * row_bytes, row_bytes, x(0), extent, y + r, ldy); \
         else                                                                                                           \
-            for (; r + TILE_ROWS <= rows; r += TILE_ROWS) { TOKEN_TILES(tile, f, TILE_ROWS, r, x, extent) }            \
-        for (; r < rows; r++) { TOKEN_TILES(tile, f, 1, r, x, extent) }                                                \
+            for (; r + ROWS <= rows; r += ROWS) { TOKEN_TILES(tile, f, ROWS, TTMAX, r, x, extent) }                    \
+        for (; r < rows; r++) { TOKEN_TILES(tile, f, 1, TTMAX, r, x, extent) }                                         \
     } while (0)
 
 INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *xv,
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (xv + (t))
-    TILES(tile_blocks, f, AT, nb);
+    TILES(tile_blocks, f, TILE_ROWS, (f == Q8_0 ? 1 : TILE_ROWS), TILE_TOKENS, AT, nb);
 #undef AT
 }
 
 INLINE void floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (x + (t) * n)
-    TILES(tile_floats, f, AT, n);
+    TILES(tile_floats, f, FLOAT_ROWS, 1, FLOAT_TOKENS, AT, n);
 #undef AT
 }
 
