@@ -159,6 +159,15 @@ def test_every_simd_path_keeps_the_bound(path):
     assert lib.dot32_path() == (0 if path == "scalar" else 1)
     for fmt in FAMILY:
         assert worst_error(fmt, family, shapes=[(1, 256), (5, 352)], rows=6) <= 1e-5, (path, fmt.name)
+    # the float16 conversions without F16C (scalar): subnormal halves, ties, overflow to inf, every exponent
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4, 1024)) * 10.0 ** rng.uniform(-9, 5.5, (4, 1024))).astype(np.float32)
+    x[0, :64] = (np.arange(64, dtype=np.float32) + 0.5) * np.float32(2.0 ** -24)  # halfway between subnormal halves
+    x[1, :8] = [65504, 65519.99, 65520, -65520, 6.1035156e-05, 6.1035152e-05, 2.0 ** -25, -(2.0 ** -26)]
+    with np.errstate(over="ignore"):
+        for act in (A.ACT_F16, A.ACT_BF16, A.ACT_Q8_0, A.ACT_Q8_1):
+            got = family.quantize(act, torch.from_numpy(x)).numpy()
+            assert np.array_equal(got, A.quantize(act, x)), (path, act)
 
 
 def test_bad_inputs_are_one_value_error():

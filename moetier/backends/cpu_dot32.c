@@ -69,7 +69,7 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_N
 /* IQ4_NL's 16 values (ggml's kvalues_iq4nl; tests/test_dot32.py checks them against the gguf package) */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* block layout: bytes per block, where the nibbles / quants start, where the 5th bits start, the bias o */
+/* block layout: bytes per block, where the nibbles / quants start, where the 5th bits start, whether m follows d */
 INLINE int block_bytes(int f) { return f == Q8_0 ? 34 : f == Q4_1 ? 20 : f == Q5_0 ? 22 : f == Q5_1 ? 24 : 18; }
 INLINE int quants_at(int f) { return f == Q4_1 ? 4 : f == Q5_0 ? 6 : f == Q5_1 ? 8 : 2; }
 INLINE int high_bits_at(int f) { return f == Q5_0 ? 2 : 4; }
