@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from moetier.backends import ExpertWork, cpu_kernels
+from moetier.backends import ExpertWork, cpu_kernels, cpu_lane
 from moetier.backends.numpy_backend import NumpyBackend
 from moetier.backends.torch_backend import TorchBackend
 from moetier.model import ExpertWeights
@@ -126,7 +126,7 @@ def test_native_lane_computes_what_the_kernel_computes(threads):
     experts = experts_of(37, 13, 7, seed=threads)
     x, scales = torch.randn(1, 37), torch.rand(7).tolist()
     expected = cpu_kernels.decode_kernel().run(x, experts, scales)
-    lane = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), threads)
+    lane = cpu_lane.NativeLane(cpu_kernels.decode_kernel(), threads)
     try:
         addresses, floats = lane_call(experts, scales)
         results = [lane.submit(x, addresses, floats, 13) for _ in range(lane.SLOTS)]
@@ -140,7 +140,7 @@ def test_native_lane_computes_what_the_kernel_computes(threads):
 def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say_so():
     experts = experts_of(16, 8, 3, seed=1)
     x, (addresses, floats) = torch.randn(1, 16), lane_call(experts, [1.0, 0.5, 0.25])
-    lane = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), 1)
+    lane = cpu_lane.NativeLane(cpu_kernels.decode_kernel(), 1)
     try:
         for _ in range(3 * lane.SLOTS):  # dropped at once: each slot is freed when its call is done
             lane.submit(x, addresses, floats, 8)
@@ -157,7 +157,7 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
     finally:
         lane.close()
         lane.close()  # idempotent
-    forked = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), 1)
+    forked = cpu_lane.NativeLane(cpu_kernels.decode_kernel(), 1)
     child = os.fork()
     if child == 0:  # the lane's threads stayed in the parent: queuing must refuse, not hang
         try:
@@ -168,7 +168,7 @@ def test_native_lane_slots_are_freed_by_dropped_tickets_and_uncollected_ones_say
     assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
     assert torch.equal(forked.submit(x, addresses, floats, 8).result(), expected)  # the parent's lane still works
     forked.close()
-    other = cpu_kernels.NativeLane(cpu_kernels.decode_kernel(), 1)
+    other = cpu_lane.NativeLane(cpu_kernels.decode_kernel(), 1)
     pending = other.submit(x, addresses, floats, 8)
     other.close()  # finishes the queued call, but its result went with the lane
     with pytest.raises(RuntimeError, match="closed before this call was collected"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from quant_blocks import BLOCK_FORMATS, random_float_rows, random_rows
 
-from moetier.backends import activations, cpu_kernels
+from moetier.backends import activations, cpu_kernels, cpu_lane
 from moetier.model import ExpertWeights
 from moetier.model.formats import BY_NAME, FORMATS, Format, format_of
 
@@ -144,7 +144,7 @@ def test_decode_on_stored_experts_is_the_math_on_their_values_and_converted_acti
     exact = float64_decode(x, experts, scales)
     scale = exact.abs().max().item()
     assert scale > 0 and (got.double() - exact).abs().max().item() <= 2e-6 * scale  # seen: 0.7e-7 .. 3.4e-7
-    lane = cpu_kernels.NativeLane(kernel, 1)
+    lane = cpu_lane.NativeLane(kernel, 1)
     try:
         records = b"".join(map(cpu_kernels.expert_record, experts))
         assert torch.equal(lane.submit(x, records, array("f", scales), INTER).result(), got)
@@ -182,7 +182,7 @@ def test_the_fallback_family_is_the_float32_kernel_on_dequantized_values():
 def test_a_lane_split_over_threads_gives_run_s_bits_every_time():
     experts, _, x, scales = decode_case("Q4_K", "Q6_K", seed=7)
     expected = kernel.with_threads(1).run(x, experts, scales)
-    lane = cpu_kernels.NativeLane(kernel, 2)
+    lane = cpu_lane.NativeLane(kernel, 2)
     try:
         records = b"".join(map(cpu_kernels.expert_record, experts))
         outs = [ticket.result() for ticket in [lane.submit(x, records, array("f", scales), INTER) for _ in range(4)]]

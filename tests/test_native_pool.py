@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_native_formats import float64_decode, float64_dot, float64_ffn, stored
 
-from moetier.backends import ExpertWork, cpu_kernels
+from moetier.backends import ExpertWork, cpu_kernels, cpu_lane
 from moetier.model import ExpertWeights
 from moetier.model.formats import BY_NAME
 
@@ -93,7 +93,7 @@ def test_the_lane_gives_run_s_bits_with_every_thread():
     experts, x = experts_of("Q4_K", "Q6_K", False, count=8, dim=512, inter=256, seed=9)
     scales = array("f", np.linspace(0.3, 0.05, 8))
     expected = kernel.with_threads(1).run(x[:1], experts, list(scales))
-    lane = cpu_kernels.NativeLane(kernel, 2)
+    lane = cpu_lane.NativeLane(kernel, 2)
     try:
         records = b"".join(map(cpu_kernels.expert_record, experts))
         assert len(records) == 8 * cpu_kernels.RECORD.size == 320 and lane.threads == 2
@@ -133,7 +133,7 @@ def test_hand_off_cost_of_a_tiny_call(capsys):
     lines = []
     for threads in (1, 2):
         k = kernel.with_threads(threads)
-        lane = cpu_kernels.NativeLane(k, threads)
+        lane = cpu_lane.NativeLane(k, threads)
         try:
             for label, call in (("run", lambda: k.run(x, experts, scales)),
                                 ("lane", lambda: lane.submit(x, records, floats, 32).result())):

@@ -1,4 +1,4 @@
-"""moetier's CPU kernels (cpu_kernels.c, cpu_pool.h beside this file): SwiGLU experts, a linear layer, the CPU lane, the router.
+"""moetier's CPU kernels (cpu_kernels.c, cpu_pool.h beside this file): SwiGLU experts, a linear layer, the router.
 
 `decode_kernel(threads)` returns a `DecodeKernel` over a pool of that many
 native threads (default: the CPUs this process may run on; the calling
@@ -15,9 +15,9 @@ block dot products), else of the fallback family in cpu_kernels.c (float32
 activations; a stored row dequantized to gguf's values bit for bit, then a
 float32 dot; float32 experts then give the bits moetier's decode gave before
 the families). MOETIER_DOT_FAMILIES=0 keeps the fallback for every format.
-Guarantee: `run`, `experts`, `linear` and `NativeLane` give the same bits
-whatever the pool's thread count and timing, and the lane the same bits as
-`run`; `experts` on T rows equals T calls of `run` up to float32 summation
+Guarantee: `run`, `experts` and `linear` give the same bits whatever the
+pool's thread count and timing (and so does the CPU lane, cpu_lane.py, which
+queues `run`'s calls to the same pool); `experts` on T rows equals T calls of `run` up to float32 summation
 order over the experts (tests/test_native_pool.py). Every argument is
 checked here (`expert_record` and the methods); the C validates nothing.
 """
@@ -105,7 +105,8 @@ def _float_input(what: str, x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _status_error(what: str, status: int) -> None:
+def status_error(what: str, status: int) -> None:
+    """Raise for a C call's status: -2 is out of memory."""
     if status == -2:
         raise MemoryError(f"{what}: the native kernels ran out of memory")
 
@@ -207,7 +208,7 @@ class DecodeKernel:
         x = x.contiguous()
         scale = (ctypes.c_float * k)(*scales)
         out = torch.empty(1, dim)
-        _status_error("decode", self.library.moe_decode(self.pool.handle, x.data_ptr(), dim, inter, k, records, scale, out.data_ptr()))
+        status_error("decode", self.library.moe_decode(self.pool.handle, x.data_ptr(), dim, inter, k, records, scale, out.data_ptr()))
         return out
 
     def experts(self, x: torch.Tensor, groups: Sequence[ExpertWork]) -> torch.Tensor:
@@ -236,7 +237,7 @@ class DecodeKernel:
         for g in groups:
             offsets.append(offsets[-1] + g.rows.numel())
         out = torch.empty(tokens, dim)
-        _status_error("experts", self.library.moe_experts(self.pool.handle, x.data_ptr(), tokens, dim, inter, len(groups), records,
+        status_error("experts", self.library.moe_experts(self.pool.handle, x.data_ptr(), tokens, dim, inter, len(groups), records,
                                                           offsets.buffer_info()[0], rows.data_ptr(), weights.data_ptr(), out.data_ptr()))
         return out
 
@@ -259,102 +260,18 @@ class DecodeKernel:
             raise ValueError(why)
         y = torch.empty(tokens, w.shape[0])
         if y.numel():
-            _status_error("linear", self.library.moe_linear(self.pool.handle, x.data_ptr(), tokens, cols, w.data_ptr(), fmt.id,
+            status_error("linear", self.library.moe_linear(self.pool.handle, x.data_ptr(), tokens, cols, w.data_ptr(), fmt.id,
                                                             int(bool(float_acts)), w.shape[0], y.data_ptr()))
         return y
 
 
-class NativeLane:
-    """Decode calls queued by `submit` and computed by the pool of `threads` on the lane's own native thread
-    (one of the pool's participants), which never takes the GIL: the engine's thread runs on meanwhile, and
-    each call uses every pool thread. The result is bit for bit `DecodeKernel.run`'s on the same arguments.
-
-    The expert weights whose addresses are passed must outlive `close()`; everything else a call needs is
-    copied at `submit`.
-    """
-
-    SLOTS = 16  # calls queued or done-but-uncollected at once (LANE_SLOTS in cpu_pool.h)
-
-    def __init__(self, kernel: DecodeKernel, threads: int = 1, spin_us: float | None = None):
-        """spin_us: how long the idle lane thread, or a caller waiting for a result, polls before it
-        sleeps (default $MOETIER_LANE_SPIN_US, else 200; 0 sleeps at once)."""
-        self._kernel = kernel.with_threads(threads)
-        self._lib = self._kernel.library
-        if spin_us is None:
-            spin_us = float(os.environ.get("MOETIER_LANE_SPIN_US", "200"))
-        self._handle = self._lib.lane_open(self._kernel.pool.handle, spin_us * 1e-6)
-        if not self._handle:
-            raise RuntimeError("native lane: could not start its thread")
-        self.threads = self._kernel.pool.threads
-        self._forked = False  # set in a forked child, which inherits the lane but not its threads
-        _LANES.add(self)
-
-    def submit(self, x: torch.Tensor, addresses: bytes, scales: array, inter: int) -> "LaneTicket":
-        """x [1, D] float32 contiguous in host memory; addresses: k expert records joined (`expert_record`:
-        40 bytes each, RECORD, which checked them); scales: array("f") of k gate weights; inter: I,
-        each expert's width."""
-        k, dim = len(scales), x.shape[1]
-        if self._forked:
-            raise RuntimeError("native lane: used in a forked child process (its threads stayed in the parent); open a new one")
-        if len(addresses) != RECORD.size * k or scales.itemsize != 4 or k == 0:
-            raise ValueError(f"native lane: {len(addresses)} address bytes for {k} scales (expected {RECORD.size} per expert: "
-                             "an expert_record; float32 scales; at least one)")
-        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
-            raise ValueError(f"native lane: x must be float32 [1, D] contiguous in host memory, got {x.dtype} {list(x.shape)}")
-        ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses, scales.buffer_info()[0])
-        if ticket < 0:
-            why = f"all {self.SLOTS} call slots hold results not collected" if ticket == -1 else "out of memory"
-            raise RuntimeError(f"native lane: cannot queue a call ({why})")
-        return LaneTicket(self, ticket, dim)
-
-    def close(self) -> None:
-        """Finish queued calls and stop the lane's thread (idempotent; the pool stays)."""
-        if self._handle:
-            handle, self._handle = self._handle, None
-            self._lib.lane_close(handle)
-
-
-_LANES: "weakref.WeakSet[NativeLane]" = weakref.WeakSet()
-
 
 def _mark_forked() -> None:
-    for lane in _LANES:
-        lane._forked = True
     for pool in _POOLS:  # the helpers stayed in the parent: the caller computes alone, to the same bits
         pool._lib.pool_forked(pool.handle)
 
 
 os.register_at_fork(after_in_child=_mark_forked)
-
-
-class LaneTicket:
-    """One queued call: `result()` waits for it (the GIL released) and returns out [1, D];
-    then `done_s` is when it finished, on time.perf_counter's clock. A ticket dropped
-    uncollected frees its slot once its call is done."""
-
-    __slots__ = ("_lane", "_ticket", "_dim", "_out", "done_s")
-
-    def __init__(self, lane: NativeLane, ticket: int, dim: int):
-        self._lane, self._ticket, self._dim = lane, ticket, dim
-        self._out: torch.Tensor | None = None
-        self.done_s = 0.0
-
-    def result(self) -> torch.Tensor:
-        if self._out is None:
-            lane = self._lane
-            if not lane._handle:
-                raise RuntimeError("native lane: closed before this call was collected")
-            out, done = torch.empty(1, self._dim), ctypes.c_double()
-            status = lane._lib.lane_collect(lane._handle, self._ticket, out.data_ptr(), ctypes.byref(done))
-            if status == -1:
-                raise RuntimeError(f"native lane: call {self._ticket} is not pending")
-            _status_error("native lane", status)
-            self._out, self.done_s = out, done.value
-        return self._out
-
-    def __del__(self):
-        if self._out is None and self._lane._handle:
-            self._lane._lib.lane_release(self._lane._handle, self._ticket)
 
 
 def _tables() -> tuple[bytes, bytes, bytes, bytes] | str:

@@ -46,19 +46,25 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* One step of a poll: a pause, and from the 256th on (some microseconds) a sched_yield too, so that a poller
+ * sharing a CPU with the thread it waits for (more runnable threads than CPUs: a busy machine) lets it run;
+ * with nothing else runnable the yield returns at once. */
+static inline void poll_step(int64_t spins) {
+    cpu_relax();
+    if (spins >= 256) sched_yield();
+}
+
 /* Wait for *counter to reach zero: the granules it counts are claimed and running on other threads. */
 static void await_zero(const int64_t *counter) {
-    for (int64_t spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) != 0; spins++) {
-        if (spins < 20000) cpu_relax();
-        else sched_yield();  /* the thread we wait for may be descheduled on our CPU */
-    }
+    for (int64_t spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) != 0; spins++) poll_step(spins);
 }
 
 /* Poll *word until it differs from `seen` or spin_s passes (the lane's waits). */
 static void spin_while_equal(const int64_t *word, int64_t seen, double spin_s) {
     if (spin_s <= 0) return;
     const double until = monotonic_s() + spin_s;
-    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == seen && monotonic_s() < until) cpu_relax();
+    for (int64_t spins = 0; __atomic_load_n(word, __ATOMIC_ACQUIRE) == seen && monotonic_s() < until; spins++)
+        poll_step(spins);
 }
 
 typedef void (*granule_fn)(void *job, int64_t granule);
@@ -85,14 +91,12 @@ struct moe_pool {
     pthread_t tid[POOL_THREADS_MAX];
 };
 
+/* Claim and run granules until none is left; then count them finished, once (one contended write per thread). */
 static void pool_work(moe_pool *p) {
     const int64_t n = p->granules;
-    for (;;) {
-        const int64_t g = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-        if (g >= n) return;
-        p->run(p->job, g);
-        __atomic_fetch_add(&p->finished, 1, __ATOMIC_RELEASE);
-    }
+    int64_t done = 0;
+    for (int64_t g; (g = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED)) < n; done++) p->run(p->job, g);
+    if (done) __atomic_fetch_add(&p->finished, done, __ATOMIC_RELEASE);
 }
 
 /* The next open job's sequence number (even, not `seen`), or -1 once the pool stops. */
@@ -103,7 +107,7 @@ static int64_t pool_wait(moe_pool *p, int64_t seen) {
         if (!(s & 1) && s != seen) return s;
         if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return -1;
         if ((spins & 63) == 0 && monotonic_s() >= until) break;
-        cpu_relax();
+        poll_step(spins);
     }
     pthread_mutex_lock(&p->mu);
     __atomic_fetch_add(&p->sleepers, 1, __ATOMIC_SEQ_CST);
@@ -135,7 +139,7 @@ static void *pool_main(void *arg) {
  * The caller holds p->call. */
 static void pool_run(moe_pool *p, granule_fn run, void *job, int64_t n) {
     __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_SEQ_CST);  /* odd: closed */
-    while (__atomic_load_n(&p->busy, __ATOMIC_SEQ_CST)) cpu_relax();  /* a late helper of the last job leaves */
+    for (int64_t spins = 0; __atomic_load_n(&p->busy, __ATOMIC_SEQ_CST); spins++) poll_step(spins);  /* a late helper leaves */
     p->run = run, p->job = job, p->granules = n, p->next = 0, p->finished = 0;
     __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_SEQ_CST);  /* even: open */
     if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) {
@@ -144,10 +148,7 @@ static void pool_run(moe_pool *p, granule_fn run, void *job, int64_t n) {
         pthread_mutex_unlock(&p->mu);
     }
     pool_work(p);
-    for (int64_t spins = 0; __atomic_load_n(&p->finished, __ATOMIC_ACQUIRE) < n; spins++) {
-        if (spins < 20000) cpu_relax();
-        else sched_yield();
-    }
+    for (int64_t spins = 0; __atomic_load_n(&p->finished, __ATOMIC_ACQUIRE) < n; spins++) poll_step(spins);
 }
 
 /* The working memory of one call: at least `bytes`, 64-byte aligned; NULL if out of memory. Caller holds p->call. */
@@ -357,8 +358,8 @@ int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s)
     }
     if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
         pthread_mutex_unlock(&lane->mu);
-        const double until = monotonic_s() + lane->spin_s;
-        while (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != SLOT_DONE && monotonic_s() < until) cpu_relax();
+        spin_while_equal(&s->state, SLOT_QUEUED, lane->spin_s);  /* queued, then running: two polls */
+        spin_while_equal(&s->state, SLOT_RUNNING, lane->spin_s);
         pthread_mutex_lock(&lane->mu);
     }
     while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);

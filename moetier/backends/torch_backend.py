@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from moetier.backends import cpu_kernels
+from moetier.backends import cpu_kernels, cpu_lane
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.backends.torch_activations import stored_product
 from moetier.model.checkpoint import ExpertWeights
@@ -105,9 +105,9 @@ class TorchBackend(Backend):
     def decode_kernel(self) -> "cpu_kernels.DecodeKernel | None":
         return self._kernel
 
-    def native_lane(self, threads: int) -> "cpu_kernels.NativeLane | None":
+    def native_lane(self, threads: int) -> "cpu_lane.NativeLane | None":
         """A native lane of `threads` threads over this backend's kernel (None without the kernel)."""
-        return cpu_kernels.NativeLane(self._kernel, threads) if self._kernel is not None else None
+        return cpu_lane.NativeLane(self._kernel, threads) if self._kernel is not None else None
 
     def describe(self) -> str:
         if self.torch_device.type != "cpu":
