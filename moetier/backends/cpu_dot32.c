@@ -16,16 +16,17 @@
  * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
  * into registers serves the tile's tokens, and the tile's rows stay in L1 while the other token tiles pass, so
  * each weight byte comes from memory once for all T. Tiles are 4 rows x up to 4 tokens (AVX2: 2), an accumulator
- * each; at T = 1 block formats take 4 rows (Q8_0: 1, its decode cheap next to its bytes), floats 1 row with four
- * accumulators (one FMA chain would wait on its latency). Each tile prefetches the
- * next tile's rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew
- * every tile, and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without,
- * 36 with). The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32)
- * into scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none).
+ * each; at T = 1 block formats take 8 rows (AVX2: 4; Q8_0: 1, its decode is cheap next to its bytes), floats 1
+ * row with four accumulators (one FMA chain would wait on its latency). Each tile prefetches the next tile's
+ * rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew every tile,
+ * and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without, 36 with).
+ * The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32) into
+ * scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none).
  * No threads here: callers split rows.
  *
  * SIMD paths, chosen at compile time (the library is built with -march=native):
- *  - AVX-512 (F, BW, VL, VNNI, VBMI): two blocks per zmm. Each weight block becomes unsigned bytes u = q + o
+ *  - AVX-512 (F, BW, VL, VNNI, VBMI; GFNI where present, for the nibbles): two blocks per zmm. Each weight
+ *    block becomes unsigned bytes u = q + o
  *    (Q8_0 and IQ4_NL biased by o = 128, Q4_0 / Q5_0 as stored with o = 8 / 16, Q4_1 / Q5_1 o = 0), and one
  *    vpdpbusd(u, x) started from -o * (x's sums of four), formed once per token block and shared by the rows,
  *    gives the block's dot product; F16 / BF16 weights widened in registers, 16 values a step.
@@ -60,6 +61,14 @@
 #define TILE_TOKENS 2
 #endif
 #endif
+#ifndef ROWS_AT_ONE_TOKEN /* block formats' rows a tile at T = 1 (but Q8_0's: 1) */
+#if defined(PATH_AVX512)
+#define ROWS_AT_ONE_TOKEN 8
+#else
+#define ROWS_AT_ONE_TOKEN 4
+#endif
+#endif
+#define ACC_ROWS (ROWS_AT_ONE_TOKEN > TILE_ROWS ? ROWS_AT_ONE_TOKEN : TILE_ROWS)
 #define FLOAT_ROWS TILE_ROWS  /* float formats: the same tiles (a lone row at T = 1) */
 #define FLOAT_TOKENS TILE_TOKENS
 #define INLINE static inline __attribute__((always_inline))
@@ -260,8 +269,10 @@ static void unpack_blocks(int64_t act, const uint8_t *xq, int64_t nb, int64_t nb
 static const uint8_t PAIR_J[64] __attribute__((aligned(64))) = {
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#if !defined(__GFNI__)
 static const uint16_t PAIR_SHIFT[32] __attribute__((aligned(64))) = {
     0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+#endif
 
 /* two blocks at p (one when single: the second reads as zeros) -> u8 quants [64], d [d0 x8 | d1 x8], m alike */
 INLINE void decode_pair(const int f, const int single, const uint8_t *p, __m512i *u, __m512 *d, __m512 *m) {
@@ -278,8 +289,14 @@ INLINE void decode_pair(const int f, const int single, const uint8_t *p, __m512i
     const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi8((char)bb), 1);
     const __m512i at = _mm512_add_epi8(_mm512_add_epi8(_mm512_load_si512(PAIR_J), second),
                                        _mm512_set1_epi8((char)quants_at(f)));
+#if defined(__GFNI__) /* one affine map per 8 bytes over GF(2): x & 15 (low nibbles) or x >> 4 (high ones) */
+    const __m512i nibble = _mm512_set_epi64(0x1020408000000000, 0x1020408000000000, 0x0102040800000000, 0x0102040800000000,
+                                            0x1020408000000000, 0x1020408000000000, 0x0102040800000000, 0x0102040800000000);
+    __m512i q = _mm512_gf2p8affine_epi64_epi8(_mm512_permutexvar_epi8(at, v), nibble, 0);
+#else
     __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(at, v), _mm512_load_si512(PAIR_SHIFT)),
                                  _mm512_set1_epi8(0x0f));
+#endif
     if (f == Q5_0 || f == Q5_1) {
         const uint64_t h = load32(p + high_bits_at(f)) | (single ? 0 : (uint64_t)load32(p + bb + high_bits_at(f)) << 32);
         q = _mm512_mask_add_epi8(q, _cvtu64_mask64(h), q, _mm512_set1_epi8(16));
@@ -305,7 +322,7 @@ INLINE __m512 two_floats(const float *p) { return _mm512_castps128_ps512(_mm_cas
 
 /* one block pair (b, b + 1) of R rows x TT tokens into acc */
 INLINE void pair_step(const int f, const int R, const int TT, const int single, const uint8_t *w, int64_t row_bytes,
-                      const act_view *x, int64_t b, __m512 acc[TILE_ROWS][TILE_TOKENS]) {
+                      const act_view *x, int64_t b, __m512 acc[ACC_ROWS][TILE_TOKENS]) {
     const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i xq[TILE_TOKENS], c[TILE_TOKENS];
     __m512 dx[TILE_TOKENS], sx[TILE_TOKENS];
@@ -334,14 +351,14 @@ INLINE void pair_step(const int f, const int R, const int TT, const int single, 
 
 INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const act_view *x,
                         int64_t nb, float *y, int64_t ldy) {
-    __m512 acc[TILE_ROWS][TILE_TOKENS];  /* fixed sizes (R, TT are constants once inlined): registers, not a VLA */
+    __m512 acc[ACC_ROWS][TILE_TOKENS];  /* fixed sizes (R, TT are constants once inlined): registers, not a VLA */
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b + 2 <= nb; b += 2) pair_step(f, R, TT, 0, w, row_bytes, x, b, acc);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
     if (nb & 1) { /* the odd last block, apart: sharing acc with the loop would keep acc in memory */
-        __m512 last[TILE_ROWS][TILE_TOKENS];
+        __m512 last[ACC_ROWS][TILE_TOKENS];
         for (int r = 0; r < R; r++)
             for (int t = 0; t < TT; t++) last[r][t] = _mm512_setzero_ps();
         pair_step(f, R, TT, 1, w, row_bytes, x, nb - 1, last);
@@ -437,8 +454,8 @@ INLINE void decode_block256(const int f, const uint8_t *p, __m256i *u, __m256i *
 
 INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const act_view *x,
                         int64_t nb, float *y, int64_t ldy) {
-    __m256 acc[TILE_ROWS][TILE_TOKENS];
-    float mins[TILE_ROWS][TILE_TOKENS];
+    __m256 acc[ACC_ROWS][TILE_TOKENS];
+    float mins[ACC_ROWS][TILE_TOKENS];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps(), mins[r][t] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -510,7 +527,7 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
 /* Rows in tiles of ROWS (the last few one at a time), each over every token in tiles of up to TTMAX. At T = 1 a tile
  * is ROWS1 rows: one where decoding is cheap next to the bytes (Q8_0, the float formats: one sequential stream,
- * what the prefetchers like best), TILE_ROWS where it is not (the token's work shared by the rows). */
+ * what the prefetchers like best), ROWS_AT_ONE_TOKEN where it is not (the token's work shared by the rows). */
 #define TOKEN_TILES(tile, f, R, TTMAX, r, x, extent)                                                                   \
     for (int64_t t = 0; t < T; t += TTMAX) {                                                                           \
         const int64_t tt = T - t < TTMAX ? T - t : TTMAX;                                                              \
@@ -534,7 +551,7 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
 INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *xv,
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (xv + (t))
-    TILES(tile_blocks, f, TILE_ROWS, (f == Q8_0 ? 1 : TILE_ROWS), TILE_TOKENS, AT, nb);
+    TILES(tile_blocks, f, TILE_ROWS, (f == Q8_0 ? 1 : ROWS_AT_ONE_TOKEN), TILE_TOKENS, AT, nb);
 #undef AT
 }
 
