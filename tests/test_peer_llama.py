@@ -201,8 +201,10 @@ def test_dequantizers_equal_ggml_s_own(tmp_path):
 def test_quantized_gguf_top1_agrees_with_llama_cpp(model, quantized_logits):
     """top-1 >= 99%: moetier converts every product's activations as llama.cpp does (Q8_K, Q8_0, Q8_1, F16, BF16)
     and sums the same integer block products, so what is left is float32 summation order. Met on tiny (Q8_0 files:
-    KL ~1e-14, the same argmaxes) and on most blocks files; on small (48 experts, top-6, 96-wide expert rows in
-    llama.cpp's fallback types) 94-98%, recorded as an xfail naming the files until the difference is found."""
+    KL ~1e-14, the same argmaxes) and on most blocks files; on small (48 experts, top-6) 94-98%: there moetier's
+    native kernels against its own float64 numpy reference (the same conversions and products) agree on only
+    96.9% (qwen3moe Q4_K_M), so summation order alone moves near-tied routing. Recorded as an xfail naming the
+    files."""
     arch, preset = model[0], model[1]
     below = {name: f"{top1:.1%}" for name, (reference, mine, _) in quantized_logits.items()
              if (top1 := kl_and_top1(reference, mine)[1]) < 0.99}
