@@ -115,6 +115,8 @@ def test_bad_arguments_are_one_value_error_before_c():
         (lambda: kernel.experts(x, [ExpertWork(w, rows(0, 8), torch.ones(2))]), "rows must lie in \\[0, 8\\), got 0..8"),
         (lambda: kernel.experts(x, [ExpertWork(w, rows(0, 1), torch.ones(3))]), "rows must be int64 \\[n\\]"),
         (lambda: kernel.experts(x[:, :32], [ExpertWork(w, rows(0), torch.ones(1))]), "expert gate_up: Q8_0 \\[64, 32\\]"),
+        (lambda: kernel.linear(x[:, :0], w.gate_up, w.gate_up_type, False), "at least one column"),
+        (lambda: kernel.run(x[:1], [ExpertWeights(torch.zeros(0, 64), torch.zeros(64, 0))], [1.0]), "width 0 \\(expected at least 1"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message) as caught:

@@ -28,6 +28,7 @@ import ctypes
 import functools
 import os
 import struct
+import threading
 import weakref
 from array import array
 from pathlib import Path
@@ -92,6 +93,8 @@ def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | N
     gate_up, down, gate_up_type, down_type = weights.gate_up, weights.down, weights.gate_up_type, weights.down_type
     dim = down.shape[0] if dim is None else dim
     inter = gate_up.shape[0] // 2 if inter is None else inter
+    if dim < 1 or inter < 1:
+        raise ValueError(f"expert: hidden size {dim} and width {inter} (expected at least 1 each)")
     if not (_readable(gate_up, gate_up_type, 2 * inter, dim) and _readable(down, down_type, dim, inter)):
         raise ValueError(_matrix_error("expert gate_up", gate_up, gate_up_type, 2 * inter, dim)
                          or _matrix_error("expert down", down, down_type, dim, inter))
@@ -249,6 +252,8 @@ class DecodeKernel:
         activations for F16 / BF16 weights (a HF checkpoint); else x is converted as llama.cpp converts it for
         wtype's dot product (`act_type`). Bad arguments: ValueError, one line."""
         x = _float_input("linear", x)
+        if x.shape[1] < 1:
+            raise ValueError(f"linear: x must have at least one column, got {list(x.shape)}")
         fmt = FORMATS.get(wtype)
         if fmt is None:
             raise ValueError(f"linear: GGML type {wtype} is not a stored format")
@@ -408,9 +413,17 @@ def _kernel(threads: int) -> DecodeKernel:
     return DecodeKernel(_load()[0], threads)
 
 
-@functools.cache
+_POOL_LOCK = threading.Lock()
+
+
 def _pool(threads: int) -> NativePool:
     """One pool per thread count, for the process's life (kernels and lanes asking for that count share it)."""
+    with _POOL_LOCK:  # two threads' first calls must not start two pools
+        return _pool_open(threads)
+
+
+@functools.cache
+def _pool_open(threads: int) -> NativePool:
     return NativePool(_load()[0].library, threads, float(os.environ.get("MOETIER_POOL_SPIN_US", "200")))
 
 

@@ -56,8 +56,10 @@ class NativeLane:
         if len(addresses) != RECORD.size * k or scales.itemsize != 4 or k == 0:
             raise ValueError(f"native lane: {len(addresses)} address bytes for {k} scales (expected {RECORD.size} per expert: "
                              "an expert_record; float32 scales; at least one)")
-        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or dim < 1:
             raise ValueError(f"native lane: x must be float32 [1, D] contiguous in host memory, got {x.dtype} {list(x.shape)}")
+        if inter < 1:
+            raise ValueError(f"native lane: expert width {inter} (expected at least 1)")
         ticket = self._lib.lane_submit(self._handle, x.data_ptr(), dim, inter, k, addresses, scales.buffer_info()[0])
         if ticket < 0:
             why = f"all {self.SLOTS} call slots hold results not collected" if ticket == -1 else "out of memory"
