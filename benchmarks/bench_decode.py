@@ -95,10 +95,8 @@ def prepare_models(root: Path, arch: str, preset: str, formats: list[str]) -> tu
     if not files["F32"].exists():
         log(f"writing {files['F32']} (once)")
         write_gguf(hf, files["F32"], "F32")
-    for name in formats:
+    for name in (f for f in formats if f != "F32"):
         path = folder / f"{name}.gguf"
-        if name == "F32":
-            continue
         if not path.exists():
             log(f"quantizing to {path} with llama.cpp (once)")
             try:
