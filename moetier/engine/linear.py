@@ -2,12 +2,13 @@
 
 `StoredLinear` computes y [T, out] = x [T, in] W^T (+ b) for W held as the
 checkpoint stores it, in row parts that may differ in format (a GGUF's q, k
-and v projections are three tensors, often of two formats). All-F32 weights
-are one float32 matrix and one F.linear, as before. Otherwise each part is
-computed where x lives: on the CPU by the native kernels (the activations
+and v projections are three tensors, often of two formats; consecutive parts
+of one format are stacked into one). Each part is computed where x lives: on
+the CPU by the native kernels (float32 rows in float32; otherwise the activations
 converted once as llama.cpp's dot product for the part's format takes them,
 then integer block dot products on every kernel thread:
-DecodeKernel.linear), elsewhere — or without the kernels — by dequantizing
+DecodeKernel.linear), elsewhere — or without the kernels — by F.linear
+(float32 rows) or by dequantizing
 the part on the device and multiplying the same converted activations
 (torch_dequant, torch_activations): the same products, summed in another
 order. `float_acts` keeps activations float32 for F16 / BF16 weights (a HF
@@ -32,10 +33,11 @@ from moetier.model.formats import F32, format_of
 
 
 def stored_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool) -> torch.Tensor:
-    """x [T, n] float32 times one stored matrix [rows, ...] of GGML type qtype, on x's device -> [T, rows]."""
-    if qtype == F32:
-        return F.linear(x, data)
+    """x [T, n] float32 times one stored matrix [rows, ...] of GGML type qtype, on x's device -> [T, rows]: on the
+    CPU by the native kernels (float32 rows too: every kernel thread, each row read once for all T), else torch."""
     kernel = cpu_kernels.decode_kernel() if x.device.type == "cpu" else None
+    if qtype == F32 and kernel is None:
+        return F.linear(x, data)
     if kernel is not None:
         return kernel.linear(x.contiguous(), data, qtype, float_acts)
     return stored_product(x, data, qtype, float_acts)
@@ -58,13 +60,20 @@ class StoredLinear:
                  device: torch.device):
         self.bias = None if bias is None else bias.to(device, copy=True)
         self.float_acts = float_acts
-        if all(qtype == F32 for _, qtype in parts):  # one float32 matrix, one kernel: the float path as it was
-            self.dense: torch.Tensor | None = torch.cat([data for data, _ in parts]).to(device)  # [out, in]
-            self.parts: list[tuple[torch.Tensor, int]] = []
-        else:
-            self.dense = None
-            # copies in memory the process owns (a part may be a view of the file mapping)
-            self.parts = [(data.contiguous().to(device, copy=True), int(qtype)) for data, qtype in parts]
+        self.device = torch.device(device)
+        # consecutive parts of one format stacked into one matrix (one call; a row's bytes do not depend on its
+        # neighbours), each a copy in memory the process owns (a part may be a view of the file mapping)
+        merged: list[tuple[list[torch.Tensor], int]] = []
+        for data, qtype in parts:
+            if merged and merged[-1][1] == int(qtype):
+                merged[-1][0].append(data)
+            else:
+                merged.append(([data], int(qtype)))
+        self.parts = [(torch.cat(group).to(self.device) if len(group) > 1 else group[0].contiguous().to(self.device, copy=True),
+                       qtype) for group, qtype in merged]
+        # all float32: `dense`, the one [out, in] matrix F.linear reads off the CPU (and the CPU without kernels)
+        self.dense = self.parts[0][0] if len(self.parts) == 1 and self.parts[0][1] == F32 else None
+        self._kernel = cpu_kernels.decode_kernel() if self.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +86,7 @@ class StoredLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out]."""
-        if self.dense is not None:
+        if self.dense is not None and self._kernel is None:
             return F.linear(x, self.dense, self.bias)
         outs = [stored_matmul(x, data, qtype, self.float_acts) for data, qtype in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
