@@ -21,8 +21,11 @@
  * The lane: calls queued by lane_submit (copied into one of LANE_SLOTS
  * slots) and run in ticket order by the lane's own thread, which is a pool
  * participant (the pool's `call` lock orders it with direct callers), so the
- * submitting thread runs on while the pool computes; lane_collect waits
- * (polling spin_s, then sleeping) and copies the result out.
+ * submitting thread runs on while the pool computes; lane_collect waits and
+ * copies the result out. While it waits it joins the pool's open job as a
+ * helper would (so a lane of one thread computes on two while its caller
+ * waits: 20 -> 23-24 GB/s on Q4_K experts here), and after spin_s with
+ * nothing to claim it sleeps.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -123,15 +126,18 @@ static int64_t pool_wait(moe_pool *p, int64_t seen) {
     return stop ? -1 : s;
 }
 
+/* Work on job `s` if it is still the open one (a helper's entry: see the module comment). */
+static void pool_join(moe_pool *p, int64_t s) {
+    __atomic_fetch_add(&p->busy, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&p->seq, __ATOMIC_SEQ_CST) == s) pool_work(p);
+    __atomic_fetch_sub(&p->busy, 1, __ATOMIC_SEQ_CST);
+}
+
 static void *pool_main(void *arg) {
     moe_pool *p = ((helper_arg *)arg)->pool;
     free(arg);
     int64_t seen = 0;
-    for (int64_t s; (s = pool_wait(p, seen)) >= 0; seen = s) {
-        __atomic_fetch_add(&p->busy, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&p->seq, __ATOMIC_SEQ_CST) == s) pool_work(p);
-        __atomic_fetch_sub(&p->busy, 1, __ATOMIC_SEQ_CST);
-    }
+    for (int64_t s; (s = pool_wait(p, seen)) >= 0; seen = s) pool_join(p, s);
     return NULL;
 }
 
@@ -358,8 +364,20 @@ int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s)
     }
     if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
         pthread_mutex_unlock(&lane->mu);
-        spin_while_equal(&s->state, SLOT_QUEUED, lane->spin_s);  /* queued, then running: two polls */
-        spin_while_equal(&s->state, SLOT_RUNNING, lane->spin_s);
+        /* meanwhile, work on the pool's open job (ours, or one queued before it): a waiting thread computes */
+        moe_pool *p = lane->pool;
+        const double until = monotonic_s() + lane->spin_s;
+        for (int64_t spins = 0; __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != SLOT_DONE; spins++) {
+            const int64_t seq = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
+            if (!(seq & 1) && __atomic_load_n(&p->next, __ATOMIC_RELAXED) < __atomic_load_n(&p->granules, __ATOMIC_RELAXED)) {
+                pool_join(p, seq);
+                spins = 0;
+            } else if ((spins & 63) == 0 && monotonic_s() >= until) {
+                break;
+            } else {
+                poll_step(spins);
+            }
+        }
         pthread_mutex_lock(&lane->mu);
     }
     while (s->state != SLOT_DONE) pthread_cond_wait(&lane->done, &lane->mu);
