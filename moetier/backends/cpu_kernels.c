@@ -297,9 +297,10 @@ static size_t moe_bytes(int64_t T, int64_t D, int64_t I, int64_t G, const int64_
     return bytes + aligned(sizeof(granule) * (size_t)granules);
 }
 
-/* Lay the job out from `at` (moe_bytes of room); -> its granule count. */
-static int64_t moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const int64_t *offsets, const int64_t *rows,
-                          const float *weights) {
+/* Lay the job out from `at` (moe_bytes of room); ends: where its 4 phases of granules end (conversions, gate_up
+ * ranges, down ranges, sums). */
+static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const int64_t *offsets, const int64_t *rows,
+                       const float *weights, int64_t ends[4]) {
     const int64_t T = j->T, D = j->D, I = j->I, G = j->G, pairs = offsets ? offsets[G] : G;
     j->groups = carve(&at, sizeof(moe_group) * (size_t)G);
     j->units = carve(&at, sizeof(act_unit) * (size_t)G);
@@ -338,11 +339,13 @@ static int64_t moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const
         n = add_granules(list, n, G_QUANT, u, j->units[u].n, QUANT_ROWS);
         j->units[u].left = n - before;
     }
+    ends[0] = n;
     for (int64_t g = 0; g < G; g++) n = add_granules(list, n, G_UP, g, 2 * I, granule_rows(j->groups[g].up.row_bytes, j->groups[g].n));
-    const int64_t downs = n;
+    ends[1] = n;
     for (int64_t g = 0; g < G; g++) n = add_granules(list, n, G_DOWN, g, D, granule_rows(j->groups[g].down.row_bytes, j->groups[g].n));
-    j->down_left = n - downs;
-    n = add_granules(list, n, G_SUM, 0, T, SUM_ROWS);
+    j->down_left = n - ends[1];
+    ends[2] = n;
+    ends[3] = add_granules(list, n, G_SUM, 0, T, SUM_ROWS);
     /* each token's (expert, row) pairs in expert order: a counting sort by token */
     for (int64_t t = 0; t <= T; t++) j->sum_start[t] = 0;
     for (int64_t p = 0; p < pairs; p++) j->sum_start[(offsets ? rows[p] : 0) + 1]++;
@@ -353,7 +356,6 @@ static int64_t moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const
             const int64_t at_pair = cursor[offsets ? rows[p] : 0]++;
             j->sum_group[at_pair] = g, j->sum_pos[at_pair] = i;
         }
-    return n;
 }
 
 /* out [T, D] = for each token, the sum over the experts serving it (in group order) of its gate weight times the
@@ -370,8 +372,9 @@ int64_t moe_experts(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_
         return -2;
     }
     moe_job job = {.x = x, .out = out, .T = T, .D = D, .I = I, .G = G};
-    const int64_t granules = moe_layout(&job, arena, records, offsets, rows, weights);
-    pool_run(pool, run_granule, &job, granules);
+    int64_t ends[4];
+    moe_layout(&job, arena, records, offsets, rows, weights, ends);
+    pool_run(pool, run_granule, &job, 4, ends);
     pthread_mutex_unlock(&pool->call);
     return 0;
 }
@@ -401,9 +404,10 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
     uint8_t *xq = carve(&at, (size_t)(T * job.linear.act_bytes));
     job.units[0] = (act_unit){job.linear.act, T, job.linear.act_bytes, job.linear.fn->quantize, NULL, xq, ceil_div(T, QUANT_ROWS)};
     job.granules = (granule *)at;
-    int64_t count = add_granules(job.granules, 0, G_QUANT, 0, T, QUANT_ROWS);
-    count = add_granules(job.granules, count, G_LINEAR, 0, rows, step);
-    pool_run(pool, run_granule, &job, count);
+    int64_t ends[2];
+    ends[0] = add_granules(job.granules, 0, G_QUANT, 0, T, QUANT_ROWS);
+    ends[1] = add_granules(job.granules, ends[0], G_LINEAR, 0, rows, step);
+    pool_run(pool, run_granule, &job, 2, ends);
     pthread_mutex_unlock(&pool->call);
     return 0;
 }

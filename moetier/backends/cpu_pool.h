@@ -2,13 +2,18 @@
  *
  * A pool is `threads` participants: the thread that calls pool_run and
  * threads - 1 helpers it keeps for its lifetime. A job is a list of granules
- * (cpu_kernels.c cuts a call into them, the same cut whatever the thread
- * count); every participant claims the next granule from one atomic counter
- * until none is left, so a helper that is late or descheduled costs only its
- * share, and the caller alone finishes a job when no helper comes (a forked
- * child's pool). Which thread ran a granule never changes a result: each
- * output is written by exactly one granule, and granules wait (spinning) for
- * the granules whose outputs they read, which are always claimed before them.
+ * in phases (cpu_kernels.c cuts a call into them, the same cut whatever the
+ * thread count; a granule reads only outputs of earlier phases). Each phase
+ * is cut into threads + 1 contiguous regions (the last for a thread that
+ * joins while it waits: the lane's collector); participant i claims granules
+ * from its own region of a phase (one sequential stream of weights per
+ * thread, its own counter), then from the others' (so a helper that is late
+ * or descheduled costs only what it has claimed, and the caller alone
+ * finishes a job when no helper comes: a forked child's pool), and moves to
+ * the next phase only when no granule of this one is left to claim. So a
+ * granule waits (spinning) only for granules already claimed by running
+ * threads. Which thread ran a granule never changes a result: each output is
+ * written by exactly one granule from the same inputs.
  *
  * Hand-off: a helper polls for the next job for spin_s after its last one,
  * then sleeps on a condition variable; decode hands over a job every layer,
@@ -73,7 +78,10 @@ static void spin_while_equal(const int64_t *word, int64_t seen, double spin_s) {
 typedef void (*granule_fn)(void *job, int64_t granule);
 
 typedef struct moe_pool moe_pool;
-typedef struct { moe_pool *pool; } helper_arg;
+typedef struct { moe_pool *pool; int64_t id; } helper_arg;
+
+#define POOL_PHASES_MAX 4
+typedef struct { int64_t next, end, pad[6]; } pool_region;  /* a cache line: granules [next, end) left to claim */
 
 struct moe_pool {
     pthread_mutex_t call;   /* held by the one caller whose job (and the arena) this is */
@@ -88,17 +96,24 @@ struct moe_pool {
     double spin_s;
     granule_fn run;         /* the job: run(job, g) for g < granules */
     void *job;
-    int64_t granules, next, finished;
+    int64_t granules, phases, finished;
+    int64_t regions_per_phase;  /* threads + 1 */
+    pool_region *regions;   /* [POOL_PHASES_MAX, regions_per_phase] */
     void *arena;            /* the job's working memory (cpu_kernels.c carves it), grown as calls need */
     size_t arena_bytes;
     pthread_t tid[POOL_THREADS_MAX];
 };
 
-/* Claim and run granules until none is left; then count them finished, once (one contended write per thread). */
-static void pool_work(moe_pool *p) {
-    const int64_t n = p->granules;
+/* As participant `id`: claim and run granules until none is left, phase by phase, own region first; then count
+ * them finished, once (one contended write per thread). */
+static void pool_work(moe_pool *p, int64_t id) {
+    const int64_t P = p->regions_per_phase;
     int64_t done = 0;
-    for (int64_t g; (g = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED)) < n; done++) p->run(p->job, g);
+    for (int64_t k = 0; k < p->phases; k++)
+        for (int64_t j = 0; j < P; j++) {
+            pool_region *r = &p->regions[k * P + (id + j) % P];
+            for (int64_t g; (g = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED)) < r->end; done++) p->run(p->job, g);
+        }
     if (done) __atomic_fetch_add(&p->finished, done, __ATOMIC_RELEASE);
 }
 
@@ -126,34 +141,50 @@ static int64_t pool_wait(moe_pool *p, int64_t seen) {
     return stop ? -1 : s;
 }
 
-/* Work on job `s` if it is still the open one (a helper's entry: see the module comment). */
-static void pool_join(moe_pool *p, int64_t s) {
+/* Work on job `s` as participant `id` if it is still the open one (a helper's entry: see the module comment). */
+static void pool_join(moe_pool *p, int64_t s, int64_t id) {
     __atomic_fetch_add(&p->busy, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&p->seq, __ATOMIC_SEQ_CST) == s) pool_work(p);
+    if (__atomic_load_n(&p->seq, __ATOMIC_SEQ_CST) == s) pool_work(p, id);
     __atomic_fetch_sub(&p->busy, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Whether the open job has a granule left to claim (a racy peek: pool_join decides). */
+static int pool_open_work(moe_pool *p) {
+    const int64_t P = p->regions_per_phase, k = __atomic_load_n(&p->phases, __ATOMIC_RELAXED) - 1;
+    for (int64_t r = 0; k >= 0 && r < P; r++)
+        if (__atomic_load_n(&p->regions[k * P + r].next, __ATOMIC_RELAXED) < __atomic_load_n(&p->regions[k * P + r].end, __ATOMIC_RELAXED))
+            return 1;
+    return 0;
 }
 
 static void *pool_main(void *arg) {
     moe_pool *p = ((helper_arg *)arg)->pool;
+    const int64_t id = ((helper_arg *)arg)->id;
     free(arg);
     int64_t seen = 0;
-    for (int64_t s; (s = pool_wait(p, seen)) >= 0; seen = s) pool_join(p, s);
+    for (int64_t s; (s = pool_wait(p, seen)) >= 0; seen = s) pool_join(p, s, id);
     return NULL;
 }
 
-/* Run granules 0..n-1 of `job` on every participant, this thread included; returns when all are done.
- * The caller holds p->call. */
-static void pool_run(moe_pool *p, granule_fn run, void *job, int64_t n) {
+/* Run `job` on every participant, this thread included: phases granules [0, ends[0]), [ends[0], ends[1]), ...,
+ * at most POOL_PHASES_MAX; returns when all are done. The caller holds p->call. */
+static void pool_run(moe_pool *p, granule_fn run, void *job, int64_t phases, const int64_t *ends) {
     __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_SEQ_CST);  /* odd: closed */
     for (int64_t spins = 0; __atomic_load_n(&p->busy, __ATOMIC_SEQ_CST); spins++) poll_step(spins);  /* a late helper leaves */
-    p->run = run, p->job = job, p->granules = n, p->next = 0, p->finished = 0;
+    const int64_t P = p->regions_per_phase, n = ends[phases - 1];
+    for (int64_t k = 0; k < phases; k++) {
+        const int64_t start = k ? ends[k - 1] : 0, length = ends[k] - start;
+        for (int64_t r = 0; r < P; r++)
+            p->regions[k * P + r].next = start + r * length / P, p->regions[k * P + r].end = start + (r + 1) * length / P;
+    }
+    p->run = run, p->job = job, p->granules = n, p->phases = phases, p->finished = 0;
     __atomic_store_n(&p->seq, p->seq + 1, __ATOMIC_SEQ_CST);  /* even: open */
     if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->wake);
         pthread_mutex_unlock(&p->mu);
     }
-    pool_work(p);
+    pool_work(p, 0);
     for (int64_t spins = 0; __atomic_load_n(&p->finished, __ATOMIC_ACQUIRE) < n; spins++) poll_step(spins);
 }
 
@@ -171,7 +202,12 @@ static void *pool_arena(moe_pool *p, size_t bytes) {
 moe_pool *pool_open(int64_t threads, double spin_s) {
     if (threads < 1 || threads > POOL_THREADS_MAX) return NULL;
     moe_pool *p = calloc(1, sizeof *p);
-    if (!p) return NULL;
+    void *regions = NULL;
+    if (!p || posix_memalign(&regions, 64, sizeof(pool_region) * POOL_PHASES_MAX * (size_t)(threads + 1))) {
+        free(p);
+        return NULL;
+    }
+    p->regions = regions, p->regions_per_phase = threads + 1;
     p->threads = threads, p->spin_s = spin_s;
     pthread_mutex_init(&p->call, NULL);
     pthread_mutex_init(&p->mu, NULL);
@@ -179,7 +215,7 @@ moe_pool *pool_open(int64_t threads, double spin_s) {
     for (int64_t t = 1; t < threads; t++) {
         helper_arg *a = malloc(sizeof *a);
         if (!a) break;
-        a->pool = p;
+        a->pool = p, a->id = t;
         if (pthread_create(&p->tid[p->helpers], NULL, pool_main, a) != 0) {
             free(a);
             break;
@@ -202,6 +238,7 @@ void pool_close(moe_pool *p) {
     pthread_mutex_destroy(&p->mu);
     pthread_mutex_destroy(&p->call);
     free(p->arena);
+    free(p->regions);
     free(p);
 }
 
@@ -369,8 +406,8 @@ int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s)
         const double until = monotonic_s() + lane->spin_s;
         for (int64_t spins = 0; __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != SLOT_DONE; spins++) {
             const int64_t seq = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
-            if (!(seq & 1) && __atomic_load_n(&p->next, __ATOMIC_RELAXED) < __atomic_load_n(&p->granules, __ATOMIC_RELAXED)) {
-                pool_join(p, seq);
+            if (!(seq & 1) && pool_open_work(p)) {
+                pool_join(p, seq, p->threads);  /* the region kept for a joining thread */
                 spins = 0;
             } else if ((spins & 63) == 0 && monotonic_s() >= until) {
                 break;
