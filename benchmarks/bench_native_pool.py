@@ -8,9 +8,11 @@ result); back to back (helpers polling) and after 2 ms idle (helpers asleep
 past spin_s: a futex wake). Decode: 8 experts of [1536, 2048] gate_up /
 [2048, 768] down per call, picked in turn from a set of >= 512 MB so every
 call reads DRAM, as GB/s of the stored bytes read. Read bandwidth: torch.sum
-over a 1 GiB float32 buffer with the same thread count (best of 5). The
-machine may be shared: a sample during which other processes used over 5% of
-a CPU (/proc/stat) is taken again.
+over a 1 GiB float32 buffer with the same thread count (best of 5), in the
+same block as each format's decode. The machine may be shared: a sample during
+which other processes used over 5% of a CPU (/proc/stat) is taken again, and a
+format's block is measured while `second_cpu_free` holds before and after it
+(else marked disturbed).
 Prefill: T = 256 tokens, each routed to 8 of 64 experts (about 32 tokens per
 expert), one DecodeKernel.experts call. Best of --runs. Prints a table, then
 one JSON line.
@@ -153,35 +155,61 @@ def prefill_rate(kernel, experts: list[ExpertWeights], threads: int, runs: int, 
     return tokens / best_of(runs, lambda: k.experts(x, work))
 
 
+def second_cpu_free(quiet: float = 0.05) -> bool:
+    """Whether this machine's CPUs are free now: torch's 2-thread matmul at least 1.7x its 1-thread one and other
+    processes under `quiet` of a CPU meanwhile (a host's neighbours, invisible in /proc/stat, show in the first)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    busy, mine, before = _busy_s(), time.process_time(), torch.get_num_threads()
+    rates = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rates.append(1 / best_of(1, lambda: [a @ b for _ in range(10)], quiet=1.0, tries=1))
+    torch.set_num_threads(before)
+    return rates[1] >= 1.7 * rates[0] and (_busy_s() - busy) - (time.process_time() - mine) < quiet
+
+
+def measure(kernel, experts, threads: list[int], runs: int) -> dict:
+    return {"decode_gb_per_s": {t: decode_rate(kernel, experts, t, runs) for t in threads},
+            "read_gb_per_s": {t: read_bandwidth(t) / 1e9 for t in threads},
+            "prefill_tok_per_s": {t: prefill_rate(kernel, experts, t, runs) for t in threads}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default="F32,Q8_0,Q4_K")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--set-mb", type=int, default=512, help="each format's expert set, MB (beyond the LLC)")
+    parser.add_argument("--gate-s", type=float, default=600,
+                        help="wait up to this long for the CPUs to be free (`second_cpu_free`) before and after each format; 0: never wait")
     args = parser.parse_args()
     kernel = cpu_kernels.decode_kernel()
     if kernel is None:
         raise SystemExit(f"no native kernels: {cpu_kernels.status()}")
     threads = [int(t) for t in args.threads.split(",")]
     print(cpu_kernels.status())
-    report = {"status": cpu_kernels.status(), "hand_off": {}, "read_gb_per_s": {}, "decode_gb_per_s": {}, "prefill_tok_per_s": {}}
-    for t in threads:
-        report["hand_off"][t] = hand_off(kernel, t)
-        report["read_gb_per_s"][t] = read_bandwidth(t) / 1e9
+    report = {"status": cpu_kernels.status(), "hand_off": {t: hand_off(kernel, t) for t in threads}, "formats": {}}
     rng = np.random.default_rng(0)
     for name in args.formats.split(","):
         experts = expert_set(name, args.set_mb << 20, rng)
-        report["decode_gb_per_s"][name] = {t: decode_rate(kernel, experts, t, args.runs) for t in threads}
-        report["prefill_tok_per_s"][name] = {t: prefill_rate(kernel, experts, t, args.runs) for t in threads}
+        deadline, free = time.monotonic() + args.gate_s, False
+        while True:
+            while args.gate_s and not second_cpu_free() and time.monotonic() < deadline:
+                time.sleep(2)
+            result = measure(kernel, experts, threads, args.runs)
+            free = not args.gate_s or second_cpu_free()
+            if free or time.monotonic() >= deadline:
+                break
+        report["formats"][name] = {**result, "cpus_free": free}
         del experts
-    print(f"{'hand-off (us, median)':<28}" + "".join(f"{t:>10} thr" for t in threads))
+    print(f"{'hand-off (us, median)':<34}" + "".join(f"{t:>10} thr" for t in threads))
     for key in report["hand_off"][threads[0]]:
-        print(f"  {key:<26}" + "".join(f"{report['hand_off'][t][key]:>14.1f}" for t in threads))
-    print(f"{'read bandwidth GB/s':<28}" + "".join(f"{report['read_gb_per_s'][t]:>14.1f}" for t in threads))
-    for name in report["decode_gb_per_s"]:
-        print(f"{'decode ' + name + ' GB/s':<28}" + "".join(f"{report['decode_gb_per_s'][name][t]:>14.1f}" for t in threads))
-        print(f"{'prefill ' + name + ' tok/s (T=256)':<28}" + "".join(f"{report['prefill_tok_per_s'][name][t]:>14.1f}" for t in threads))
+        print(f"  {key:<32}" + "".join(f"{report['hand_off'][t][key]:>14.1f}" for t in threads))
+    for name, result in report["formats"].items():
+        note = "" if result["cpus_free"] else "  (CPUs busy: disturbed)"
+        print(f"{name + ' decode GB/s':<34}" + "".join(f"{result['decode_gb_per_s'][t]:>14.1f}" for t in threads) + note)
+        print(f"{'  read bandwidth GB/s':<34}" + "".join(f"{result['read_gb_per_s'][t]:>14.1f}" for t in threads))
+        print(f"{'  prefill tok/s (T=256)':<34}" + "".join(f"{result['prefill_tok_per_s'][t]:>14.1f}" for t in threads))
     print(json.dumps(report))
 
 

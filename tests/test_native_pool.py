@@ -103,6 +103,39 @@ def test_the_lane_gives_run_s_bits_with_every_thread():
         lane.close()
 
 
+def test_concurrent_callers_take_turns_and_a_forked_child_computes_alone():
+    """Two Python threads and a lane on one pool get run's bits; in a forked child (its helpers stayed in the
+    parent) the caller takes every granule itself, to the same bits."""
+    import os
+    import threading
+
+    experts, x = experts_of("Q8_0", "Q6_K", False, count=8, dim=512, inter=256, seed=4)
+    scales = list(np.linspace(0.3, 0.05, 8))
+    k = kernel.with_threads(2)
+    expected = k.run(x[:1], experts, scales)
+    lane = cpu_lane.NativeLane(k, 2)
+    records, floats = b"".join(map(cpu_kernels.expert_record, experts)), array("f", scales)
+    got: list[torch.Tensor] = []
+
+    def calls():
+        got.extend(k.run(x[:1], experts, scales) for _ in range(20))
+
+    try:
+        threads = [threading.Thread(target=calls) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        got.extend(lane.submit(x[:1], records, floats, 256).result() for _ in range(20))
+        for thread in threads:
+            thread.join()
+    finally:
+        lane.close()
+    assert len(got) == 60 and all(torch.equal(out, expected) for out in got)
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if torch.equal(k.run(x[:1], experts, scales), expected) else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+
+
 def test_bad_arguments_are_one_value_error_before_c():
     experts, x = experts_of("Q8_0", "Q8_0", False, count=2, dim=64, inter=32, seed=1)
     w = experts[0]
