@@ -53,7 +53,10 @@ ACT_BLOCK = {activations.ACT_F32: 1, activations.ACT_F16: 1, activations.ACT_BF1
 
 
 def default_threads() -> int:
-    """The CPUs this process may run on."""
+    """$MOETIER_THREADS (what `--threads` sets), else the CPUs this process may run on."""
+    asked = os.environ.get("MOETIER_THREADS", "")
+    if asked.isdigit() and 1 <= int(asked) <= THREADS_MAX:
+        return int(asked)
     return len(os.sched_getaffinity(0))
 
 

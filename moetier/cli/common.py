@@ -83,7 +83,8 @@ def check_device(device: str) -> None:
 
 
 def set_torch_threads(threads: Optional[int]) -> None:
-    """--threads: torch's CPU threads, 1 to what this machine can start (torch crashes far past its CPUs); None leaves them."""
+    """--threads: torch's CPU threads and the native kernels' (MOETIER_THREADS), 1 to what this machine can start
+    (torch crashes far past its CPUs); None leaves them (the kernels then take every CPU this process may use)."""
     if threads is None:
         return
     limit = thread_limit()
@@ -92,6 +93,7 @@ def set_torch_threads(threads: Optional[int]) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    os.environ["MOETIER_THREADS"] = str(threads)
 
 
 def parse_list(text: str, option: str, kind: type = int) -> list:
