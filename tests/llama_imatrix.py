@@ -124,8 +124,11 @@ def activation_imatrix(path: Path, tokens: int = 128, seed: int = 11) -> dict[st
     checkpoint = open_checkpoint(path)
     spec, engine, sums = checkpoint.spec, Engine(checkpoint), _Sums()
     engine.executor = _RecordingExperts(engine.executor, checkpoint, sums)
-    # a float file: each trunk StoredLinear is one float32 matrix (`dense`), one F.linear
+    # a float file: each trunk StoredLinear is one float32 matrix (`dense`), one F.linear once the native kernels
+    # are out of its way (on the CPU they run float32 rows too, where no F.linear is seen)
     names: dict[int, list[str]] = {engine.lm_head.dense.data_ptr(): ["output.weight"]}
+    for linear in [engine.lm_head] + [part for w in engine.layers for part in (w.qkv, w.o_proj)]:
+        linear._kernel = None
     for layer, w in enumerate(engine.layers):
         b = f"blk.{layer}."
         names[w.qkv.dense.data_ptr()] = [f"{b}attn_{n}.weight" for n in "qkv"]
