@@ -1,4 +1,4 @@
-"""benchmarks/bench_decode.py runs end to end (marker `slow`; needs llama-cpp-python, the `peer` extra).
+"""benchmarks/bench_decode.py runs end to end (marker `peer`: it runs llama.cpp, `make test-peer` installs it).
 
 The tiny preset, F32 and Q8_0, 4 tokens, 1 run, no waiting for a quiet
 machine: the JSON line names every engine x format cell (numbers, or an error
@@ -16,14 +16,12 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.peer  # the peer suite fails, never skips, without llama-cpp-python (conftest)
 ENGINES = ("moetier", "llama.cpp", "transformers")
 FORMATS = ("F32", "Q8_0")
 
 
 def test_bench_decode_runs_on_the_tiny_preset(repo_root, tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peer` extra) quantizes the files and is a peer")
-    pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_decode.py"), "--preset", "tiny",
                           "--formats", ",".join(FORMATS), "--tokens", "4", "--runs", "1", "--threads", "2",
