@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 from moetier.backends.activations import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, act_type
 from moetier.backends.torch_dequant import dequantize
+from moetier.model.formats import F32
 
 
 def stored_product(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool) -> torch.Tensor:
     """x [T, n] float32 times a stored matrix [rows, ...] of GGML type qtype, the torch path: the matrix dequantized
     on its device for this call, x converted as the format's dot product takes it -> [T, rows]."""
-    if qtype == ACT_F32:  # F32 weights (type 0): the plain product
+    if qtype == F32:  # float32 weights: the plain product
         return F.linear(x, data)
     return F.linear(as_dot_input(x, act_type(qtype, float_acts)), dequantize(data, qtype))
 

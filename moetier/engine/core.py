@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from moetier.backends import Backend, ExpertWork, get_backend
+from moetier.backends import Backend, ExpertWork, cpu_kernels, get_backend
 from moetier.backends.base import ROW0
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
 from moetier.engine.linear import StoredEmbedding, StoredLinear, stored_ffn
@@ -149,6 +149,7 @@ class Engine:
         # Everything the engine keeps is copied out of the file mapping (load, resident, the stored layers), the
         # trunk's matrices in their stored format (moetier.engine.linear)
         self.float_acts = c.float_acts
+        self._cpu_kernel = cpu_kernels.decode_kernel()  # the native kernels of the trunk's MLPs on the CPU, or None
         self.embed = StoredEmbedding(*c.stored("model.embed_tokens.weight"), first)  # [V, D]
         self.final_norm = c.load("model.norm.weight").to(last)  # [D]
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
@@ -225,7 +226,7 @@ class Engine:
                     pending = None
                 if w.mlp is not None:  # a dense layer: trunk work, accounted with attention
                     begin = time.perf_counter() if times is not None else 0.0
-                    h = h + stored_ffn(rms_norm(h, w.post_norm, eps), w.mlp)
+                    h = h + stored_ffn(rms_norm(h, w.post_norm, eps), w.mlp, self._cpu_kernel)
                     if times is not None:
                         times.add("attention", time.perf_counter() - begin)
                     continue
@@ -286,4 +287,4 @@ class Engine:
         partials = self.executor.dispatch(layer, x, decision)
         if w.shared is None:
             return partials
-        return Partials(partials.now + stored_ffn(x, w.shared), partials.lane)
+        return Partials(partials.now + stored_ffn(x, w.shared, self._cpu_kernel), partials.lane)

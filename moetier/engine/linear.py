@@ -29,25 +29,22 @@ from moetier.backends.torch_backend import swiglu
 from moetier.backends.torch_activations import stored_product
 from moetier.backends.torch_dequant import dequantize
 from moetier.model.expert_weights import ExpertWeights
-from moetier.model.formats import F32, format_of
+from moetier.model.formats import F32
 
 
-def stored_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool) -> torch.Tensor:
-    """x [T, n] float32 times one stored matrix [rows, ...] of GGML type qtype, on x's device -> [T, rows]: on the
-    CPU by the native kernels (float32 rows too: every kernel thread, each row read once for all T), else torch."""
-    kernel = cpu_kernels.decode_kernel() if x.device.type == "cpu" else None
-    if qtype == F32 and kernel is None:
-        return F.linear(x, data)
+def stored_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool, kernel) -> torch.Tensor:
+    """x [T, n] float32 times one stored matrix [rows, ...] of GGML type qtype -> [T, rows]: by the native kernels
+    `kernel` when given (x on the CPU; float32 rows too: every kernel thread, each row read once for all T), else
+    by torch on x's device."""
     if kernel is not None:
         return kernel.linear(x.contiguous(), data, qtype, float_acts)
     return stored_product(x, data, qtype, float_acts)
 
 
-def stored_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """A dense or shared SwiGLU MLP held as stored: x [T, D] -> [T, D]. On the CPU a stored one runs through the
-    native kernels (as a routed expert does); a float32 one, or one on another device, through torch (swiglu)."""
-    kernel = cpu_kernels.decode_kernel() if x.device.type == "cpu" and not w.float32 else None
-    if kernel is None or not kernel.fits(w):
+def stored_ffn(x: torch.Tensor, w: ExpertWeights, kernel) -> torch.Tensor:
+    """A dense or shared SwiGLU MLP held as stored: x [T, D] -> [T, D]. A stored one on the CPU runs through the
+    native kernels `kernel` (as a routed expert does); a float32 one, one elsewhere or without kernels through torch."""
+    if kernel is None or w.float32 or x.device.type != "cpu" or not kernel.fits(w):
         return swiglu(x, w)
     rows = torch.arange(x.shape[0])
     return kernel.experts(x.contiguous(), [ExpertWork(w, rows, torch.ones(x.shape[0]))])
@@ -75,20 +72,11 @@ class StoredLinear:
         self.dense = self.parts[0][0] if len(self.parts) == 1 and self.parts[0][1] == F32 else None
         self._kernel = cpu_kernels.decode_kernel() if self.device.type == "cpu" else None
 
-    @property
-    def nbytes(self) -> int:
-        held = [self.dense] if self.dense is not None else [data for data, _ in self.parts]
-        return sum(t.numel() * t.element_size() for t in held)
-
-    @property
-    def formats(self) -> str:
-        return "F32" if self.dense is not None else "/".join(format_of(q).name for _, q in self.parts)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out]."""
         if self.dense is not None and self._kernel is None:
             return F.linear(x, self.dense, self.bias)
-        outs = [stored_matmul(x, data, qtype, self.float_acts) for data, qtype in self.parts]
+        outs = [stored_matmul(x, data, qtype, self.float_acts, self._kernel) for data, qtype in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias
 
@@ -99,10 +87,6 @@ class StoredEmbedding:
     def __init__(self, data: torch.Tensor, qtype: int, device: torch.device):
         self.qtype = int(qtype)
         self.data = data.to(device, copy=True)  # [V, D] float, or uint8 [V, row bytes]: owned, not the mapping
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 -> [T, D] float32."""
