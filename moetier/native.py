@@ -39,12 +39,11 @@ def _cpu_features() -> str:
     AVX2 one, and a home folder may move between them, as a VM does between hosts)."""
     try:
         with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):  # x86, arm64
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.processor()
+            lines = info.readlines()
+    except OSError:  # no /proc (macOS, a sandbox): the processor's name is what is known
+        return platform.processor()
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), None)  # x86, arm64
+    return " ".join(sorted(flags.split(":", 1)[1].split())) if flags else platform.processor()
 
 
 def moetier_home() -> Path:
