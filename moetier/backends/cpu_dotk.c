@@ -226,6 +226,13 @@ static inline uint64_t crumbs8(uint16_t v) {
     return (x | x << 6) & 0x0303030303030303ull;
 }
 
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+static inline __m256i dup8_16(__m128i v8, int mins) {  /* 8 bytes (at byte 8 * mins) -> 16 uint16, each twice */
+    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
+}
+#endif
+
 #if defined(DOTK_AVX512)
 /* ==== AVX-512: a block is 4 vectors of 64 values; vector c holds groups 4c..4c+3, one per 128-bit lane ==== */
 
@@ -267,29 +274,24 @@ static inline __m512i neg_off(__m256i s16, int offset) {
     return _mm512_zextsi256_si512(_mm256_mullo_epi16(s16, _mm256_set1_epi16((short)-offset)));
 }
 
-static inline __m256i dup8_16(__m128i v8, int mins) {  /* 8 bytes (at byte 8 * mins) -> 16 uint16, each twice */
-    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
-    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
-}
-
-static inline void decode_q4k(const uint8_t *b, wblock *w) {
+/* Q4_K's and Q5_K's shared head: d, dmin and the 8 six-bit sub-block scales and mins */
+static inline void scales_mins_head(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     const __m128i v = _mm_loadu_si128((const __m128i *)sm);
     w->dd = d_dmin(f16_at(b), f16_at(b + 2));
     spread_scales(w, dup8_16(v, 0));
     w->mn = dup8_16(v, 1);
+}
+
+static inline void decode_q4k(const uint8_t *b, wblock *w) {
+    scales_mins_head(b, w);
     const __m512i sh = shifts16(0, 4), m4 = _mm512_set1_epi8(15);
     for (int c = 0; c < 4; c++) w->q[c] = _mm512_and_si512(_mm512_srlv_epi16(dup256(b + 16 + 32 * c), sh), m4);
 }
 
 static inline void decode_q5k(const uint8_t *b, wblock *w) {
-    uint8_t sm[16];
-    scales_mins_k(b + 4, sm);
-    const __m128i v = _mm_loadu_si128((const __m128i *)sm);
-    w->dd = d_dmin(f16_at(b), f16_at(b + 2));
-    spread_scales(w, dup8_16(v, 0));
-    w->mn = dup8_16(v, 1);
+    scales_mins_head(b, w);
     const __m512i sh = shifts16(0, 4), m4 = _mm512_set1_epi8(15), qh = dup256(b + 16), five = _mm512_set1_epi8(16);
     for (int c = 0; c < 4; c++) {
         const __m512i lo = _mm512_and_si512(_mm512_srlv_epi16(dup256(b + 48 + 32 * c), sh), m4);
@@ -490,18 +492,18 @@ static inline __m256i move_bit(__m256i v, int from, int to) {
     return from < to ? _mm256_slli_epi16(b, to - from) : from > to ? _mm256_srli_epi16(b, from - to) : b;
 }
 
-static inline __m256i dup8_16(__m128i v8, int mins) {
-    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
-    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
-}
-
-static inline void decode_q4k(const uint8_t *b, wblock *w) {
+/* Q4_K's and Q5_K's shared head: d, dmin and the 8 six-bit sub-block scales and mins */
+static inline void scales_mins_head(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     const __m128i v = _mm_loadu_si128((const __m128i *)sm);
     w->d = f16_at(b), w->dmin = f16_at(b + 2);
     spread_scales(w, dup8_16(v, 0));
     w->mn = dup8_16(v, 1);
+}
+
+static inline void decode_q4k(const uint8_t *b, wblock *w) {
+    scales_mins_head(b, w);
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int j = 0; j < 4; j++) {
         const __m256i qs = load256(b + 16 + 32 * j);
@@ -511,12 +513,7 @@ static inline void decode_q4k(const uint8_t *b, wblock *w) {
 }
 
 static inline void decode_q5k(const uint8_t *b, wblock *w) {
-    uint8_t sm[16];
-    scales_mins_k(b + 4, sm);
-    const __m128i v = _mm_loadu_si128((const __m128i *)sm);
-    w->d = f16_at(b), w->dmin = f16_at(b + 2);
-    spread_scales(w, dup8_16(v, 0));
-    w->mn = dup8_16(v, 1);
+    scales_mins_head(b, w);
     const __m256i m4 = _mm256_set1_epi8(15), qh = load256(b + 16);
     for (int j = 0; j < 4; j++) {
         const __m256i qs = load256(b + 48 + 32 * j);
@@ -677,22 +674,23 @@ static inline void set_pairs(int32_t *dst, const uint8_t *v8) {  /* 8 sub-block 
     for (int g = 0; g < 16; g++) dst[g] = v8[g / 2];
 }
 
-static inline void decode_q4k(const uint8_t *b, wblock *w) {
+/* Q4_K's and Q5_K's shared head: d, dmin and the 8 six-bit sub-block scales and mins */
+static inline void scales_mins_head(const uint8_t *b, wblock *w) {
     uint8_t sm[16];
     scales_mins_k(b + 4, sm);
     w->d = f16_at(b), w->dmin = f16_at(b + 2);
     set_pairs(w->sc, sm);
     set_pairs(w->mn, sm + 8);
+}
+
+static inline void decode_q4k(const uint8_t *b, wblock *w) {
+    scales_mins_head(b, w);
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < 32; l++) w->q[32 * j + l] = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
 }
 
 static inline void decode_q5k(const uint8_t *b, wblock *w) {
-    uint8_t sm[16];
-    scales_mins_k(b + 4, sm);
-    w->d = f16_at(b), w->dmin = f16_at(b + 2);
-    set_pairs(w->sc, sm);
-    set_pairs(w->mn, sm + 8);
+    scales_mins_head(b, w);
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < 32; l++)
             w->q[32 * j + l] = (uint8_t)(((b[48 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15) | ((b[16 + l] >> j) & 1) << 4);
