@@ -29,6 +29,9 @@ def test_run_json_reports_tokens_and_speeds(tiny):
     report = json.loads(result.stdout)
     assert report["prompt_ids"] == [5, 6, 7] and len(report["generated_ids"]) == 6
     assert report["decode_tok_per_s"] > 0 and report["prefill_tok_per_s"] > 0
+    assert report["decode_path"].startswith("native step: every layer in one call")
+    numpy = json.loads(moetier("run", "--model", tiny, "--max-new-tokens", 2, "--backend", "numpy", "--json").stdout)
+    assert numpy["decode_path"].startswith("per layer from Python (")
 
 
 def test_run_sampling_is_reproducible_by_seed(tiny):

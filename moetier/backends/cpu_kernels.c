@@ -181,8 +181,9 @@ typedef struct {
     granule *granules;
     int64_t down_left;  /* down granules not yet finished */
     int64_t *sum_start, *sum_group, *sum_pos;  /* token t's experts: (group, its row there) at [sum_start[t], sum_start[t+1]) */
-    matrix linear;      /* a linear layer's weights [rows, D] */
-    int64_t rows;
+    matrix *parts;      /* a linear layer's row parts, each [its rows, D], read with units[part] */
+    int64_t *part_row;  /* [parts] the first output column of each part */
+    int64_t rows;       /* a linear layer's output columns: all its parts' rows */
 } moe_job;
 
 /* Rows of a matrix per granule: ~64 KiB of weights for up to 8 tokens, less for more (a granule's work is
@@ -260,10 +261,11 @@ static void run_granule(void *job, int64_t index) {
         break;
     }
     case G_LINEAR: {
-        const act_unit *u = &j->units[0];
+        const act_unit *u = &j->units[g->index];
         await_zero(&u->left);
-        const matrix *m = &j->linear;
-        m->fn->dot(m->type, m->act, j->D, m->w + from * m->row_bytes, m->row_bytes, rows, u->xq, j->T, j->out + from, j->rows);
+        const matrix *m = &j->parts[g->index];
+        m->fn->dot(m->type, m->act, j->D, m->w + from * m->row_bytes, m->row_bytes, rows, u->xq, j->T,
+                   j->out + j->part_row[g->index] + from, j->rows);
         break;
     }
     }
@@ -362,21 +364,24 @@ static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const in
  * expert's SwiGLU of its row of x [T, D] (zero for a token none serves). G groups: records [RECORD_WORDS G]
  * (gate_up, down addresses, their types, flags); group g serves the rows rows[offsets[g] .. offsets[g + 1]) of x
  * (each in [0, T), at least one) with weights[...] alike; offsets NULL: T = 1 and group g serves row 0 with weight
- * weights[g]. -> 0, or -2 when out of memory. */
-int64_t moe_experts(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records,
-                    const int64_t *offsets, const int64_t *rows, const float *weights, float *out) {
-    pthread_mutex_lock(&pool->call);
+ * weights[g]. -> 0, or -2 when out of memory. The caller holds pool->call. */
+static int64_t experts_held(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records,
+                            const int64_t *offsets, const int64_t *rows, const float *weights, float *out) {
     uint8_t *arena = pool_arena(pool, moe_bytes(T, D, I, G, records, offsets));
-    if (!arena) {
-        pthread_mutex_unlock(&pool->call);
-        return -2;
-    }
+    if (!arena) return -2;
     moe_job job = {.x = x, .out = out, .T = T, .D = D, .I = I, .G = G};
     int64_t ends[4];
     moe_layout(&job, arena, records, offsets, rows, weights, ends);
     pool_run(pool, run_granule, &job, 4, ends);
-    pthread_mutex_unlock(&pool->call);
     return 0;
+}
+
+int64_t moe_experts(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records,
+                    const int64_t *offsets, const int64_t *rows, const float *weights, float *out) {
+    pthread_mutex_lock(&pool->call);
+    const int64_t status = experts_held(pool, x, T, D, I, G, records, offsets, rows, weights, out);
+    pthread_mutex_unlock(&pool->call);
+    return status;
 }
 
 /* One token: out [D] = sum over j < k, in order, of scale[j] * ffn_j(x [D]); experts: RECORD_WORDS k int64s. */
@@ -385,31 +390,52 @@ int64_t moe_decode(moe_pool *pool, const float *x, int64_t D, int64_t I, int64_t
     return moe_experts(pool, x, 1, D, I, k, experts, NULL, NULL, scale, out);
 }
 
+typedef struct { int64_t address, type, rows; } linear_part;  /* rows of n values of `type` at address, as stored */
+
+/* y [T, total rows] = x [T, n] W^T for W the row-stack of P parts (each its own format; part p's outputs are
+ * columns from the sum of the rows before it); float_acts: F32 activations for F16 / BF16 weights. -> 0, or -2
+ * when out of memory. The caller holds pool->call. */
+static int64_t linear_held(moe_pool *pool, const float *x, int64_t T, int64_t n, const linear_part *parts, int64_t P,
+                           int64_t float_acts, float *y) {
+    moe_job job = {.x = x, .out = y, .T = T, .D = n};
+    matrix m[P];
+    int64_t granules = 0;
+    size_t bytes = aligned(sizeof(act_unit) * (size_t)P) + aligned(sizeof(int64_t) * (size_t)P);
+    for (int64_t p = 0; p < P; p++) {
+        m[p] = matrix_of(parts[p].address, parts[p].type, float_acts, n);
+        granules += ceil_div(T, QUANT_ROWS) + ceil_div(parts[p].rows, granule_rows(m[p].row_bytes, T));
+        bytes += aligned((size_t)(T * m[p].act_bytes));
+        job.rows += parts[p].rows;
+    }
+    uint8_t *at = pool_arena(pool, bytes + aligned(sizeof(granule) * (size_t)granules));
+    if (!at) return -2;
+    job.parts = m;
+    job.units = carve(&at, sizeof(act_unit) * (size_t)P);
+    job.part_row = carve(&at, sizeof(int64_t) * (size_t)P);
+    for (int64_t p = 0, row = 0; p < P; row += parts[p].rows, p++) {
+        uint8_t *xq = carve(&at, (size_t)(T * m[p].act_bytes));
+        job.units[p] = (act_unit){m[p].act, T, m[p].act_bytes, m[p].fn->quantize, NULL, xq, ceil_div(T, QUANT_ROWS)};
+        job.part_row[p] = row;
+    }
+    job.granules = (granule *)at;
+    int64_t ends[2] = {0, 0};
+    for (int64_t p = 0; p < P; p++) ends[0] = add_granules(job.granules, ends[0], G_QUANT, p, T, QUANT_ROWS);
+    ends[1] = ends[0];
+    for (int64_t p = 0; p < P; p++)
+        ends[1] = add_granules(job.granules, ends[1], G_LINEAR, p, parts[p].rows, granule_rows(m[p].row_bytes, T));
+    pool_run(pool, run_granule, &job, 2, ends);
+    return 0;
+}
+
 /* y [T, rows] = x [T, n] W^T, W rows of n values of `wtype` at w, as stored (row_bytes apart); float_acts: F32
  * activations for F16 / BF16 weights. -> 0, or -2 when out of memory. */
 int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const void *w, int64_t wtype, int64_t float_acts,
                    int64_t rows, float *y) {
+    const linear_part part = {(int64_t)(intptr_t)w, wtype, rows};
     pthread_mutex_lock(&pool->call);
-    moe_job job = {.x = x, .out = y, .T = T, .D = n, .rows = rows};
-    job.linear = matrix_of((int64_t)(intptr_t)w, wtype, float_acts, n);
-    const int64_t step = granule_rows(job.linear.row_bytes, T);
-    const int64_t granules = ceil_div(T, QUANT_ROWS) + ceil_div(rows, step);
-    uint8_t *at = pool_arena(pool, aligned(sizeof(act_unit)) + aligned((size_t)(T * job.linear.act_bytes))
-                                       + aligned(sizeof(granule) * (size_t)granules));
-    if (!at) {
-        pthread_mutex_unlock(&pool->call);
-        return -2;
-    }
-    job.units = carve(&at, sizeof(act_unit));
-    uint8_t *xq = carve(&at, (size_t)(T * job.linear.act_bytes));
-    job.units[0] = (act_unit){job.linear.act, T, job.linear.act_bytes, job.linear.fn->quantize, NULL, xq, ceil_div(T, QUANT_ROWS)};
-    job.granules = (granule *)at;
-    int64_t ends[2];
-    ends[0] = add_granules(job.granules, 0, G_QUANT, 0, T, QUANT_ROWS);
-    ends[1] = add_granules(job.granules, ends[0], G_LINEAR, 0, rows, step);
-    pool_run(pool, run_granule, &job, 2, ends);
+    const int64_t status = linear_held(pool, x, T, n, &part, 1, float_acts, y);
     pthread_mutex_unlock(&pool->call);
-    return 0;
+    return status;
 }
 
 /* ---------------------------------------------------------------------------------------------------------
@@ -435,9 +461,8 @@ static void top_k(const float *v, int64_t n, int64_t k, int64_t *out) {
 
 /* softmax routers: probs = softmax(logits); picks = top k of probs, or of logits + nudge when nudge
  * is given; weights = probs[picks], renormalised over the k when norm. scratch: E floats. */
-void route_softmax_f32(const float *W, const float *x, int64_t E, int64_t D, int64_t k, const float *nudge, int64_t norm,
-                       float *logits, float *probs, int64_t *picks, float *weights, float *scratch) {
-    gemv(W, x, logits, E, D);
+static void pick_softmax(const float *logits, int64_t E, int64_t k, const float *nudge, int64_t norm, float *probs,
+                         int64_t *picks, float *weights, float *scratch) {
     float top = logits[0];
     for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
     float total = 0.f;
@@ -455,13 +480,18 @@ void route_softmax_f32(const float *W, const float *x, int64_t E, int64_t D, int
         for (int64_t j = 0; j < k; j++) weights[j] /= sum;
 }
 
+void route_softmax_f32(const float *W, const float *x, int64_t E, int64_t D, int64_t k, const float *nudge, int64_t norm,
+                       float *logits, float *probs, int64_t *picks, float *weights, float *scratch) {
+    gemv(W, x, logits, E, D);
+    pick_softmax(logits, E, k, nudge, norm, probs, picks, weights, scratch);
+}
+
 /* sigmoid routers: scores = sigmoid(logits); choice = scores (+ correction) (+ nudge), limited to the
  * topk_group groups whose two best choices sum highest when n_group > 1; picks = top k of choice;
  * weights = scores[picks], renormalised (+1e-20) when norm, times scaling. scratch: E + n_group floats. */
-void route_sigmoid_f32(const float *W, const float *x, int64_t E, int64_t D, int64_t k, const float *correction,
-                       const float *nudge, int64_t n_group, int64_t topk_group, int64_t norm, float scaling,
-                       float *logits, float *scores, int64_t *picks, float *weights, float *scratch) {
-    gemv(W, x, logits, E, D);
+static void pick_sigmoid(const float *logits, int64_t E, int64_t k, const float *correction, const float *nudge,
+                         int64_t n_group, int64_t topk_group, int64_t norm, float scaling, float *scores, int64_t *picks,
+                         float *weights, float *scratch) {
     float *choice = scratch, *group_score = scratch + E;
     for (int64_t e = 0; e < E; e++) {
         scores[e] = 1.f / (1.f + expf(-logits[e]));
@@ -490,3 +520,12 @@ void route_sigmoid_f32(const float *W, const float *x, int64_t E, int64_t D, int
     for (int64_t j = 0; j < k; j++) sum += (weights[j] = scores[picks[j]]);
     for (int64_t j = 0; j < k; j++) weights[j] = (norm ? weights[j] / (sum + 1e-20f) : weights[j]) * scaling;
 }
+
+void route_sigmoid_f32(const float *W, const float *x, int64_t E, int64_t D, int64_t k, const float *correction,
+                       const float *nudge, int64_t n_group, int64_t topk_group, int64_t norm, float scaling,
+                       float *logits, float *scores, int64_t *picks, float *weights, float *scratch) {
+    gemv(W, x, logits, E, D);
+    pick_sigmoid(logits, E, k, correction, nudge, n_group, topk_group, norm, scaling, scores, picks, weights, scratch);
+}
+
+#include "cpu_step.h"

@@ -66,6 +66,7 @@ def run(
         "model": str(engine.checkpoint.folder),
         "fingerprint": engine.checkpoint.fingerprint,
         "backend": engine.backend.describe(),
+        "decode_path": engine.decode_path(),
         "experts": expert_formats(engine.checkpoint),
         "prompt_ids": result.prompt_ids,
         "generated_ids": result.ids,
@@ -81,6 +82,7 @@ def run(
         return
     console.print(f"model {report['model']} ({report['fingerprint']}), experts {report['experts']}, backend {report['backend']}",
                   highlight=False)
+    console.print(f"decode    {report['decode_path']}", highlight=False)
     console.print(f"prompt    {result.prompt_ids}", highlight=False)
     console.print(f"generated {result.ids}", highlight=False)
     table = Table("phase", "tokens", "seconds", "tok/s")

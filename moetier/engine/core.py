@@ -23,6 +23,7 @@ from moetier.backends import Backend, ExpertWork, cpu_kernels, get_backend
 from moetier.backends.base import ROW0
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
 from moetier.engine.linear import StoredEmbedding, StoredLinear, stored_ffn
+from moetier.engine.native_step import NativeStep
 from moetier.engine.router import Route, route_gate
 from moetier.engine.router_bias import RouterBias
 from moetier.tiers.base import ExpertJob
@@ -160,6 +161,7 @@ class Engine:
         self.executor = executor if executor is not None else ResidentExperts(checkpoint, self.backend)
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.router_bias: RouterBias | None = None  # None: the reference router (route_gate)
+        self.native_step = NativeStep.build(self)  # one token through every layer in one native call, or None
         checkpoint.drop_pages()  # what runs holds its own copies now: the file's pages leave the resident set
 
     def set_router_bias(self, bias: "RouterBias | None") -> None:
@@ -210,6 +212,10 @@ class Engine:
         """ids [T] int64 -> logits [T, V] (or [1, V] for the last position when all_logits is False)."""
         start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
         h = self.embed.rows(ids)  # [T, D]
+        if ids.shape[0] == 1 and self._native_decode():
+            self.native_step.step(h, cache, start)
+            cache.length = start + 1
+            return self.lm_head(rms_norm(h, self.final_norm, eps))  # [1, V]
         for index, part in enumerate(self.parts):
             h = h.to(part.device)
             mask = attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)
@@ -247,6 +253,18 @@ class Engine:
             times.add("head", time.perf_counter() - begin)
             times.steps += 1
         return logits
+
+    def _native_decode(self) -> bool:
+        """Whether this token goes through the native step: there is one, no one times the steps' parts, and the
+        router bias (if any) is not damped (the native router selects with it as route() does undamped)."""
+        bias = self.router_bias
+        return self.native_step is not None and self.times is None and (bias is None or not bias.damped)
+
+    def decode_path(self) -> str:
+        """How a decoded token runs, in words (`moetier run` prints it)."""
+        if self.native_step is not None:
+            return f"native step: every layer in one call on {self.native_step.kernel.threads} thread(s)"
+        return f"per layer from Python ({NativeStep.why_not(self)})"
 
     def _wait_lane(self, lane: Future, part: int) -> torch.Tensor:
         if self.times is None:

@@ -32,6 +32,12 @@ class RotaryTable:
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, rd]
         self.cos, self.sin = emb.cos(), emb.sin()
 
+    def at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [rd] at one position (rows of the table, grown to hold it)."""
+        if position >= self.cos.shape[0]:
+            self._grow(max(position + 1, 2 * self.cos.shape[0]))
+        return self.cos[position], self.sin[position]
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x [heads, T, d] at positions start..start+T -> rotated copy."""
         end = start + x.shape[1]
@@ -51,19 +57,32 @@ class KVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, devices: list[torch.device], capacity: int = 256):
         self.length = 0
+        self.grown = 0  # buffers replaced so far: addresses taken before a change are stale
         self.keys = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
         self.values = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
+
+    def _resize(self, layer: int, capacity: int, kept: int) -> None:
+        """Replace `layer`'s buffers by ones of `capacity` positions, keeping its first `kept` positions."""
+        for buffers in (self.keys, self.values):
+            grown = buffers[layer].new_empty(buffers[layer].shape[0], capacity, buffers[layer].shape[2])
+            grown[:, :kept] = buffers[layer][:, :kept]
+            buffers[layer] = grown
+        self.grown += 1
+
+    def reserve(self, end: int) -> None:
+        """Room for positions < end in every layer, all of one capacity (the native step writes them in place)."""
+        most = max(k.shape[1] for k in self.keys)
+        capacity = most if end <= most else max(end, 2 * most)
+        for layer in range(len(self.keys)):
+            if self.keys[layer].shape[1] != capacity:
+                self._resize(layer, capacity, self.length)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [G, T, d] at start..start+T; return all keys/values so far [G, start+T, d]."""
         end = start + k.shape[1]
         capacity = self.keys[layer].shape[1]
         if end > capacity:
-            new_capacity = max(end, 2 * capacity)
-            for buffers in (self.keys, self.values):
-                grown = buffers[layer].new_empty(buffers[layer].shape[0], new_capacity, buffers[layer].shape[2])
-                grown[:, :start] = buffers[layer][:, :start]
-                buffers[layer] = grown
+            self._resize(layer, max(end, 2 * capacity), start)
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]

@@ -1,0 +1,162 @@
+/* moetier's native decode step: one token through a run of decoder layers in one call (included once, by
+ * cpu_kernels.c, whose jobs, dot families and router it uses).
+ *
+ * For each layer, what moetier/engine/core.py computes for one token, in the same order:
+ *
+ *   x = rms_norm(h, input_norm); [q k v] = qkv(x) (+ bias); q, k per-head rms_norm * qk_norm; rotary on q, k;
+ *   k, v -> the KV cache at `position`; a = attention(q, keys [first, position], values); h += o(a) (+ bias);
+ *   x = rms_norm(h, post_norm); then a dense layer: h += mlp(x); a MoE layer: the router's logits (a float32
+ *   linear), its picks and weights (pick_softmax / pick_sigmoid, nudged by the caller's bias row), and
+ *   h += (sum_j w_j expert_j(x) + shared(x)).
+ *
+ * Every matrix product is a job of cpu_kernels.c on the pool (the trunk's projections through their formats'
+ * dot families, the experts through moe_layout's phases), each query head's attention a granule of one more
+ * job; the per-head norms, rotary, the cache writes, the router's selection and the residual adds run on the
+ * calling thread between jobs while the helpers poll. So one call hands the pool ~5 jobs per layer and Python
+ * none. Every output value is computed by one thread from the same inputs, so the result is the same bits for
+ * any thread count. Numerics against the Python path: the same products and formats, float32 sums in other
+ * orders (the attention's dot products and softmax, the norms' sums, the router's logits), so logits agree to
+ * float32 rounding (tests/test_native_step.py). The Python side (moetier/engine/native_step.py) checks every
+ * shape, format and pointer; nothing here validates.
+ */
+
+typedef struct {  /* the model's shape, for every layer of a call */
+    int64_t D, H, G, d, rotary_dim;  /* hidden size, query heads, kv heads, head dim, leading dims that rotate */
+    int64_t E, k, router;            /* routed experts, picks per token, router: 0 softmax, 1 sigmoid */
+    int64_t norm_topk, n_group, topk_group, I;  /* I: a routed expert's width */
+    int64_t float_acts;              /* the trunk's F16 / BF16 matrices take F32 activations */
+    double eps, scaling;             /* rms_norm epsilon, routed_scaling_factor */
+} step_model;
+
+typedef struct {  /* one decoder layer: addresses of what the engine holds */
+    const float *input_norm, *post_norm;  /* [D] */
+    const float *qk_norm;                 /* [H + G, d], or NULL */
+    linear_part qkv[3];                   /* rows (H + 2G) d in all: q, k, v, consecutive same-format parts merged */
+    int64_t qkv_parts;
+    const float *qkv_bias;                /* [(H + 2G) d], or NULL */
+    linear_part o;                        /* D rows of H d */
+    const float *o_bias;                  /* [D], or NULL */
+    const float *router, *correction;     /* [E, D] float32, [E] or NULL; router NULL: a dense layer */
+    const int64_t *experts;               /* [E, RECORD_WORDS]: every routed expert's record */
+    const int64_t *mlp;                   /* a dense layer's MLP, a MoE layer's shared experts, or NULL: a record */
+    int64_t mlp_I;                        /* its width */
+} step_layer;
+
+typedef struct {  /* one call */
+    float *h;                             /* [D] the residual stream, updated in place */
+    int64_t position, capacity, window;   /* the token's position, the caches' capacity, sliding window (0: none) */
+    const float *cos, *sin;               /* [rotary_dim] the rotary table's row at position */
+    float *const *keys, *const *values;   /* per layer of the call: [G, capacity, d] */
+    const float *nudge;                   /* [MoE layers of the call, E] added to the selection scores, or NULL */
+    float *logits, *probs, *weights;      /* per MoE layer of the call: [E], [E], [k]: its route */
+    int64_t *picks;                       /* [MoE layers, k] */
+    float *scratch;                       /* step_scratch(model) floats */
+} step_call;
+
+/* Floats of scratch a call needs. */
+int64_t step_scratch(const step_model *m) { return 5 * m->D + (m->H + 2 * m->G) * m->d + m->H * m->d + m->E + 64; }
+
+static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    float squares = 0.f;
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+    const float r = 1.f / sqrtf(squares / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w ? x[i] * r * w[i] : x[i] * r;
+}
+
+/* the first rd of a head's d values rotated as RotaryTable.apply does (rotate_half), the rest kept */
+static void rotate(float *x, const float *cos, const float *sin, int64_t rd) {
+    const int64_t half = rd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+typedef struct {  /* one token's attention: a granule per query head */
+    const float *q, *keys, *values;  /* q [H, d]; the layer's caches [G, capacity, d] */
+    float *out, *scores;             /* [H, d]; [H, last - first] */
+    int64_t H, G, d, capacity, first, last;  /* keys [first, last) */
+    float scale;
+} attn_job;
+
+static void attn_granule(void *job, int64_t head) {
+    const attn_job *a = job;
+    const int64_t d = a->d, P = a->last - a->first, group = head / (a->H / a->G);
+    const float *q = a->q + head * d, *K = a->keys + (group * a->capacity + a->first) * d;
+    const float *V = a->values + (group * a->capacity + a->first) * d;
+    float *s = a->scores + head * P, *out = a->out + head * d, top = -INFINITY, total = 0.f;
+    for (int64_t p = 0; p < P; p++) {
+        s[p] = dot(q, K + p * d, d) * a->scale;
+        top = s[p] > top ? s[p] : top;
+    }
+    for (int64_t p = 0; p < P; p++) total += (s[p] = expf(s[p] - top));
+    for (int64_t i = 0; i < d; i++) out[i] = 0.f;
+    for (int64_t p = 0; p < P; p++) {
+        const float w = s[p] / total, *v = V + p * d;
+        for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+    }
+}
+
+/* One token through layers[0 .. n): see the top of this file. -> 0, or -2 when out of memory. */
+int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, int64_t n, const step_call *c) {
+    const int64_t D = m->D, H = m->H, G = m->G, d = m->d, E = m->E, k = m->k, pos = c->position;
+    const float eps = (float)m->eps, one = 1.f;
+    float *h = c->h, *x = c->scratch, *qkv = x + D, *att = qkv + (H + 2 * G) * d, *o = att + H * d;
+    float *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
+    const int64_t first = c->window > 0 && pos + 1 > c->window ? pos + 1 - c->window : 0;
+    int64_t status = 0, moe = 0;
+    pthread_mutex_lock(&pool->call);
+    for (int64_t l = 0; l < n && !status; l++) {
+        const step_layer *L = &layers[l];
+        rms_norm_row(h, L->input_norm, x, D, eps);
+        if ((status = linear_held(pool, x, 1, D, L->qkv, L->qkv_parts, m->float_acts, qkv))) break;
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < (H + 2 * G) * d; i++) qkv[i] += L->qkv_bias[i];
+        float *K = c->keys[l] + pos * d, *V = c->values[l] + pos * d;
+        for (int64_t head = 0; head < H + G; head++) {  /* q heads, then k heads */
+            float *v = qkv + head * d;
+            if (L->qk_norm) rms_norm_row(v, L->qk_norm + head * d, v, d, eps);
+            rotate(v, c->cos, c->sin, m->rotary_dim);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            memcpy(K + g * c->capacity * d, qkv + (H + g) * d, (size_t)d * sizeof(float));
+            memcpy(V + g * c->capacity * d, qkv + (H + G + g) * d, (size_t)d * sizeof(float));
+        }
+        attn_job a = {qkv, c->keys[l], c->values[l], att, NULL, H, G, d, c->capacity, first, pos + 1, 1.f / sqrtf((float)d)};
+        if (!(a.scores = pool_arena(pool, sizeof(float) * (size_t)(H * (pos + 1 - first))))) { status = -2; break; }
+        const int64_t heads = H;
+        pool_run(pool, attn_granule, &a, 1, &heads);
+        if ((status = linear_held(pool, att, 1, H * d, &L->o, 1, m->float_acts, o))) break;
+        for (int64_t i = 0; i < D; i++) h[i] += L->o_bias ? o[i] + L->o_bias[i] : o[i];
+        rms_norm_row(h, L->post_norm, x, D, eps);
+        if (!L->router) {  /* a dense layer */
+            if ((status = experts_held(pool, x, 1, D, L->mlp_I, 1, L->mlp, NULL, NULL, &one, routed))) break;
+            for (int64_t i = 0; i < D; i++) h[i] += routed[i];
+            continue;
+        }
+        const linear_part gate = {(int64_t)(intptr_t)L->router, TYPE_F32, E};
+        float *logits = c->logits + moe * E, *probs = c->probs + moe * E, *weights = c->weights + moe * k;
+        int64_t *picks = c->picks + moe * k;
+        const float *nudge = c->nudge ? c->nudge + moe * E : NULL;
+        moe++;
+        if ((status = linear_held(pool, x, 1, D, &gate, 1, 0, logits))) break;
+        if (m->router == 0)
+            pick_softmax(logits, E, k, nudge, m->norm_topk, probs, picks, weights, pick_scratch);
+        else
+            pick_sigmoid(logits, E, k, L->correction, nudge, m->n_group, m->topk_group, m->norm_topk, (float)m->scaling,
+                         probs, picks, weights, pick_scratch);
+        int64_t records[k * RECORD_WORDS];
+        for (int64_t j = 0; j < k; j++)
+            memcpy(records + j * RECORD_WORDS, L->experts + picks[j] * RECORD_WORDS, RECORD_WORDS * sizeof(int64_t));
+        if ((status = experts_held(pool, x, 1, D, m->I, k, records, NULL, NULL, weights, routed))) break;
+        if (L->mlp) {
+            if ((status = experts_held(pool, x, 1, D, L->mlp_I, 1, L->mlp, NULL, NULL, &one, shared))) break;
+            for (int64_t i = 0; i < D; i++) h[i] += routed[i] + shared[i];
+        } else {
+            for (int64_t i = 0; i < D; i++) h[i] += routed[i];
+        }
+    }
+    pthread_mutex_unlock(&pool->call);
+    return status;
+}

@@ -1,0 +1,207 @@
+"""The native decode step: one token through every decoder layer in one call of the native kernels (cpu_step.h).
+
+Decode on the CPU is a stream of weight bytes cut into ~10 small products per
+layer; run from Python, each costs a framework op or a ctypes call and the
+layer's glue (norms, rotary, the cache, the router, the residual) costs as
+much again, which on a model of 0.2 MB experts is more than reading them.
+`NativeStep.build(engine)` lays the engine's layers out once as the C reads
+them (addresses of the tensors the engine keeps, each expert's record), and
+`step(h, cache, start)` runs all of them for one token in one call on the
+backend's kernel pool, releasing the GIL.
+
+It serves an engine whose every layer is on the CPU and whose routed experts
+are all resident on a CPU backend with the native kernels (ResidentExperts
+over TorchBackend): `build` returns None otherwise, and `why_not` says why.
+Router bias tables are applied as the Python router applies them (a bias row
+added to the selection scores); a damped bias, a step being timed
+(engine.times) and MOETIER_NATIVE_STEP=0 take the Python path. The route
+observer sees every MoE layer's Route after the step, in layer order.
+Numerics: the same formats and products as the Python path; float32 sums in
+other orders (attention, norms, router logits), so logits agree to float32
+rounding, and the same bits for any thread count (tests/test_native_step.py).
+Every shape, format and address is checked here, once, at build; a call
+checks its own arguments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from moetier.backends import cpu_kernels
+from moetier.backends.cpu_kernels import _matrix_error, expert_record, status_error
+from moetier.engine.layers import KVCache
+from moetier.engine.router import Route
+
+if TYPE_CHECKING:
+    from moetier.engine.core import Engine
+
+i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+
+
+class _Part(ctypes.Structure):  # linear_part
+    _fields_ = [("address", i64), ("type", i64), ("rows", i64)]
+
+
+class _Model(ctypes.Structure):  # step_model
+    _fields_ = [(name, i64) for name in ("D", "H", "G", "d", "rotary_dim", "E", "k", "router", "norm_topk", "n_group",
+                                         "topk_group", "I", "float_acts")] + [("eps", f64), ("scaling", f64)]
+
+
+class _Layer(ctypes.Structure):  # step_layer
+    _fields_ = [("input_norm", ptr), ("post_norm", ptr), ("qk_norm", ptr), ("qkv", _Part * 3), ("qkv_parts", i64),
+                ("qkv_bias", ptr), ("o", _Part), ("o_bias", ptr), ("router", ptr), ("correction", ptr),
+                ("experts", ptr), ("mlp", ptr), ("mlp_I", i64)]
+
+
+class _Call(ctypes.Structure):  # step_call
+    _fields_ = [("h", ptr), ("position", i64), ("capacity", i64), ("window", i64), ("cos", ptr), ("sin", ptr),
+                ("keys", ptr), ("values", ptr), ("nudge", ptr), ("logits", ptr), ("probs", ptr), ("weights", ptr),
+                ("picks", ptr), ("scratch", ptr)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    if getattr(lib, "_step_declared", False):
+        return
+    lib.step_scratch.restype, lib.step_scratch.argtypes = i64, [ctypes.POINTER(_Model)]
+    lib.moe_step.restype = i64
+    lib.moe_step.argtypes = [ptr, ctypes.POINTER(_Model), ctypes.POINTER(_Layer), i64, ctypes.POINTER(_Call)]
+    lib._step_declared = True
+
+
+def _vector(what: str, t: torch.Tensor | None, n: int) -> int | None:
+    """The address of a float32 vector of n values in host memory (None for None), or ValueError."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.numel() != n:
+        raise ValueError(f"{what}: expected float32 [{n}] contiguous in host memory, got {t.dtype} {list(t.shape)} on {t.device}")
+    return t.data_ptr()
+
+
+def _part(what: str, data: torch.Tensor, qtype: int, cols: int) -> _Part:
+    why = _matrix_error(what, data, qtype, data.shape[0] if data.dim() == 2 else -1, cols)
+    if why is not None:
+        raise ValueError(why)
+    return _Part(data.data_ptr(), int(qtype), data.shape[0])
+
+
+class NativeStep:
+    """The engine's layers as cpu_step.h reads them; see the module docstring."""
+
+    def __init__(self, engine: Engine, kernel: cpu_kernels.DecodeKernel):
+        spec = engine.spec
+        self.engine, self.kernel, self.spec = engine, kernel, spec
+        _declare(kernel.library)
+        D, H, G, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.model = _Model(D, H, G, d, spec.rotary_dim, spec.num_experts, spec.top_k, int(spec.router == "sigmoid"),
+                            int(spec.norm_topk_prob), spec.n_group, spec.topk_group, spec.moe_intermediate_size,
+                            int(engine.float_acts), spec.rms_norm_eps, spec.routed_scaling_factor)
+        self._keep: list = []  # the record buffers the layers point into
+        self.layers = (_Layer * spec.num_layers)(*[self._layer(layer) for layer in range(spec.num_layers)])
+        moe, E, k = len(spec.moe_layers), spec.num_experts, spec.top_k
+        self.logits, self.probs = torch.empty(moe, E), torch.empty(moe, E)  # [MoE layers, E]
+        self.weights, self.picks = torch.empty(moe, k), torch.empty(moe, k, dtype=torch.int64)  # [MoE layers, k]
+        self.scratch = torch.empty(kernel.library.step_scratch(ctypes.byref(self.model)))
+        self._cache: tuple[KVCache, int] | None = None  # the cache whose addresses `_keys` hold, and its `grown` then
+        self._keys = self._values = None
+        self._nudge_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a bias table, its float32 host copy)
+
+    def _record(self, weights, inter: int) -> ctypes.Array:
+        record = ctypes.create_string_buffer(expert_record(weights, self.spec.hidden_size, inter), cpu_kernels.RECORD.size)
+        self._keep.append(record)
+        return record
+
+    def _layer(self, layer: int) -> _Layer:
+        engine, spec, w = self.engine, self.spec, self.engine.layers[layer]
+        D, H, G, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        where = f"layer {layer}"
+        qkv = [_part(f"{where} qkv", data, qtype, D) for data, qtype in w.qkv.parts]
+        if len(qkv) > 3 or sum(p.rows for p in qkv) != (H + 2 * G) * d:
+            raise ValueError(f"{where}: qkv parts {[p.rows for p in qkv]} are not (H + 2G) d = {(H + 2 * G) * d} rows in <= 3 parts")
+        if len(w.o_proj.parts) != 1:
+            raise ValueError(f"{where}: o_proj in {len(w.o_proj.parts)} parts (expected 1)")
+        (o_data, o_type), = w.o_proj.parts
+        out = _Layer(input_norm=_vector(f"{where} input norm", w.input_norm, D),
+                     post_norm=_vector(f"{where} post norm", w.post_norm, D),
+                     qk_norm=_vector(f"{where} qk norm", w.qk_norm, (H + G) * d),
+                     qkv=(_Part * 3)(*qkv), qkv_parts=len(qkv), qkv_bias=_vector(f"{where} qkv bias", w.qkv.bias, (H + 2 * G) * d),
+                     o=_part(f"{where} o_proj", o_data, o_type, H * d), o_bias=_vector(f"{where} o bias", w.o_proj.bias, D))
+        mlp = w.mlp if w.mlp is not None else w.shared
+        if mlp is not None:
+            out.mlp, out.mlp_I = ctypes.addressof(self._record(mlp, mlp.inter)), mlp.inter
+        if w.router is None:
+            return out
+        E, I = spec.num_experts, spec.moe_intermediate_size
+        if tuple(w.router.shape) != (E, D):
+            raise ValueError(f"{where}: router {list(w.router.shape)} (expected [{E}, {D}])")
+        out.router = _vector(f"{where} router", w.router, E * D)
+        out.correction = _vector(f"{where} correction bias", w.correction_bias, E)
+        experts = b"".join(expert_record(e, D, I) for e in engine.executor.placed[layer])
+        records = ctypes.create_string_buffer(experts, len(experts))
+        self._keep.append(records)
+        out.experts = ctypes.addressof(records)
+        return out
+
+    @classmethod
+    def build(cls, engine: Engine) -> NativeStep | None:
+        """The step for `engine`, or None (see why_not)."""
+        return None if cls.why_not(engine) else cls(engine, engine.backend.decode_kernel())
+
+    @staticmethod
+    def why_not(engine: Engine) -> str | None:
+        """Why `engine` cannot decode through the native step, in a few words; None when it can."""
+        from moetier.engine.core import ResidentExperts
+
+        spec = engine.spec
+        if os.environ.get("MOETIER_NATIVE_STEP", "1") == "0":
+            return "MOETIER_NATIVE_STEP=0"
+        if any(part.device.type != "cpu" for part in engine.parts):
+            return "a layer is not on the CPU"
+        if not isinstance(engine.executor, ResidentExperts) or engine.backend.decode_kernel() is None:
+            return "the routed experts are not all resident on a CPU backend with the native kernels"
+        if spec.n_group > 64 or spec.num_experts % max(spec.n_group, 1):
+            return f"{spec.n_group} router groups of {spec.num_experts} experts"
+        placed = [w for layer in spec.moe_layers for w in engine.executor.placed[layer]]
+        if not all(engine.backend.decode_kernel().fits(w) for w in placed):
+            return "an expert the native kernels cannot read in place"
+        return None
+
+    def _cache_addresses(self, cache: KVCache, end: int) -> None:
+        cache.reserve(end)
+        if self._cache is None or self._cache[0] is not cache or self._cache[1] != cache.grown:
+            L = self.spec.num_layers
+            self._keys = (ptr * L)(*[t.data_ptr() for t in cache.keys])
+            self._values = (ptr * L)(*[t.data_ptr() for t in cache.values])
+            self._cache = (cache, cache.grown)
+
+    def _nudge(self, table: torch.Tensor) -> torch.Tensor:
+        """The bias table [MoE layers, E] as the C reads it: float32, contiguous, in host memory (converted once)."""
+        if table.dtype is torch.float32 and table.is_cpu and table.is_contiguous():
+            return table
+        if self._nudge_of is None or self._nudge_of[0] is not table:
+            self._nudge_of = (table, table.to("cpu", torch.float32).contiguous())
+        return self._nudge_of[1]
+
+    def step(self, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """h [1, D] float32 (the embedded token at position start) -> h after every layer, in place; the token's
+        keys and values land in `cache` (its length is the caller's to advance)."""
+        engine, spec = self.engine, self.spec
+        if h.shape != (1, spec.hidden_size) or h.dtype != torch.float32 or not h.is_cpu or not h.is_contiguous():
+            raise ValueError(f"native step: h must be float32 [1, {spec.hidden_size}] contiguous in host memory, got {h.dtype} {list(h.shape)}")
+        self._cache_addresses(cache, start + 1)
+        cos, sin = engine.ropes[torch.device("cpu")].at(start)  # [rotary_dim] each
+        nudge = None if engine.router_bias is None else self._nudge(engine.router_bias.table)
+        call = _Call(h.data_ptr(), start, cache.keys[0].shape[1], spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
+                     ctypes.addressof(self._keys), ctypes.addressof(self._values), nudge.data_ptr() if nudge is not None else None,
+                     self.logits.data_ptr(), self.probs.data_ptr(), self.weights.data_ptr(), self.picks.data_ptr(),
+                     self.scratch.data_ptr())
+        status_error("native step", self.kernel.library.moe_step(self.kernel.pool.handle, ctypes.byref(self.model), self.layers,
+                                                                 spec.num_layers, ctypes.byref(call)))
+        if engine.observer is not None:  # copies: the buffers are the next step's
+            for i, layer in enumerate(spec.moe_layers):
+                engine.observer(layer, Route(self.logits[i : i + 1].clone(), self.probs[i : i + 1].clone(),
+                                             self.picks[i : i + 1].clone(), self.weights[i : i + 1].clone()))
+        return h

@@ -1,0 +1,159 @@
+"""The native decode step (moetier/engine/native_step.py, cpu_step.h) against the engine's per-layer Python path.
+
+Models: synthetic checkpoints of the three architectures (softmax and sigmoid
+routers, router groups, a correction bias, shared experts, dense first layers,
+qk-norm, partial rotary, GQA, a sliding window) as HF float32 folders, a bf16
+copy, and GGUFs whose experts and trunk matrices are stored in block formats
+(tests/gguf_blocks.py). Both paths decode the same tokens teacher-forced from
+the same prefill, each with its own KV cache; the step must give the Python
+path's logits to float32 rounding on float weights, and on quantized ones the
+same tokens with logits within the few activation quanta a rounding flip
+moves. Also: the same bits for any pool size, decoding past the KV cache's
+first capacity and the window, the router bias and observer, and who takes
+the Python path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks import restored
+from safetensors.torch import load_file, save_file
+
+from moetier.backends.torch_backend import TorchBackend
+from moetier.engine import Engine
+from moetier.engine.router_bias import RouterBias
+from moetier.model import open_checkpoint
+from moetier.model.gguf_write import write_gguf
+from moetier.model.synth import write_synthetic
+
+
+@contextlib.contextmanager
+def python_path(engine: Engine):
+    step, engine.native_step = engine.native_step, None
+    try:
+        yield
+    finally:
+        engine.native_step = step
+
+
+def decode_both(engine: Engine, ids: list[int], prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced decode of ids[prefix:] after a prefill of ids[:prefix], by the step and by the Python path
+    -> logits [steps, V] each."""
+    assert engine.native_step is not None, engine.decode_path()
+    out = []
+    for native in (True, False):
+        cache = engine.new_cache()
+        with contextlib.nullcontext() if native else python_path(engine):
+            engine.forward(torch.tensor(ids[:prefix]), cache)
+            out.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in ids[prefix:]]))
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    out = {}
+    for arch in ("qwen3_moe", "glm4_moe", "mixtral"):
+        out[arch] = write_synthetic(root / arch, arch=arch, preset="tiny", seed=5)
+    bf16 = out["bf16"] = root / "bf16"  # a HF bf16 folder: bf16 trunk and experts, float32 activations
+    bf16.mkdir()
+    (bf16 / "config.json").write_text((out["qwen3_moe"] / "config.json").read_text())
+    tensors = load_file(out["qwen3_moe"] / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, bf16 / "model.safetensors")
+    blocks = write_synthetic(root / "blocks", arch="qwen3_moe", preset="blocks", seed=6)
+    f32 = write_gguf(blocks, root / "blocks.gguf")[0]
+    out["blocks-F32"] = f32
+    # trunk and experts quantized: the step's projections read K-quants, 32-value blocks and floats in one layer
+    out["blocks-mixed"] = restored(f32, root / "mixed.gguf", {"*attn_q.*": "Q4_K", "*attn_k.*": "Q4_K", "*attn_v.*": "Q6_K",
+                                                              "*attn_output*": "Q8_0", "*ffn_down_exps*": "Q6_K",
+                                                              "*_exps*": "Q4_K", "output.weight": "Q8_0"})
+    out["blocks-IQ3_S"] = restored(f32, root / "iq3.gguf", {"*_exps*": "IQ3_S", "*attn_q.*": "Q5_0", "*attn_k.*": "Q4_1",
+                                                          "*attn_v.*": "IQ4_NL", "*attn_output*": "IQ4_XS"})
+    return out
+
+
+RNG_IDS = np.random.default_rng(0).integers(0, 200, 40).tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "mixtral", "bf16", "blocks-F32"])
+def test_float_weights_give_the_python_paths_logits(models, name):
+    native, python = decode_both(Engine(open_checkpoint(models[name])), RNG_IDS, 9)
+    scale = np.abs(python).max()
+    assert np.abs(native - python).max() <= 1e-5 * scale
+    assert (native.argmax(1) == python.argmax(1)).all()
+
+
+@pytest.mark.parametrize("name", ["blocks-mixed", "blocks-IQ3_S"])
+def test_quantized_weights_give_the_python_paths_tokens(models, name):
+    native, python = decode_both(Engine(open_checkpoint(models[name])), RNG_IDS, 9)
+    scale = np.abs(python).max()
+    assert np.abs(native - python).max() <= 2e-2 * scale
+    assert np.median(np.abs(native - python).max(1)) <= 1e-4 * scale
+    assert (native.argmax(1) == python.argmax(1)).mean() >= 0.9
+
+
+def test_the_same_bits_whatever_the_pool_size(models):
+    checkpoint = open_checkpoint(models["blocks-mixed"])
+    runs = []
+    for lanes in (1, 2, 3):
+        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=lanes))
+        assert engine.native_step.kernel.threads == lanes
+        cache = engine.new_cache()
+        engine.forward(torch.tensor(RNG_IDS[:5]), cache)
+        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in RNG_IDS[5:20]]))
+    assert all(np.array_equal(runs[0], other) for other in runs[1:])
+
+
+def test_decoding_past_the_cache_capacity_and_a_sliding_window(models, tmp_path):
+    folder = tmp_path / "window"
+    folder.mkdir()
+    for item in models["mixtral"].iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"sliding_window": 7}))
+    engine = Engine(open_checkpoint(folder))
+    assert engine.spec.sliding_window == 7
+    ids = np.random.default_rng(1).integers(0, 200, 262).tolist()  # 256 cached positions, then growth
+    native, python = decode_both(engine, ids, 250)
+    assert np.abs(native - python).max() <= 1e-5 * np.abs(python).max()
+
+
+def test_the_router_bias_and_the_observer_see_what_the_python_path_sees(models):
+    engine = Engine(open_checkpoint(models["glm4_moe"]))
+    spec = engine.spec
+    table = torch.randn(len(spec.moe_layers), spec.num_experts, generator=torch.Generator().manual_seed(3)) * 0.2
+    table[:, 0] = float("-inf")  # never picked
+    engine.set_router_bias(RouterBias(table))
+    seen = {True: [], False: []}
+    for native in (True, False):
+        engine.observer = lambda layer, route, native=native: seen[native].append((layer, route))
+        cache = engine.new_cache()
+        with contextlib.nullcontext() if native else python_path(engine):
+            engine.forward(torch.tensor(RNG_IDS[:4]), cache)
+            del seen[native][:]
+            for t in RNG_IDS[4:12]:
+                engine.forward(torch.tensor([t]), cache)
+    assert [layer for layer, _ in seen[True]] == [layer for layer, _ in seen[False]] == list(spec.moe_layers) * 8
+    for (_, a), (_, b) in zip(seen[True], seen[False]):
+        assert torch.equal(a.picks, b.picks) and 0 not in a.picks
+        torch.testing.assert_close(a.weights, b.weights, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.probs, b.probs, rtol=1e-5, atol=1e-6)
+    engine.set_router_bias(RouterBias(table, damped=True))
+    assert not engine._native_decode()  # damped weights: the Python router
+
+
+def test_who_takes_the_python_path_and_why(models, monkeypatch):
+    checkpoint = open_checkpoint(models["qwen3_moe"])
+    engine = Engine(checkpoint)
+    assert engine.decode_path().startswith("native step")
+    numpy_engine = Engine(checkpoint, backend="numpy")
+    assert numpy_engine.native_step is None and "native kernels" in numpy_engine.decode_path()
+    monkeypatch.setenv("MOETIER_NATIVE_STEP", "0")
+    assert Engine(checkpoint).native_step is None
+    with pytest.raises(ValueError, match=r"h must be float32 \[1, "):
+        engine.native_step.step(torch.zeros(2, engine.spec.hidden_size), engine.new_cache(), 0)
