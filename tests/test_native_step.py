@@ -155,5 +155,6 @@ def test_who_takes_the_python_path_and_why(models, monkeypatch):
     assert numpy_engine.native_step is None and "native kernels" in numpy_engine.decode_path()
     monkeypatch.setenv("MOETIER_NATIVE_STEP", "0")
     assert Engine(checkpoint).native_step is None
-    with pytest.raises(ValueError, match=r"h must be float32 \[1, "):
-        engine.native_step.step(torch.zeros(2, engine.spec.hidden_size), engine.new_cache(), 0)
+    for token in (-1, engine.spec.vocab_size):
+        with pytest.raises(ValueError, match=rf"token id {token} is outside the vocabulary \[0, {engine.spec.vocab_size}\)"):
+            engine.native_step.step(token, engine.new_cache(), 0)

@@ -7,7 +7,8 @@
  *   k, v -> the KV cache at `position`; a = attention(q, keys [first, position], values); h += o(a) (+ bias);
  *   x = rms_norm(h, post_norm); then a dense layer: h += mlp(x); a MoE layer: the router's logits (a float32
  *   linear), its picks and weights (pick_softmax / pick_sigmoid, nudged by the caller's bias row), and
- *   h += (sum_j w_j expert_j(x) + shared(x)).
+ *   h += (sum_j w_j expert_j(x) + shared(x)). Before the layers h may be a token's embedding row (dequantized by
+ *   cpu_formats.c, as the engine's StoredEmbedding does), after them the lm head's logits of rms_norm(h, final_norm).
  *
  * Every matrix product is a job of cpu_kernels.c on the pool (the trunk's projections through their formats'
  * dot families, the experts through moe_layout's phases), each query head's attention a granule of one more
@@ -26,6 +27,10 @@ typedef struct {  /* the model's shape, for every layer of a call */
     int64_t norm_topk, n_group, topk_group, I;  /* I: a routed expert's width */
     int64_t float_acts;              /* the trunk's F16 / BF16 matrices take F32 activations */
     double eps, scaling;             /* rms_norm epsilon, routed_scaling_factor */
+    const uint8_t *embed;            /* the embedding table: rows of D values of embed_type, as stored */
+    int64_t embed_type;
+    const float *final_norm;         /* [D] */
+    linear_part head;                /* the lm head: V rows of D values */
 } step_model;
 
 typedef struct {  /* one decoder layer: addresses of what the engine holds */
@@ -43,6 +48,7 @@ typedef struct {  /* one decoder layer: addresses of what the engine holds */
 } step_layer;
 
 typedef struct {  /* one call */
+    int64_t token;                        /* its id: h = its embedding row; -1: h holds the stream already */
     float *h;                             /* [D] the residual stream, updated in place */
     int64_t position, capacity, window;   /* the token's position, the caches' capacity, sliding window (0: none) */
     const float *cos, *sin;               /* [rotary_dim] the rotary table's row at position */
@@ -51,6 +57,7 @@ typedef struct {  /* one call */
     float *logits, *probs, *weights;      /* per MoE layer of the call: [E], [E], [k]: its route */
     int64_t *picks;                       /* [MoE layers, k] */
     float *scratch;                       /* step_scratch(model) floats */
+    float *out;                           /* [V] logits = head(rms_norm(h, final_norm)) after the layers, or NULL */
 } step_call;
 
 /* Floats of scratch a call needs. */
@@ -106,6 +113,11 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
     float *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
     const int64_t first = c->window > 0 && pos + 1 > c->window ? pos + 1 - c->window : 0;
     int64_t status = 0, moe = 0;
+    if (c->token >= 0) {  /* the embedding row, dequantized as ggml's get_rows does */
+        const uint8_t *row = m->embed + c->token * row_bytes(m->embed_type, D);
+        if (m->embed_type == TYPE_F32) memcpy(h, row, (size_t)D * sizeof(float));
+        else dequantize_row(m->embed_type, row, h, D);
+    }
     pthread_mutex_lock(&pool->call);
     for (int64_t l = 0; l < n && !status; l++) {
         const step_layer *L = &layers[l];
@@ -156,6 +168,10 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
         } else {
             for (int64_t i = 0; i < D; i++) h[i] += routed[i];
         }
+    }
+    if (!status && c->out) {
+        rms_norm_row(h, m->final_norm, x, D, eps);
+        status = linear_held(pool, x, 1, D, &m->head, 1, m->float_acts, c->out);
     }
     pthread_mutex_unlock(&pool->call);
     return status;

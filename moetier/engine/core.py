@@ -211,11 +211,11 @@ class Engine:
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
         """ids [T] int64 -> logits [T, V] (or [1, V] for the last position when all_logits is False)."""
         start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
-        h = self.embed.rows(ids)  # [T, D]
         if ids.shape[0] == 1 and self._native_decode():
-            self.native_step.step(h, cache, start)
+            logits = self.native_step.step(int(ids[0]), cache, start)  # [1, V]
             cache.length = start + 1
-            return self.lm_head(rms_norm(h, self.final_norm, eps))  # [1, V]
+            return logits
+        h = self.embed.rows(ids)  # [T, D]
         for index, part in enumerate(self.parts):
             h = h.to(part.device)
             mask = attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)

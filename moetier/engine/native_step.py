@@ -6,8 +6,9 @@ layer's glue (norms, rotary, the cache, the router, the residual) costs as
 much again, which on a model of 0.2 MB experts is more than reading them.
 `NativeStep.build(engine)` lays the engine's layers out once as the C reads
 them (addresses of the tensors the engine keeps, each expert's record), and
-`step(h, cache, start)` runs all of them for one token in one call on the
-backend's kernel pool, releasing the GIL.
+`step(token, cache, start)` runs the token's embedding row, all of them, the
+final norm and the lm head in one call on the backend's kernel pool,
+releasing the GIL.
 
 It serves an engine whose every layer is on the CPU and whose routed experts
 are all resident on a CPU backend with the native kernels (ResidentExperts
@@ -48,7 +49,8 @@ class _Part(ctypes.Structure):  # linear_part
 
 class _Model(ctypes.Structure):  # step_model
     _fields_ = [(name, i64) for name in ("D", "H", "G", "d", "rotary_dim", "E", "k", "router", "norm_topk", "n_group",
-                                         "topk_group", "I", "float_acts")] + [("eps", f64), ("scaling", f64)]
+                                         "topk_group", "I", "float_acts")] + [("eps", f64), ("scaling", f64),
+                ("embed", ptr), ("embed_type", i64), ("final_norm", ptr), ("head", _Part)]
 
 
 class _Layer(ctypes.Structure):  # step_layer
@@ -58,9 +60,9 @@ class _Layer(ctypes.Structure):  # step_layer
 
 
 class _Call(ctypes.Structure):  # step_call
-    _fields_ = [("h", ptr), ("position", i64), ("capacity", i64), ("window", i64), ("cos", ptr), ("sin", ptr),
+    _fields_ = [("token", i64), ("h", ptr), ("position", i64), ("capacity", i64), ("window", i64), ("cos", ptr), ("sin", ptr),
                 ("keys", ptr), ("values", ptr), ("nudge", ptr), ("logits", ptr), ("probs", ptr), ("weights", ptr),
-                ("picks", ptr), ("scratch", ptr)]
+                ("picks", ptr), ("scratch", ptr), ("out", ptr)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -99,12 +101,20 @@ class NativeStep:
         self.model = _Model(D, H, G, d, spec.rotary_dim, spec.num_experts, spec.top_k, int(spec.router == "sigmoid"),
                             int(spec.norm_topk_prob), spec.n_group, spec.topk_group, spec.moe_intermediate_size,
                             int(engine.float_acts), spec.rms_norm_eps, spec.routed_scaling_factor)
+        embed, head = engine.embed, engine.lm_head
+        V = spec.vocab_size
+        self.model.embed, self.model.embed_type = _part("embedding", embed.data, embed.qtype, D).address, embed.qtype
+        self.model.final_norm = _vector("final norm", engine.final_norm, D)
+        if len(head.parts) != 1 or head.bias is not None or head.parts[0][0].shape[0] != V:
+            raise ValueError(f"lm head: {len(head.parts)} parts{' and a bias' if head.bias is not None else ''} (expected one of {V} rows)")
+        self.model.head = _part("lm head", *head.parts[0], D)
         self._keep: list = []  # the record buffers the layers point into
         self.layers = (_Layer * spec.num_layers)(*[self._layer(layer) for layer in range(spec.num_layers)])
         moe, E, k = len(spec.moe_layers), spec.num_experts, spec.top_k
         self.logits, self.probs = torch.empty(moe, E), torch.empty(moe, E)  # [MoE layers, E]
         self.weights, self.picks = torch.empty(moe, k), torch.empty(moe, k, dtype=torch.int64)  # [MoE layers, k]
         self.scratch = torch.empty(kernel.library.step_scratch(ctypes.byref(self.model)))
+        self.h = torch.empty(1, D)  # [1, D] the residual stream of the token in flight
         self._cache: tuple[KVCache, int] | None = None  # the cache whose addresses `_keys` hold, and its `grown` then
         self._keys = self._values = None
         self._nudge_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a bias table, its float32 host copy)
@@ -185,23 +195,24 @@ class NativeStep:
             self._nudge_of = (table, table.to("cpu", torch.float32).contiguous())
         return self._nudge_of[1]
 
-    def step(self, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """h [1, D] float32 (the embedded token at position start) -> h after every layer, in place; the token's
-        keys and values land in `cache` (its length is the caller's to advance)."""
+    def step(self, token: int, cache: KVCache, start: int) -> torch.Tensor:
+        """The logits [1, V] of token `token` at position start, through every layer; its keys and values land in
+        `cache` (whose length is the caller's to advance)."""
         engine, spec = self.engine, self.spec
-        if h.shape != (1, spec.hidden_size) or h.dtype != torch.float32 or not h.is_cpu or not h.is_contiguous():
-            raise ValueError(f"native step: h must be float32 [1, {spec.hidden_size}] contiguous in host memory, got {h.dtype} {list(h.shape)}")
+        if not 0 <= token < spec.vocab_size:
+            raise ValueError(f"native step: token id {token} is outside the vocabulary [0, {spec.vocab_size})")
         self._cache_addresses(cache, start + 1)
         cos, sin = engine.ropes[torch.device("cpu")].at(start)  # [rotary_dim] each
         nudge = None if engine.router_bias is None else self._nudge(engine.router_bias.table)
-        call = _Call(h.data_ptr(), start, cache.keys[0].shape[1], spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
+        logits = torch.empty(1, spec.vocab_size)
+        call = _Call(token, self.h.data_ptr(), start, cache.keys[0].shape[1], spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
                      ctypes.addressof(self._keys), ctypes.addressof(self._values), nudge.data_ptr() if nudge is not None else None,
                      self.logits.data_ptr(), self.probs.data_ptr(), self.weights.data_ptr(), self.picks.data_ptr(),
-                     self.scratch.data_ptr())
+                     self.scratch.data_ptr(), logits.data_ptr())
         status_error("native step", self.kernel.library.moe_step(self.kernel.pool.handle, ctypes.byref(self.model), self.layers,
                                                                  spec.num_layers, ctypes.byref(call)))
         if engine.observer is not None:  # copies: the buffers are the next step's
             for i, layer in enumerate(spec.moe_layers):
                 engine.observer(layer, Route(self.logits[i : i + 1].clone(), self.probs[i : i + 1].clone(),
                                              self.picks[i : i + 1].clone(), self.weights[i : i + 1].clone()))
-        return h
+        return logits
