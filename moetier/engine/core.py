@@ -4,13 +4,18 @@
 tokens after `cache.length` cached ones. Attention and the trunk (norms, dense
 MLPs, shared experts, router) run in torch on the engine's device; routed
 experts go through an `ExpertExecutor` — here `ResidentExperts`, every expert
-placed on one backend — which is the seam where tiers plug in. The engine
-knows nothing about tokenization. Invariant: with the torch backend and no
+placed on one backend — which is the seam where tiers plug in. A decoded
+token on an all-CPU engine whose experts are all resident on the native
+kernels runs instead through the native step (moetier.engine.native_step:
+every layer in one C call); while a forward runs on such an engine torch
+keeps one intra-op thread (the pool's threads do the matrix work on every
+core). The engine knows nothing about tokenization. Invariant: with the torch backend and no
 bias, logits match the transformers reference within float32 rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -72,6 +77,20 @@ def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[ExpertJo
         groups.append(ExpertJob(expert, rows[start : start + count], gate[start : start + count]))
         start += count
     return groups
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """torch's intra-op thread count set to `threads` inside (None: left as it is), restored after."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _device(name: str) -> torch.device:
@@ -162,6 +181,10 @@ class Engine:
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.router_bias: RouterBias | None = None  # None: the reference router (route_gate)
         self.native_step = NativeStep.build(self)  # one token through every layer in one native call, or None
+        # torch's intra-op threads while a forward runs: one when every layer is on the CPU and the native kernels do its
+        # matrix work on every core (torch's idle workers spin for the cores the pool's threads compute on, and the
+        # pool's for theirs: at 2 torch threads prefill on 2 CPUs ran 25% slower); None leaves torch's setting
+        self.torch_threads = 1 if self._cpu_kernel is not None and all(p.device.type == "cpu" for p in self.parts) else None
         checkpoint.drop_pages()  # what runs holds its own copies now: the file's pages leave the resident set
 
     def set_router_bias(self, bias: "RouterBias | None") -> None:
@@ -210,11 +233,15 @@ class Engine:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
         """ids [T] int64 -> logits [T, V] (or [1, V] for the last position when all_logits is False)."""
-        start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
         if ids.shape[0] == 1 and self._native_decode():
-            logits = self.native_step.step(int(ids[0]), cache, start)  # [1, V]
-            cache.length = start + 1
+            logits = self.native_step.step(int(ids[0]), cache, cache.length)  # [1, V]
+            cache.length += 1
             return logits
+        with _torch_threads(self.torch_threads):
+            return self._forward(ids, cache, all_logits)
+
+    def _forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool) -> torch.Tensor:
+        start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
         h = self.embed.rows(ids)  # [T, D]
         for index, part in enumerate(self.parts):
             h = h.to(part.device)
