@@ -16,9 +16,7 @@ each engine's imports happen inside its worker.
 
 from __future__ import annotations
 
-import inspect
 import multiprocessing
-import os
 import signal
 import time
 import traceback
@@ -44,17 +42,12 @@ class MoetierDecoder:
         from moetier.model import open_checkpoint
 
         torch.set_num_threads(threads)
-        # The native kernels are being rewritten to take a thread count: pass it once the backend has one.
-        if "threads" in inspect.signature(TorchBackend.__init__).parameters:
-            backend = TorchBackend("cpu", threads=threads)
-            self.threads_note = f"native kernels: threads={threads}"
-        else:
-            backend = TorchBackend("cpu")
-            self.threads_note = (f"TorchBackend takes no `threads` yet: its kernels' threads are as described, on "
-                                 f"CPUs {sorted(os.sched_getaffinity(0))}; torch ops (attention, trunk) on {threads}")
+        backend = TorchBackend("cpu", lanes=threads)  # the native kernels' pool: `threads` threads
         self.engine = Engine(open_checkpoint(path), backend=backend)
         self.engine.warm_up()
-        self.settings = f"{backend.describe()}; {self.threads_note}"
+        torch_threads = self.engine.torch_threads or threads
+        self.settings = (f"{backend.describe()}; decode: {self.engine.decode_path()}; "
+                         f"torch ops in a forward on {torch_threads} intra-op thread(s)")
 
     def measure(self, prompt: list[int], tokens: int) -> dict:
         from moetier.engine import generate
