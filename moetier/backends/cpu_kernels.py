@@ -1,5 +1,7 @@
 """moetier's CPU kernels (cpu_kernels.c, cpu_pool.h beside this file): SwiGLU experts, a linear layer, the router.
 
+(The same library holds the native decode step, cpu_step.h, which moetier.engine.native_step drives.)
+
 `decode_kernel(threads)` returns a `DecodeKernel` over a pool of that many
 native threads (default: the CPUs this process may run on; the calling
 thread is one of them), or None when this machine cannot build the library
@@ -65,7 +67,7 @@ def _width(fmt: Format, cols: int) -> int:
     return cols if fmt.dtype is not None else fmt.row_bytes(cols)
 
 
-def _matrix_error(what: str, t: torch.Tensor, qtype: int, rows: int, cols: int) -> str | None:
+def matrix_error(what: str, t: torch.Tensor, qtype: int, rows: int, cols: int) -> str | None:
     """Why t cannot be read as `rows` rows of `cols` values of GGML type qtype in place, or None."""
     fmt = FORMATS.get(qtype)
     if fmt is None:
@@ -82,7 +84,7 @@ def _matrix_error(what: str, t: torch.Tensor, qtype: int, rows: int, cols: int) 
 
 
 def _readable(t: torch.Tensor, qtype: int, rows: int, cols: int) -> bool:
-    """The hot path's form of `_matrix_error(...) is None` (a decode call checks every expert it is given)."""
+    """The hot path's form of `matrix_error(...) is None` (a decode call checks every expert it is given)."""
     fmt = FORMATS.get(qtype)
     return (fmt is not None and t.dtype is (fmt.dtype or torch.uint8) and t.is_cpu and t.is_contiguous()
             and cols % fmt.block == 0 and t.shape == (rows, cols if fmt.dtype is not None else cols // fmt.block * fmt.block_bytes))
@@ -99,8 +101,8 @@ def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | N
     if dim < 1 or inter < 1:
         raise ValueError(f"expert: hidden size {dim} and width {inter} (expected at least 1 each)")
     if not (_readable(gate_up, gate_up_type, 2 * inter, dim) and _readable(down, down_type, dim, inter)):
-        raise ValueError(_matrix_error("expert gate_up", gate_up, gate_up_type, 2 * inter, dim)
-                         or _matrix_error("expert down", down, down_type, dim, inter))
+        raise ValueError(matrix_error("expert gate_up", gate_up, gate_up_type, 2 * inter, dim)
+                         or matrix_error("expert down", down, down_type, dim, inter))
     return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type, FLOAT_ACTS if weights.float_acts else 0)
 
 
@@ -193,7 +195,7 @@ class DecodeKernel:
         fmt = format_of(qtype)
         if data.dim() != 2:
             raise ValueError(f"{fmt.name}: expected a matrix [rows, row width], got {data.dim()} dimension(s) {list(data.shape)}")
-        why = _matrix_error(fmt.name, data, fmt.id, data.shape[0], cols)
+        why = matrix_error(fmt.name, data, fmt.id, data.shape[0], cols)
         if why is not None:
             raise ValueError(why)
         out = torch.empty(data.shape[0], cols)  # [rows, cols] float32
@@ -263,7 +265,7 @@ class DecodeKernel:
         if w.dim() != 2:
             raise ValueError(f"linear: weights must be a matrix [rows, row width], got {list(w.shape)}")
         tokens, cols = x.shape
-        why = _matrix_error("linear weights", w, fmt.id, w.shape[0], cols)
+        why = matrix_error("linear weights", w, fmt.id, w.shape[0], cols)
         if why is not None:
             raise ValueError(why)
         y = torch.empty(tokens, w.shape[0])

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetier.backends import cpu_kernels
-from moetier.backends.cpu_kernels import _matrix_error, expert_record, status_error
+from moetier.backends.cpu_kernels import matrix_error, expert_record, status_error
 from moetier.engine.layers import KVCache
 from moetier.engine.router import Route
 
@@ -84,7 +84,7 @@ def _vector(what: str, t: torch.Tensor | None, n: int) -> int | None:
 
 
 def _part(what: str, data: torch.Tensor, qtype: int, cols: int) -> _Part:
-    why = _matrix_error(what, data, qtype, data.shape[0] if data.dim() == 2 else -1, cols)
+    why = matrix_error(what, data, qtype, data.shape[0] if data.dim() == 2 else -1, cols)
     if why is not None:
         raise ValueError(why)
     return _Part(data.data_ptr(), int(qtype), data.shape[0])
