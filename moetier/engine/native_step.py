@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetier.backends import cpu_kernels
-from moetier.backends.cpu_kernels import matrix_error, expert_record, status_error
+from moetier.backends.cpu_kernels import expert_record, matrix_error, status_error
 from moetier.engine.layers import KVCache
 from moetier.engine.router import Route
 
