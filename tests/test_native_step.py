@@ -158,3 +158,24 @@ def test_who_takes_the_python_path_and_why(models, monkeypatch):
     for token in (-1, engine.spec.vocab_size):
         with pytest.raises(ValueError, match=rf"token id {token} is outside the vocabulary \[0, {engine.spec.vocab_size}\)"):
             engine.native_step.step(token, engine.new_cache(), 0)
+
+
+@pytest.mark.parametrize("start, tokens, window", [(0, 37, None), (20, 5, None), (11, 19, 6), (300, 1, 7), (0, 1, None)])
+def test_the_native_attention_is_sdpas(start, tokens, window):
+    from moetier.backends import cpu_kernels
+    from moetier.engine.layers import attend, attention_mask
+
+    kernel = cpu_kernels.decode_kernel(2)
+    g = torch.Generator().manual_seed(start + tokens)
+    heads, groups, d, capacity = 6, 2, 24, 512
+    q = torch.randn(heads, tokens, d, generator=g)
+    keys, values = torch.randn(groups, capacity, d, generator=g), torch.randn(groups, capacity, d, generator=g)
+    end = start + tokens
+    expected = attend(q, keys[:, :end], values[:, :end], attention_mask(start, tokens, window, torch.device("cpu")))
+    got = kernel.attention(q, keys, values, start, window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, cpu_kernels.decode_kernel(1).attention(q, keys, values, start, window))  # any pool size
+    with pytest.raises(ValueError, match="outside a cache of 512"):
+        kernel.attention(q, keys, values, capacity - tokens + 1, window)
+    with pytest.raises(ValueError, match="G dividing H"):
+        kernel.attention(q[:5], keys, values, start, window)

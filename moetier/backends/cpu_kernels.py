@@ -275,6 +275,27 @@ class DecodeKernel:
         return y
 
 
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None) -> torch.Tensor:
+        """out [T, H d] = softmax(q k^T / sqrt(d)) v for q [H, T, d] at positions start.. (causal; the last `window`
+        keys of each query when window is given) over the KV buffers keys / values [G, capacity, d] (positions below
+        start + T written), GQA heads (H a multiple of G); float32, contiguous, in host memory, on every pool thread
+        (a granule per head and 16 queries). Bad arguments: ValueError, one line."""
+        heads, tokens, d = q.shape if q.dim() == 3 else (0, 0, 0)
+        if heads == 0 or keys.dim() != 3 or keys.shape != values.shape or keys.shape[2] != d or heads % keys.shape[0]:
+            raise ValueError(f"attention: q [H, T, d] and caches [G, capacity, d] with G dividing H, got {list(q.shape)}, "
+                             f"{list(keys.shape)}, {list(values.shape)}")
+        groups, capacity = keys.shape[0], keys.shape[1]
+        if start < 0 or start + tokens > capacity or (window is not None and window < 1):
+            raise ValueError(f"attention: positions {start}..{start + tokens - 1} outside a cache of {capacity}, or window {window}")
+        for name, t in (("q", q), ("keys", keys), ("values", values)):
+            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"attention: {name} must be float32 contiguous in host memory, got {t.dtype} on {t.device}")
+        out = torch.empty(tokens, heads * d)
+        if out.numel():
+            status_error("attention", self.library.moe_attention(self.pool.handle, q.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                                                  capacity, heads, groups, d, tokens, start, window or 0, out.data_ptr()))
+        return out
+
 
 def _mark_forked() -> None:
     for pool in _POOLS:  # the helpers stayed in the parent: the caller computes alone, to the same bits
@@ -330,6 +351,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_decode": (i64, [p, p, i64, i64, i64, p, p, p]),
         "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
+        "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
         "pool_open": (p, [i64, dbl]),
         "pool_threads": (i64, [p]),
         "pool_close": (None, [p]),

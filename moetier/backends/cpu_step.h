@@ -80,29 +80,61 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t rd) {
     }
 }
 
-typedef struct {  /* one token's attention: a granule per query head */
-    const float *q, *keys, *values;  /* q [H, d]; the layer's caches [G, capacity, d] */
-    float *out, *scores;             /* [H, d]; [H, last - first] */
-    int64_t H, G, d, capacity, first, last;  /* keys [first, last) */
+/* Attention of T queries at positions start .. start + T - 1 (causal; a sliding window of `window` keys when
+ * window > 0) over a layer's KV cache, grouped-query heads: a granule per query head and block of ATTN_QUERIES
+ * queries, each query's scores, softmax and weighted sum of values written by that granule alone. */
+enum { ATTN_QUERIES = 16 };
+
+typedef struct {
+    const float *q, *keys, *values;  /* q [H, T, d]; the caches [G, capacity, d], positions < start + T written */
+    float *out, *scores;             /* out [T, H d]; scores: `span` floats per granule */
+    int64_t H, G, d, capacity, T, start, window, blocks, span;  /* blocks: granules per head */
     float scale;
 } attn_job;
 
-static void attn_granule(void *job, int64_t head) {
+static void attn_granule(void *job, int64_t granule) {
     const attn_job *a = job;
-    const int64_t d = a->d, P = a->last - a->first, group = head / (a->H / a->G);
-    const float *q = a->q + head * d, *K = a->keys + (group * a->capacity + a->first) * d;
-    const float *V = a->values + (group * a->capacity + a->first) * d;
-    float *s = a->scores + head * P, *out = a->out + head * d, top = -INFINITY, total = 0.f;
-    for (int64_t p = 0; p < P; p++) {
-        s[p] = dot(q, K + p * d, d) * a->scale;
-        top = s[p] > top ? s[p] : top;
+    const int64_t d = a->d, head = granule / a->blocks, group = head / (a->H / a->G);
+    const int64_t t0 = granule % a->blocks * ATTN_QUERIES, t1 = t0 + ATTN_QUERIES < a->T ? t0 + ATTN_QUERIES : a->T;
+    float *s = a->scores + granule * a->span;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t pos = a->start + t, first = a->window > 0 && pos + 1 > a->window ? pos + 1 - a->window : 0;
+        const int64_t P = pos + 1 - first;
+        const float *q = a->q + (head * a->T + t) * d, *K = a->keys + (group * a->capacity + first) * d;
+        const float *V = a->values + (group * a->capacity + first) * d;
+        float *out = a->out + (t * a->H + head) * d, top = -INFINITY, total = 0.f;
+        for (int64_t p = 0; p < P; p++) {
+            s[p] = dot(q, K + p * d, d) * a->scale;
+            top = s[p] > top ? s[p] : top;
+        }
+        for (int64_t p = 0; p < P; p++) total += (s[p] = expf(s[p] - top));
+        for (int64_t i = 0; i < d; i++) out[i] = 0.f;
+        for (int64_t p = 0; p < P; p++) {
+            const float w = s[p] / total, *v = V + p * d;
+            for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+        }
     }
-    for (int64_t p = 0; p < P; p++) total += (s[p] = expf(s[p] - top));
-    for (int64_t i = 0; i < d; i++) out[i] = 0.f;
-    for (int64_t p = 0; p < P; p++) {
-        const float w = s[p] / total, *v = V + p * d;
-        for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
-    }
+}
+
+/* The caller holds pool->call. -> 0, or -2 when out of memory. */
+static int64_t attention_held(moe_pool *pool, const float *q, const float *keys, const float *values, int64_t capacity,
+                              int64_t H, int64_t G, int64_t d, int64_t T, int64_t start, int64_t window, float *out) {
+    const int64_t blocks = ceil_div(T, ATTN_QUERIES), granules = H * blocks;
+    const int64_t span = window > 0 && window < start + T ? window : start + T;  /* keys of a query, at most */
+    attn_job a = {q, keys, values, out, NULL, H, G, d, capacity, T, start, window, blocks, span, 1.f / sqrtf((float)d)};
+    if (!(a.scores = pool_arena(pool, sizeof(float) * (size_t)(granules * span)))) return -2;
+    pool_run(pool, attn_granule, &a, 1, &granules);
+    return 0;
+}
+
+/* out [T, H d] = softmax(q k^T / sqrt(d)) v for T queries q [H, T, d] at positions start.. (causal, a sliding window
+ * of `window` keys when window > 0) over caches keys / values [G, capacity, d]. -> 0, or -2 when out of memory. */
+int64_t moe_attention(moe_pool *pool, const float *q, const float *keys, const float *values, int64_t capacity, int64_t H,
+                      int64_t G, int64_t d, int64_t T, int64_t start, int64_t window, float *out) {
+    pthread_mutex_lock(&pool->call);
+    const int64_t status = attention_held(pool, q, keys, values, capacity, H, G, d, T, start, window, out);
+    pthread_mutex_unlock(&pool->call);
+    return status;
 }
 
 /* One token through layers[0 .. n): see the top of this file. -> 0, or -2 when out of memory. */
@@ -111,7 +143,6 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
     const float eps = (float)m->eps, one = 1.f;
     float *h = c->h, *x = c->scratch, *qkv = x + D, *att = qkv + (H + 2 * G) * d, *o = att + H * d;
     float *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
-    const int64_t first = c->window > 0 && pos + 1 > c->window ? pos + 1 - c->window : 0;
     int64_t status = 0, moe = 0;
     if (c->token >= 0) {  /* the embedding row, dequantized as ggml's get_rows does */
         const uint8_t *row = m->embed + c->token * row_bytes(m->embed_type, D);
@@ -135,10 +166,7 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
             memcpy(K + g * c->capacity * d, qkv + (H + g) * d, (size_t)d * sizeof(float));
             memcpy(V + g * c->capacity * d, qkv + (H + G + g) * d, (size_t)d * sizeof(float));
         }
-        attn_job a = {qkv, c->keys[l], c->values[l], att, NULL, H, G, d, c->capacity, first, pos + 1, 1.f / sqrtf((float)d)};
-        if (!(a.scores = pool_arena(pool, sizeof(float) * (size_t)(H * (pos + 1 - first))))) { status = -2; break; }
-        const int64_t heads = H;
-        pool_run(pool, attn_granule, &a, 1, &heads);
+        if ((status = attention_held(pool, qkv, c->keys[l], c->values[l], c->capacity, H, G, d, 1, pos, c->window, att))) break;
         if ((status = linear_held(pool, att, 1, H * d, &L->o, 1, m->float_acts, o))) break;
         for (int64_t i = 0; i < D; i++) h[i] += L->o_bias ? o[i] + L->o_bias[i] : o[i];
         rms_norm_row(h, L->post_norm, x, D, eps);

@@ -2,7 +2,8 @@
 
 `Engine.forward(ids, cache)` runs embed -> layers -> norm -> lm head for T new
 tokens after `cache.length` cached ones. Attention and the trunk (norms, dense
-MLPs, shared experts, router) run in torch on the engine's device; routed
+MLPs, shared experts, router) run in torch on the engine's device (on the CPU
+the matrices and the attention heads through the native kernels); routed
 experts go through an `ExpertExecutor` — here `ResidentExperts`, every expert
 placed on one backend — which is the seam where tiers plug in. A decoded
 token on an all-CPU engine whose experts are all resident on the native
@@ -313,7 +314,11 @@ class Engine:
         q, k = qk[:heads], qk[heads:]  # [H, T, d], [G, T, d]
         v = v.transpose(0, 1)  # [G, T, d]
         keys, values = cache.append(layer, k, v, start)  # [G, P, d]
-        return w.o_proj(attend(q, keys, values, mask))  # [T, D]
+        if self._cpu_kernel is not None and x.is_cpu:  # every head on every pool thread, over the cache in place
+            out = self._cpu_kernel.attention(q.contiguous(), cache.keys[layer], cache.values[layer], start, s.sliding_window)
+        else:
+            out = attend(q, keys, values, mask)  # [T, H * d]
+        return w.o_proj(out)  # [T, D]
 
     def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> Partials:
         begin = time.perf_counter() if self.times is not None else 0.0
