@@ -30,6 +30,9 @@
  *    (Q8_0 and IQ4_NL biased by o = 128, Q4_0 / Q5_0 as stored with o = 8 / 16, Q4_1 / Q5_1 o = 0), and one
  *    vpdpbusd(u, x) started from -o * (x's sums of four), formed once per token block and shared by the rows,
  *    gives the block's dot product; F16 / BF16 weights widened in registers, 16 values a step.
+ *  - AVX-512 BF16 (where present, beside the AVX-512 path): BF16 weights times BF16 activations (a GGUF's) by
+ *    vdpbf16ps, 32 values a step, as llama.cpp's ggml_vec_dot_bf16 there: the same exact products, added pair by
+ *    pair, subnormal bf16 inputs taken as zero (prefill of the `medium` BF16 file 1544 -> 2350 tok/s).
  *  - AVX2 (+FMA, F16C): a block per ymm, through maddubs / madd (vpdpbusd where AVX-VNNI is present): Q4_* /
  *    Q5_* as unsigned quants (Q4_0 / Q5_0 with the same -o * sum(x) start), Q8_0 and IQ4_NL by ggml's sign trick
  *    (|w| times x with w's sign: biased they would saturate maddubs).
@@ -408,6 +411,44 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
             y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
                                                                                         _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
 }
+#if defined(__AVX512BF16__)
+#define PATH_BF16_PAIRS 1
+/* BF16 weights times BF16 activations (a GGUF's BF16 matrices, as llama.cpp takes them) by vdpbf16ps: 32 values a
+ * step, the products of bf16 pairs exact in float32 and added pair by pair into float32 accumulators (the
+ * instruction treats subnormal bf16 inputs and outputs as zero, as llama.cpp's same instruction does). An
+ * accumulator per (row, token), four for a lone row and token; the tail masked. */
+INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const uint16_t *x,
+                      int64_t n, float *y, int64_t ldy) {
+    (void)f;
+    const int K = R * TT == 1 ? 4 : 1;
+    __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 * K <= n; k += 32 * K)
+        for (int j = 0; j < K; j++)
+            for (int r = 0; r < R; r++) {
+                const int64_t at = k + 32 * j;
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + r * row_bytes) + at);
+                if (R > 1) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * 2, _MM_HINT_T0);
+                for (int t = 0; t < TT; t++)
+                    acc[r][t][j] = _mm512_dpbf16_ps(acc[r][t][j], wv, (__m512bh)_mm512_loadu_si512(x + t * n + at));
+            }
+    for (; k < n; k += 32) {
+        const __mmask32 live = n - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - k)) - 1);
+        for (int r = 0; r < R; r++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, (const uint16_t *)(w + r * row_bytes) + k);
+            for (int t = 0; t < TT; t++)
+                acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, x + t * n + k));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
+                                                                                        _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
+}
+#endif
 #endif /* PATH_AVX512 */
 
 #if defined(PATH_AVX2)
@@ -564,9 +605,24 @@ INLINE void floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_by
 #undef AT
 }
 
+#if defined(PATH_BF16_PAIRS)
+INLINE void bf16_simd(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint16_t *x, int64_t T, float *y,
+                      int64_t ldy) {
+#define AT(t) (x + (t) * n)
+    TILES(tile_bf16, BF16, FLOAT_ROWS, 1, FLOAT_TOKENS, AT, n);
+#undef AT
+}
+#endif
+
 /* -> 1 if done here, 0 if the scratch would not come (the caller runs the scalar path) */
 static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows,
                     const uint8_t *xq, int64_t T, float *y, int64_t ldy) {
+#if defined(PATH_BF16_PAIRS)
+    if (f == BF16 && act == ACT_BF16) {  /* the activations as they are: no scratch */
+        bf16_simd(n, w, row_bytes, rows, (const uint16_t *)xq, T, y, ldy);
+        return 1;
+    }
+#endif
     unsigned char stack[SCRATCH_BYTES] __attribute__((aligned(64)));
     const int blocks = f != F32 && f != F16 && f != BF16;
     const int64_t nb = n / 32, nbp = (nb + 1) & ~(int64_t)1;
