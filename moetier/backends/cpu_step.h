@@ -92,6 +92,40 @@ typedef struct {
     float scale;
 } attn_job;
 
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* e^x for x <= 0 in 8 lanes (clamped at -87.3: about 1e-38): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two
+ * parts (Cody-Waite), p Cephes' degree-6 polynomial for e^r: within about 2 ulp of expf */
+static inline v8f exp8(v8f x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8f low = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const v8i below = x < low;  /* lanes of -1 where x < low */
+    x = (v8f)((below & (v8i)low) | (~below & (v8i)x));
+    const v8i whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);  /* x <= 0: rounds to nearest */
+    const v8f n = __builtin_convertvector(whole, v8f);
+    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const v8i bits = (whole + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* s[j] = q . K[j] for 8 keys (rows d apart), d a multiple of 8 */
+static inline void scores8(const float *q, const float *K, int64_t d, float *s) {
+    v8f acc[8] = {{0}};
+    for (int64_t c = 0; c < d; c += 8) {
+        const v8f qc = load8(q + c);
+        for (int j = 0; j < 8; j++) acc[j] += qc * load8(K + j * d + c);
+    }
+    for (int j = 0; j < 8; j++) s[j] = sum8(acc[j]);
+}
+
 static void attn_granule(void *job, int64_t granule) {
     const attn_job *a = job;
     const int64_t d = a->d, head = granule / a->blocks, group = head / (a->H / a->G);
@@ -99,19 +133,40 @@ static void attn_granule(void *job, int64_t granule) {
     float *s = a->scores + granule * a->span;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t pos = a->start + t, first = a->window > 0 && pos + 1 > a->window ? pos + 1 - a->window : 0;
-        const int64_t P = pos + 1 - first;
+        const int64_t P = pos + 1 - first, wide = d % 8 ? 0 : P & ~(int64_t)7;
         const float *q = a->q + (head * a->T + t) * d, *K = a->keys + (group * a->capacity + first) * d;
         const float *V = a->values + (group * a->capacity + first) * d;
         float *out = a->out + (t * a->H + head) * d, top = -INFINITY, total = 0.f;
-        for (int64_t p = 0; p < P; p++) {
-            s[p] = dot(q, K + p * d, d) * a->scale;
-            top = s[p] > top ? s[p] : top;
+        int64_t p = 0;
+        for (; p < wide; p += 8) scores8(q, K + p * d, d, s + p);
+        for (; p < P; p++) s[p] = dot(q, K + p * d, d);
+        for (p = 0; p < P; p++) top = (s[p] *= a->scale) > top ? s[p] : top;
+        p = 0;
+        if (wide) {
+            v8f sums = {0};
+            for (; p + 8 <= P; p += 8) {
+                const v8f e = exp8(load8(s + p) - top);
+                store8(s + p, e);
+                sums += e;
+            }
+            total = sum8(sums);
         }
-        for (int64_t p = 0; p < P; p++) total += (s[p] = expf(s[p] - top));
-        for (int64_t i = 0; i < d; i++) out[i] = 0.f;
-        for (int64_t p = 0; p < P; p++) {
-            const float w = s[p] / total, *v = V + p * d;
-            for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+        for (; p < P; p++) total += (s[p] = expf(s[p] - top));
+        const float inv = 1.f / total;
+        if (d % 8 == 0 && d <= 256) {  /* the output row in registers */
+            v8f acc[32];
+            for (int64_t i = 0; i < d / 8; i++) acc[i] = (v8f){0};
+            for (p = 0; p < P; p++) {
+                const float w = s[p] * inv, *v = V + p * d;
+                for (int64_t i = 0; i < d / 8; i++) acc[i] += w * load8(v + 8 * i);
+            }
+            for (int64_t i = 0; i < d / 8; i++) store8(out + 8 * i, acc[i]);
+        } else {
+            for (int64_t i = 0; i < d; i++) out[i] = 0.f;
+            for (p = 0; p < P; p++) {
+                const float w = s[p] * inv, *v = V + p * d;
+                for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+            }
         }
     }
 }
