@@ -20,7 +20,8 @@
  * row with four accumulators (one FMA chain would wait on its latency). Each tile prefetches the next tile's
  * rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew every tile,
  * and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without, 36 with).
- * The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32) into
+ * The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32; AVX-512 also
+ * each block pair's -o * sums of four and its scale lanes, which a row-at-a-time Q8_0 tile would redo per row) into
  * scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none).
  * No threads here: callers split rows.
  *
@@ -245,16 +246,25 @@ static void floats_scalar(int64_t f, int64_t act, int64_t n, const uint8_t *w, i
 /* ---- SIMD paths: activations unpacked once per call, per token [nbp int8 quants [32] | nbp float d | nbp float s]
  * (nbp: the blocks rounded up to a pair; the pad block is all zeros, so an odd last block reads as a pair) ---- */
 
-typedef struct { const int8_t *q; const float *d, *s; } act_view;
+typedef struct { const int8_t *q; const float *d, *s; const int32_t *c; const float *dx; } act_view;
 #define SCRATCH_BYTES 32768
-#define ACT_BLOCK_BYTES 40  /* quants and two floats */
+#if defined(PATH_AVX512)
+#define ACT_BLOCK_BYTES 104  /* quants, two floats, and the pair terms: c and dx, 8 lanes of each per block */
+#else
+#define ACT_BLOCK_BYTES 40   /* quants and two floats */
+#endif
 
-static void unpack_blocks(int64_t act, const uint8_t *xq, int64_t nb, int64_t nbp, int64_t T, uint8_t *xs, act_view *view) {
+/* `bias`: the offset o of the weight format's unsigned quants (AVX-512: each block pair's -o * sums of four
+ * activation quants, c, and its scales as lanes [d0 x8 | d1 x8], dx, are formed here once, not once per row) */
+static void unpack_blocks(int64_t act, int bias, const uint8_t *xq, int64_t nb, int64_t nbp, int64_t T, uint8_t *xs,
+                          act_view *view) {
     const int64_t xb = act == ACT_Q8_1 ? 36 : 34, at = act == ACT_Q8_1 ? 4 : 2;
     for (int64_t t = 0; t < T; t++) {
         int8_t *q = (int8_t *)(xs + t * nbp * ACT_BLOCK_BYTES);
         float *d = (float *)(q + nbp * 32), *s = d + nbp;
-        view[t] = (act_view){q, d, s};
+        int32_t *c = (int32_t *)(s + nbp);
+        float *dx = (float *)(c + 8 * nbp);
+        view[t] = (act_view){q, d, s, c, dx};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *x = xq + (t * nb + b) * xb;
             memcpy(q + 32 * b, x + at, 32);
@@ -262,6 +272,16 @@ static void unpack_blocks(int64_t act, const uint8_t *xq, int64_t nb, int64_t nb
             s[b] = act == ACT_Q8_1 ? half_float(load16(x + 2)) : 0.0f;
         }
         if (nb < nbp) memset(q + 32 * nb, 0, 32), d[nb] = s[nb] = 0.0f;
+#if defined(PATH_AVX512)
+        for (int64_t b = 0; b < nbp; b++)  /* block b's 8 lanes of its pair's c and dx */
+            for (int i = 0; i < 8; i++) {
+                const int8_t *four = q + 32 * b + 4 * i;
+                c[8 * b + i] = -bias * (four[0] + four[1] + four[2] + four[3]);
+                dx[8 * b + i] = d[b];
+            }
+#else
+        (void)bias, (void)c, (void)dx;
+#endif
     }
 }
 #endif
@@ -331,9 +351,8 @@ INLINE void pair_step(const int f, const int R, const int TT, const int single, 
     __m512 dx[TILE_TOKENS], sx[TILE_TOKENS];
     for (int t = 0; t < TT; t++) { /* per token block: shared by the R rows */
         xq[t] = _mm512_loadu_si512(x[t].q + 32 * b);
-        c[t] = _mm512_setzero_si512();
-        if (bias(f)) c[t] = _mm512_sub_epi32(c[t], _mm512_dpbusd_epi32(c[t], _mm512_set1_epi8((char)bias(f)), xq[t]));
-        dx[t] = _mm512_permutexvar_ps(halves, two_floats(x[t].d + b));  /* [d0 x8 | d1 x8] */
+        c[t] = bias(f) ? _mm512_loadu_si512(x[t].c + 8 * b) : _mm512_setzero_si512();  /* -o * x's sums of four */
+        dx[t] = _mm512_loadu_ps(x[t].dx + 8 * b);  /* [d0 x8 | d1 x8] */
         if (has_min(f)) sx[t] = _mm512_maskz_permutexvar_ps(0x0101, halves, two_floats(x[t].s + b));  /* s0, s1 in lanes 0, 8 */
     }
     for (int r = 0; r < R; r++) {
@@ -631,7 +650,11 @@ static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t
     if (scratch == NULL) return 0;
     if (blocks) {
         act_view *xv = (act_view *)(scratch + T * nbp * ACT_BLOCK_BYTES);
-        unpack_blocks(act, xq, nb, nbp, T, scratch, xv);
+#if defined(PATH_AVX512)
+        unpack_blocks(act, bias((int)f), xq, nb, nbp, T, scratch, xv);
+#else
+        unpack_blocks(act, 0, xq, nb, nbp, T, scratch, xv);
+#endif
         switch (f) {
         case Q4_0: blocks_simd(Q4_0, nb, w, row_bytes, rows, xv, T, y, ldy); break;
         case Q4_1: blocks_simd(Q4_1, nb, w, row_bytes, rows, xv, T, y, ldy); break;
