@@ -60,6 +60,9 @@ PRESETS: dict[str, SynthPreset] = {
     # ~1.1 GB, fine-grained like Qwen3-Next (many small experts, top-10, many layers):
     # decode touches ~200 MB of weights per token, far beyond the caches (memory-bound)
     "medium": SynthPreset(512, 16, 8, 2, 64, 80, 10, 128, 1024, 16384, shard_bytes=300_000_000),
+    # ~2.0 GB, experts of Qwen3-Next's shape (hidden 2048, width 512) in few layers: 1.6 GB of float32 experts,
+    # ~0.7 GB read per decoded token: a layer's work is large next to its fixed costs (bench_decode --preset wide)
+    "wide": SynthPreset(2048, 4, 16, 2, 128, 32, 8, 512, 2048, 16384, shard_bytes=500_000_000),
 }
 
 
