@@ -179,3 +179,28 @@ def test_the_native_attention_is_sdpas(start, tokens, window):
         kernel.attention(q, keys, values, capacity - tokens + 1, window)
     with pytest.raises(ValueError, match="G dividing H"):
         kernel.attention(q[:5], keys, values, start, window)
+
+
+def test_two_threads_decode_two_sequences_on_one_engine(models):
+    """Each call's stream, routes and cache addresses are its own: two sequences decoded at once on one engine give
+    the logits they give one after the other."""
+    import threading
+
+    engine = Engine(open_checkpoint(models["qwen3_moe"]))
+    prompts = [RNG_IDS[:6], RNG_IDS[10:17]]
+
+    def decode(prompt, out):
+        cache = engine.new_cache()
+        engine.forward(torch.tensor(prompt), cache)
+        out.extend(engine.forward(torch.tensor([t]), cache)[0].numpy() for t in RNG_IDS[20:40])
+
+    alone = [[], []]
+    for prompt, out in zip(prompts, alone):
+        decode(prompt, out)
+    together = [[], []]
+    threads = [threading.Thread(target=decode, args=(p, o)) for p, o in zip(prompts, together)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(np.array_equal(np.stack(a), np.stack(b)) for a, b in zip(alone, together))

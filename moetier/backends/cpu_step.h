@@ -199,12 +199,12 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
     float *h = c->h, *x = c->scratch, *qkv = x + D, *att = qkv + (H + 2 * G) * d, *o = att + H * d;
     float *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
     int64_t status = 0, moe = 0;
+    pthread_mutex_lock(&pool->call);  /* the scratch is the pool's caller's */
     if (c->token >= 0) {  /* the embedding row, dequantized as ggml's get_rows does */
         const uint8_t *row = m->embed + c->token * row_bytes(m->embed_type, D);
         if (m->embed_type == TYPE_F32) memcpy(h, row, (size_t)D * sizeof(float));
         else dequantize_row(m->embed_type, row, h, D);
     }
-    pthread_mutex_lock(&pool->call);
     for (int64_t l = 0; l < n && !status; l++) {
         const step_layer *L = &layers[l];
         rms_norm_row(h, L->input_norm, x, D, eps);

@@ -58,6 +58,7 @@ class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, devices: list[torch.device], capacity: int = 256):
         self.length = 0
         self.grown = 0  # buffers replaced so far: addresses taken before a change are stale
+        self.native = None  # what the native step keeps of this cache (moetier.engine.native_step), or None
         self.keys = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
         self.values = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
 

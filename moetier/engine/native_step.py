@@ -110,13 +110,11 @@ class NativeStep:
         self.model.head = _part("lm head", *head.parts[0], D)
         self._keep: list = []  # the record buffers the layers point into
         self.layers = (_Layer * spec.num_layers)(*[self._layer(layer) for layer in range(spec.num_layers)])
+        # one call's floats: logits [V], the residual stream [D], each MoE layer's route logits and probs [E] and
+        # weights [k] (a call's own: two threads may decode on one engine), and the step's scratch (the pool's)
         moe, E, k = len(spec.moe_layers), spec.num_experts, spec.top_k
-        self.logits, self.probs = torch.empty(moe, E), torch.empty(moe, E)  # [MoE layers, E]
-        self.weights, self.picks = torch.empty(moe, k), torch.empty(moe, k, dtype=torch.int64)  # [MoE layers, k]
+        self._sizes = [spec.vocab_size, D, moe * E, moe * E, moe * k]
         self.scratch = torch.empty(kernel.library.step_scratch(ctypes.byref(self.model)))
-        self.h = torch.empty(1, D)  # [1, D] the residual stream of the token in flight
-        self._cache: tuple[KVCache, int] | None = None  # the cache whose addresses `_keys` hold, and its `grown` then
-        self._keys = self._values = None
         self._nudge_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a bias table, its float32 host copy)
 
     def _record(self, weights, inter: int) -> ctypes.Array:
@@ -179,13 +177,16 @@ class NativeStep:
             return "an expert the native kernels cannot read in place"
         return None
 
-    def _cache_addresses(self, cache: KVCache, end: int) -> None:
+    def _cache_addresses(self, cache: KVCache, end: int) -> tuple[ctypes.Array, ctypes.Array]:
+        """Room for positions < end in `cache`, and its layers' key and value buffer addresses, kept on the cache (its
+        own: two threads decoding two sequences never share them) until its buffers change."""
         cache.reserve(end)
-        if self._cache is None or self._cache[0] is not cache or self._cache[1] != cache.grown:
+        held = cache.native
+        if held is None or held[0] != cache.grown:
             L = self.spec.num_layers
-            self._keys = (ptr * L)(*[t.data_ptr() for t in cache.keys])
-            self._values = (ptr * L)(*[t.data_ptr() for t in cache.values])
-            self._cache = (cache, cache.grown)
+            held = cache.native = (cache.grown, (ptr * L)(*[t.data_ptr() for t in cache.keys]),
+                                   (ptr * L)(*[t.data_ptr() for t in cache.values]))
+        return held[1], held[2]
 
     def _nudge(self, table: torch.Tensor) -> torch.Tensor:
         """The bias table [MoE layers, E] as the C reads it: float32, contiguous, in host memory (converted once)."""
@@ -201,18 +202,20 @@ class NativeStep:
         engine, spec = self.engine, self.spec
         if not 0 <= token < spec.vocab_size:
             raise ValueError(f"native step: token id {token} is outside the vocabulary [0, {spec.vocab_size})")
-        self._cache_addresses(cache, start + 1)
+        keys, values = self._cache_addresses(cache, start + 1)
         cos, sin = engine.ropes[torch.device("cpu")].at(start)  # [rotary_dim] each
         nudge = None if engine.router_bias is None else self._nudge(engine.router_bias.table)
-        logits = torch.empty(1, spec.vocab_size)
-        call = _Call(token, self.h.data_ptr(), start, cache.keys[0].shape[1], spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
-                     ctypes.addressof(self._keys), ctypes.addressof(self._values), nudge.data_ptr() if nudge is not None else None,
-                     self.logits.data_ptr(), self.probs.data_ptr(), self.weights.data_ptr(), self.picks.data_ptr(),
+        logits, h, route_logits, probs, weights = torch.empty(sum(self._sizes)).split(self._sizes)
+        picks = torch.empty(len(spec.moe_layers), spec.top_k, dtype=torch.int64)
+        call = _Call(token, h.data_ptr(), start, cache.keys[0].shape[1], spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
+                     ctypes.addressof(keys), ctypes.addressof(values), nudge.data_ptr() if nudge is not None else None,
+                     route_logits.data_ptr(), probs.data_ptr(), weights.data_ptr(), picks.data_ptr(),
                      self.scratch.data_ptr(), logits.data_ptr())
         status_error("native step", self.kernel.library.moe_step(self.kernel.pool.handle, ctypes.byref(self.model), self.layers,
                                                                  spec.num_layers, ctypes.byref(call)))
-        if engine.observer is not None:  # copies: the buffers are the next step's
+        if engine.observer is not None:
+            E, k = spec.num_experts, spec.top_k
+            route_logits, probs, weights = route_logits.view(-1, E), probs.view(-1, E), weights.view(-1, k)
             for i, layer in enumerate(spec.moe_layers):
-                engine.observer(layer, Route(self.logits[i : i + 1].clone(), self.probs[i : i + 1].clone(),
-                                             self.picks[i : i + 1].clone(), self.weights[i : i + 1].clone()))
-        return logits
+                engine.observer(layer, Route(route_logits[i : i + 1], probs[i : i + 1], picks[i : i + 1], weights[i : i + 1]))
+        return logits.view(1, -1)
