@@ -2,7 +2,8 @@
 
 Regime: CPU, batch 1, greedy. One synthetic checkpoint (`--preset`, default
 `medium`: 16 layers of 80 experts, top-10, 1.0 GB of float32 experts, 32x the
-L3 here) written by moetier, converted to an F32 GGUF by moetier and quantized
+L3 here; `wide`: 4 layers of 32 experts of Qwen3-Next's shape, hidden 2048,
+width 512, top-8, 1.6 GB of float32 experts) written by moetier, converted to an F32 GGUF by moetier and quantized
 by llama.cpp's own quantizer (BF16, Q8_0, Q4_K_M, Q6_K, IQ3_S), cached in
 `--models`. Per format moetier's Engine and llama.cpp (llama-cpp-python) run
 the same GGUF file; transformers runs the HF float32 checkpoint the files came
