@@ -1,4 +1,4 @@
-"""moetier's CPU kernels (cpu_kernels.c, cpu_pool.h beside this file): SwiGLU experts, a linear layer, the router.
+"""moetier's CPU kernels (cpu_kernels.c, cpu_pool.h, cpu_router.h beside this file): SwiGLU experts, a linear layer, the router.
 
 (The same library holds the native decode step, cpu_step.h, which moetier.engine.native_step drives.)
 
