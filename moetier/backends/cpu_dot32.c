@@ -403,6 +403,20 @@ INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* The float tiles' accumulators [row][token][4]: zeroed; summed into y (the first one, or all four when K = 4) */
+INLINE void floats_clear(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4]) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm512_setzero_ps();
+}
+
+INLINE void floats_store(const int R, const int TT, const int K, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4], float *y, int64_t ldy) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
+                                                                                        _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
+}
+
 /* R rows x TT tokens: an accumulator each, or four (k in 64s) for a lone row and token, whose one FMA chain would
  * wait on its latency; the last 16s into the first, the very last masked. The next tile's rows are prefetched
  * when R > 1; one row at a time is one sequential stream, which the hardware follows better alone (F32 from
@@ -411,9 +425,7 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
                         int64_t n, float *y, int64_t ldy) {
     const int K = R * TT == 1 ? 4 : 1, size = f == F32 ? 4 : 2;
     __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm512_setzero_ps();
+    floats_clear(R, TT, acc);
     int64_t k = 0;
     for (; k + 16 * K <= n; k += 16 * K)
         for (int j = 0; j < K; j++)
@@ -430,10 +442,7 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
             for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[r][t][0]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
-                                                                                        _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
+    floats_store(R, TT, K, acc, y, ldy);
 }
 #if defined(__AVX512BF16__)
 #define PATH_BF16_PAIRS 1
@@ -446,9 +455,7 @@ INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, 
     (void)f;
     const int K = R * TT == 1 ? 4 : 1;
     __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm512_setzero_ps();
+    floats_clear(R, TT, acc);
     int64_t k = 0;
     for (; k + 32 * K <= n; k += 32 * K)
         for (int j = 0; j < K; j++)
@@ -467,10 +474,7 @@ INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, 
                 acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, x + t * n + k));
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
-                                                                                        _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
+    floats_store(R, TT, K, acc, y, ldy);
 }
 #endif
 #endif /* PATH_AVX512 */
@@ -691,9 +695,10 @@ static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t
 #else
         unpack_blocks(act, 0, xq, nb, nbp, T, scratch, xv);
 #endif
-        /* tokens in chunks whose unpacked activations stay in L1 (~24 KB) while each row tile passes over them: at
-         * T = 256 every row tile streamed all of them from L2 (Q8_0 [1024, 2048], 1 thread: 30 GMAC/s, 64 at T = 8).
-         * A chunk is a whole number of token tiles, so every (row, token) runs the same operations as without. */
+        /* tokens in chunks whose unpacked activations stay in L1 (~24 KB) while each row tile passes over them, beside
+         * cpu_kernels.c's 32-row granules (Q8_0 [1024, 2048] at T = 256, 1 thread, interleaved x3: 60-63 GMAC/s
+         * without the chunks, 68-69 with; Q4_0 at T = 64 97-99 without, 92-93 with). A chunk is a whole number of
+         * token tiles, so every (row, token) runs the same operations as without. */
         const int64_t chunk = chunk_tokens(nbp * ACT_BLOCK_BYTES, T);
         for (int64_t t0 = 0; t0 < T; t0 += chunk) {
             const int64_t tc = T - t0 < chunk ? T - t0 : chunk;
