@@ -117,10 +117,12 @@ class NativeStep:
         self.scratch = torch.empty(kernel.library.step_scratch(ctypes.byref(self.model)))
         self._nudge_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a bias table, its float32 host copy)
 
-    def _record(self, weights, inter: int) -> ctypes.Array:
-        record = ctypes.create_string_buffer(expert_record(weights, self.spec.hidden_size, inter), cpu_kernels.RECORD.size)
-        self._keep.append(record)
-        return record
+    def _records(self, experts, inter: int) -> int:
+        """The address of the experts' records, one after another (kept alive with the step)."""
+        records = b"".join(expert_record(e, self.spec.hidden_size, inter) for e in experts)
+        buffer = ctypes.create_string_buffer(records, len(records))
+        self._keep.append(buffer)
+        return ctypes.addressof(buffer)
 
     def _layer(self, layer: int) -> _Layer:
         engine, spec, w = self.engine, self.spec, self.engine.layers[layer]
@@ -139,7 +141,7 @@ class NativeStep:
                      o=_part(f"{where} o_proj", o_data, o_type, H * d), o_bias=_vector(f"{where} o bias", w.o_proj.bias, D))
         mlp = w.mlp if w.mlp is not None else w.shared
         if mlp is not None:
-            out.mlp, out.mlp_I = ctypes.addressof(self._record(mlp, mlp.inter)), mlp.inter
+            out.mlp, out.mlp_I = self._records([mlp], mlp.inter), mlp.inter
         if w.router is None:
             return out
         E, I = spec.num_experts, spec.moe_intermediate_size
@@ -147,10 +149,7 @@ class NativeStep:
             raise ValueError(f"{where}: router {list(w.router.shape)} (expected [{E}, {D}])")
         out.router = _vector(f"{where} router", w.router, E * D)
         out.correction = _vector(f"{where} correction bias", w.correction_bias, E)
-        experts = b"".join(expert_record(e, D, I) for e in engine.executor.placed[layer])
-        records = ctypes.create_string_buffer(experts, len(experts))
-        self._keep.append(records)
-        out.experts = ctypes.addressof(records)
+        out.experts = self._records(engine.executor.placed[layer], I)
         return out
 
     @classmethod
