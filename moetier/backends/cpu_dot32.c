@@ -599,18 +599,7 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
 /* Rows in tiles of ROWS (the last few one at a time), each over every token in tiles of up to TTMAX. At T = 1 a tile
  * is ROWS1 rows: one where decoding is cheap next to the bytes (Q8_0, the float formats: one sequential stream,
  * what the prefetchers like best), ROWS_AT_ONE_TOKEN where it is not (the token's work shared by the rows). */
-#define TOKEN_TILES(tile, f, R, TTMAX, r, x, extent)                                                                   \
-    for (int64_t t = 0; t < T; t += TTMAX) {                                                                           \
-        const int64_t tt = T - t < TTMAX ? T - t : TTMAX;                                                              \
-        const uint8_t *wr = w + (r) * row_bytes;                                                                       \
-        float *yr = y + t * ldy + (r);                                                                                 \
-        if (tt == TTMAX) tile(f, R, TTMAX, wr, row_bytes, x(t), extent, yr, ldy);                                      \
-        else if (tt == 1) tile(f, R, 1, wr, row_bytes, x(t), extent, yr, ldy);                                         \
-        else if (tt == 2 && TTMAX > 2) tile(f, R, 2, wr, row_bytes, x(t), extent, yr, ldy);                            \
-        else tile(f, R, TTMAX > 1 ? TTMAX - 1 : 1, wr, row_bytes, x(t), extent, yr, ldy);                              \
-    }
-/* TOKEN_TILES for tiles of up to 6 tokens: every tail length its own specialised call */
-#define TOKEN_TILES6(tile, f, R, TTMAX, r, x, extent)                                                                  \
+#define TOKEN_TILES(tile, f, R, TTMAX, r, x, extent) /* TTMAX <= 6: every tail length its own specialised call */   \
     for (int64_t t = 0; t < T; t += TTMAX) {                                                                           \
         const int64_t tt = T - t < TTMAX ? T - t : TTMAX;                                                              \
         const uint8_t *wr = w + (r) * row_bytes;                                                                       \
@@ -624,15 +613,6 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
         default: tile(f, R, 1, wr, row_bytes, x(t), extent, yr, ldy); break;                                           \
         }                                                                                                              \
     }
-#define TILES6(tile, f, ROWS, TTMAX, x, extent)                                                                        \
-    do {                                                                                                               \
-        int64_t r = 0;                                                                                                 \
-        if (T == 1)                                                                                                    \
-            for (; r < rows; r++) tile(f, 1, 1, w + r * row_bytes, row_bytes, x(0), extent, y + r, ldy);              \
-        else                                                                                                           \
-            for (; r + ROWS <= rows; r += ROWS) { TOKEN_TILES6(tile, f, ROWS, TTMAX, r, x, extent) }                   \
-        for (; r < rows; r++) { TOKEN_TILES6(tile, f, 1, TTMAX, r, x, extent) }                                        \
-    } while (0)
 #define TILES(tile, f, ROWS, ROWS1, TTMAX, x, extent)                                                                  \
     do {                                                                                                               \
         int64_t r = 0;                                                                                                 \
@@ -653,7 +633,7 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
 INLINE void floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (x + (t) * n)
-    TILES6(tile_floats, f, FLOAT_ROWS, FLOAT_TOKENS, AT, n);
+    TILES(tile_floats, f, FLOAT_ROWS, 1, FLOAT_TOKENS, AT, n);
 #undef AT
 }
 
