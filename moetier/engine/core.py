@@ -246,7 +246,7 @@ class Engine:
         h = self.embed.rows(ids)  # [T, D]
         for index, part in enumerate(self.parts):
             h = h.to(part.device)
-            mask = attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)
+            mask = None if self._native_attention(part.device) else attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)
             defer = self.defer_cpu == 2 or (self.defer_cpu == 1 and index == 0)
             pending: Future | None = None  # the previous layer's CPU-lane partial, deferred
             for layer in part.layers:
@@ -282,6 +282,10 @@ class Engine:
             times.steps += 1
         return logits
 
+    def _native_attention(self, device: torch.device) -> bool:
+        """Whether attention on `device` runs on the native kernels (which need no mask)."""
+        return self._cpu_kernel is not None and device.type == "cpu"
+
     def _native_decode(self) -> bool:
         """Whether this token goes through the native step: there is one, no one times the steps' parts, and the
         router bias (if any) is not damped (the native router selects with it as route() does undamped)."""
@@ -314,7 +318,7 @@ class Engine:
         q, k = qk[:heads], qk[heads:]  # [H, T, d], [G, T, d]
         v = v.transpose(0, 1)  # [G, T, d]
         keys, values = cache.append(layer, k, v, start)  # [G, P, d]
-        if self._cpu_kernel is not None and x.is_cpu:  # every head on every pool thread, over the cache in place
+        if self._native_attention(x.device):  # every head on every pool thread, over the cache in place
             out = self._cpu_kernel.attention(q.contiguous(), cache.keys[layer], cache.values[layer], start, s.sliding_window)
         else:
             out = attend(q, keys, values, mask)  # [T, H * d]
