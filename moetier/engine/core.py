@@ -1,7 +1,10 @@
 """The engine core: one decoder forward pass over a MoE checkpoint, batch 1.
 
 `Engine.forward(ids, cache)` runs embed -> layers -> norm -> lm head for T new
-tokens after `cache.length` cached ones. Attention and the trunk (norms, dense
+tokens after `cache.length` cached ones. A layer mixes tokens by attention
+over its KV cache or, in Qwen3-Next's linear-attention layers, by the Gated
+DeltaNet recurrence over a state the cache also holds (moetier.engine.deltanet).
+Attention and the trunk (norms, dense
 MLPs, shared experts, router) run in torch on the engine's device (on the CPU
 the matrices and the attention heads through the native kernels); routed
 experts go through an `ExpertExecutor` — here `ResidentExperts`, every expert
@@ -27,14 +30,15 @@ import torch.nn.functional as F
 
 from moetier.backends import Backend, ExpertWork, cpu_kernels, get_backend
 from moetier.backends.base import ROW0
+from moetier.engine.deltanet import DeltaNetState, DeltaNetWeights, deltanet_layer
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
 from moetier.engine.linear import StoredEmbedding, StoredLinear, stored_ffn
 from moetier.engine.native_step import NativeStep
 from moetier.engine.router import Route, route_gate
 from moetier.engine.router_bias import RouterBias
-from moetier.tiers.base import ExpertJob
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
+from moetier.tiers.base import ExpertJob
 
 RouteObserver = Callable[[int, Route], None]  # (layer, route) for every MoE layer of every forward
 
@@ -128,13 +132,17 @@ class ResidentExperts:
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
     post_norm: torch.Tensor  # [D]
-    qkv: StoredLinear  # D -> (H + 2G) * d: q, k, v projections stacked (with their biases)
-    o_proj: StoredLinear  # H * d -> D
+    # attention layers: q, k, v stacked (with their biases): D -> (H + 2G) * d, or (2H + 2G) * d with an output gate
+    # (q_proj's rows per head: d query rows, then d gate rows); None in a linear-attention layer
+    qkv: StoredLinear | None
+    o_proj: StoredLinear | None  # H * d -> D
     qk_norm: torch.Tensor | None  # [H + G, d]: q_norm for each query head, then k_norm for each kv head
     mlp: ExpertWeights | None  # dense layers, stored
     router: torch.Tensor | None  # [E, D]
     correction_bias: torch.Tensor | None  # [E]
-    shared: ExpertWeights | None  # GLM shared experts, stored
+    shared: ExpertWeights | None  # shared experts (GLM) / the shared expert (Qwen3-Next), stored
+    shared_gate: torch.Tensor | None = None  # [1, D]: the shared expert's output scaled by sigmoid(x . w) (Qwen3-Next)
+    deltanet: DeltaNetWeights | None = None  # a linear-attention layer's token mixer (Qwen3-Next)
 
 
 
@@ -172,7 +180,7 @@ class Engine:
         self.float_acts = c.float_acts
         self._cpu_kernel = cpu_kernels.decode_kernel()  # the native kernels of the trunk's MLPs on the CPU, or None
         self.embed = StoredEmbedding(*c.stored("model.embed_tokens.weight"), first)  # [V, D]
-        self.final_norm = c.load("model.norm.weight").to(last)  # [D]
+        self.final_norm = c.norm("model.norm.weight").to(last)  # [D]
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
         self.lm_head = StoredLinear([c.stored(head)], None, self.float_acts, last)  # D -> V
         self.layer_device = {layer: part.device for part in self.parts for layer in part.layers}
@@ -202,29 +210,46 @@ class Engine:
         c, spec, dev = self.checkpoint, self.spec, self.layer_device[layer]
         p = f"model.layers.{layer}."
         attn = p + "self_attn."
-        bias = None
-        if spec.attention_bias:
-            bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"])
-        qkv = StoredLinear([c.stored(f"{attn}{n}_proj.weight") for n in "qkv"], bias, self.float_acts, dev)
-        o_bias = c.load(attn + "o_proj.bias") if spec.output_bias else None
-        moe = spec.is_moe(layer)
+        moe, linear = spec.is_moe(layer), spec.is_linear(layer)
+        qkv = o_proj = qk_norm = None
+        if not linear:
+            bias = None
+            if spec.attention_bias:
+                bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"])
+            qkv = StoredLinear([c.stored(f"{attn}{n}_proj.weight") for n in "qkv"], bias, self.float_acts, dev)
+            o_bias = c.load(attn + "o_proj.bias") if spec.output_bias else None
+            o_proj = StoredLinear([c.stored(attn + "o_proj.weight")], o_bias, self.float_acts, dev)
+            if spec.qk_norm:
+                qk_norm = torch.cat([c.norm(attn + "q_norm.weight").expand(spec.num_heads, -1),
+                                     c.norm(attn + "k_norm.weight").expand(spec.num_kv_heads, -1)]).to(dev)
         to_dev = lambda w: None if w is None else w.resident().to(dev)  # noqa: E731
+        gate = c.shared_expert_gate(layer) if moe else None
         return LayerWeights(
-            input_norm=c.load(p + "input_layernorm.weight").to(dev),
-            post_norm=c.load(p + "post_attention_layernorm.weight").to(dev),
+            input_norm=c.norm(p + "input_layernorm.weight").to(dev),
+            post_norm=c.norm(p + "post_attention_layernorm.weight").to(dev),
             qkv=qkv,
-            o_proj=StoredLinear([c.stored(attn + "o_proj.weight")], o_bias, self.float_acts, dev),
-            qk_norm=torch.cat([c.load(attn + "q_norm.weight").expand(spec.num_heads, -1),
-                               c.load(attn + "k_norm.weight").expand(spec.num_kv_heads, -1)]).to(dev) if spec.qk_norm else None,
+            o_proj=o_proj,
+            qk_norm=qk_norm,
             mlp=None if moe else to_dev(c.dense_mlp(layer, stored=True)),
             router=c.router_weight(layer).clone().to(dev) if moe else None,
             correction_bias=(lambda b: None if b is None else b.clone().to(dev))(c.router_bias(layer)) if moe else None,
             shared=to_dev(c.shared_experts(layer, stored=True)) if moe else None,
+            shared_gate=None if gate is None else gate.to(dev),
+            deltanet=self._deltanet_weights(layer, dev) if linear else None,
         )
+
+    def _deltanet_weights(self, layer: int, dev: torch.device) -> DeltaNetWeights:
+        t = self.checkpoint.deltanet(layer)
+        return DeltaNetWeights(
+            in_proj=StoredLinear([t.qkv, t.z, t.ba], None, self.float_acts, dev),  # one call: q|k|v, z, b|a
+            conv=t.conv.to(dev), dt_bias=t.dt_bias.to(dev), decay_rate=t.decay_rate.to(dev), norm=t.norm.to(dev),
+            out_proj=StoredLinear([t.out], None, self.float_acts, dev))
 
     def new_cache(self) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, [self.layer_device[l] for l in range(s.num_layers)])
+        devices = [self.layer_device[l] for l in range(s.num_layers)]
+        states = {l: DeltaNetState(s.linear_attention, devices[l]) for l in s.linear_layers}
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, devices, states=states)
 
     def warm_up(self) -> None:
         """One untimed two-token forward, so one-time kernel set-up is not billed to a timed prefill."""
@@ -252,9 +277,13 @@ class Engine:
             for layer in part.layers:
                 w = self.layers[layer]
                 begin = time.perf_counter() if times is not None else 0.0
-                h = h + self._attention(layer, w, rms_norm(h, w.input_norm, eps), cache, start, mask)
+                x = rms_norm(h, w.input_norm, eps)
+                if w.deltanet is not None:
+                    h = h + deltanet_layer(w.deltanet, self.spec.linear_attention, x, cache.states[layer], eps)
+                else:
+                    h = h + self._attention(layer, w, x, cache, start, mask)
                 if times is not None:
-                    times.add("attention", time.perf_counter() - begin)
+                    times.add("linear attention" if w.deltanet is not None else "attention", time.perf_counter() - begin)
                 if pending is not None:  # DEFER_CPU: layer-1's lane partial lands after this attention
                     h = h + self._wait_lane(pending, index)
                     pending = None
@@ -310,7 +339,14 @@ class Engine:
         s = self.spec
         new, d = x.shape[0], s.head_dim
         heads, groups = s.num_heads, s.num_kv_heads
-        qkv = w.qkv(x).view(new, heads + 2 * groups, d)  # [T, H + 2G, d]
+        qkv = w.qkv(x)  # [T, (H or 2H) * d + 2G * d]
+        gate = None
+        if s.attention_gate:  # per head: d query dims, then d gate dims
+            q_gate, kv = qkv.split([2 * heads * d, 2 * groups * d], dim=-1)
+            q_gate = q_gate.view(new, heads, 2 * d)
+            gate = q_gate[..., d:].reshape(new, heads * d)  # [T, H * d]
+            qkv = torch.cat([q_gate[..., :d].reshape(new, heads * d), kv], dim=-1)
+        qkv = qkv.view(new, heads + 2 * groups, d)  # [T, H + 2G, d]
         qk, v = qkv[:, : heads + groups], qkv[:, heads + groups :]  # [T, H + G, d], [T, G, d]
         if w.qk_norm is not None:  # per-head RMSNorm; q and k heads carry their own weights
             qk = F.rms_norm(qk, (d,), None, s.rms_norm_eps) * w.qk_norm
@@ -322,6 +358,8 @@ class Engine:
             out = self._cpu_kernel.attention(q.contiguous(), cache.keys[layer], cache.values[layer], start, s.sliding_window)
         else:
             out = attend(q, keys, values, mask)  # [T, H * d]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return w.o_proj(out)  # [T, D]
 
     def _moe(self, layer: int, w: LayerWeights, x: torch.Tensor) -> Partials:
@@ -341,4 +379,7 @@ class Engine:
         partials = self.executor.dispatch(layer, x, decision)
         if w.shared is None:
             return partials
-        return Partials(partials.now + stored_ffn(x, w.shared, self._cpu_kernel), partials.lane)
+        shared = stored_ffn(x, w.shared, self._cpu_kernel)  # [T, D]
+        if w.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+        return Partials(partials.now + shared, partials.lane)

@@ -1,4 +1,5 @@
-"""Trunk layers of a decoder: RMSNorm, rotary embeddings, GQA attention with a KV cache.
+"""Trunk layers of a decoder: RMSNorm, rotary embeddings, GQA attention with a KV cache (which also holds the
+recurrent states of linear-attention layers).
 
 Shapes: T new tokens, P cached positions, H query heads, G kv heads, d head dim.
 Each function computes exactly what the HF reference computes (same op order
@@ -6,6 +7,8 @@ where it matters for float32 rounding), for batch 1.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +56,20 @@ class RotaryTable:
 
 
 class KVCache:
-    """Per-layer key/value buffers [G, capacity, d] for one sequence; capacity doubles as it fills."""
+    """A sequence's state in every layer: key/value buffers [G, capacity, d] (capacity doubles as it fills) for the
+    layers with attention, and a recurrent state (moetier.engine.deltanet.DeltaNetState) for the linear-attention
+    layers given in `states` (layer -> state); a layer has one or the other."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, devices: list[torch.device], capacity: int = 256):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, devices: list[torch.device], capacity: int = 256,
+                 states: dict[int, Any] | None = None):
         self.length = 0
         self.grown = 0  # buffers replaced so far: addresses taken before a change are stale
         self.native = None  # what the native step keeps of this cache (moetier.engine.native_step), or None
-        self.keys = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
-        self.values = [torch.empty(kv_heads, capacity, head_dim, device=devices[l]) for l in range(num_layers)]
+        self.states = states or {}
+        self.keys = [None if l in self.states else torch.empty(kv_heads, capacity, head_dim, device=devices[l])
+                     for l in range(num_layers)]
+        self.values = [None if l in self.states else torch.empty(kv_heads, capacity, head_dim, device=devices[l])
+                       for l in range(num_layers)]
 
     def _resize(self, layer: int, capacity: int, kept: int) -> None:
         """Replace `layer`'s buffers by ones of `capacity` positions, keeping its first `kept` positions."""
@@ -72,10 +81,10 @@ class KVCache:
 
     def reserve(self, end: int) -> None:
         """Room for positions < end in every layer, all of one capacity (the native step writes them in place)."""
-        most = max(k.shape[1] for k in self.keys)
+        most = max(k.shape[1] for k in self.keys if k is not None)
         capacity = most if end <= most else max(end, 2 * most)
         for layer in range(len(self.keys)):
-            if self.keys[layer].shape[1] != capacity:
+            if self.keys[layer] is not None and self.keys[layer].shape[1] != capacity:
                 self._resize(layer, capacity, self.length)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:

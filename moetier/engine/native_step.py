@@ -165,6 +165,8 @@ class NativeStep:
         spec = engine.spec
         if os.environ.get("MOETIER_NATIVE_STEP", "1") == "0":
             return "MOETIER_NATIVE_STEP=0"
+        if spec.linear_layers or spec.attention_gate or spec.shared_expert_gate:
+            return f"{spec.arch}'s linear attention and gates are computed per layer"
         if any(part.device.type != "cpu" for part in engine.parts):
             return "a layer is not on the CPU"
         if not isinstance(engine.executor, ResidentExperts) or engine.backend.decode_kernel() is None:

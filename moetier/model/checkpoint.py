@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetier.model.expert_weights import ExpertWeights, NamedWeights
+from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
 from moetier.model.formats import BY_DTYPE, F32
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec, read_config
@@ -55,6 +55,7 @@ class Checkpoint(NamedWeights):
         # per-expert tensor names of (gate, up, down)
         self._expert_names = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         self._fused = f"model.layers.{spec.moe_layers[0]}.{self._mlp}.experts.gate_up_proj" in self._where if spec.moe_layers else False
+        self.norm_offset = spec.arch == "qwen3_next"  # Qwen3NextRMSNorm: x_normed * (1 + w)
         self.fingerprint = _fingerprint(config, {n: f.entries[n] for n, f in self._where.items()})
         self._check_complete()
 
@@ -140,6 +141,22 @@ class Checkpoint(NamedWeights):
         # gate and up are copied by the stacking anyway: copy down too, so the result owns its memory
         return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type)  # [2I, D], [D, I]
 
+    def deltanet(self, layer: int) -> DeltaNetTensors:
+        """A Qwen3-Next linear-attention layer in the engine's layout: in_proj_qkvz's rows, stored per key head as
+        q, k, v, z, regrouped into q|k|v of every head and z (row copies in the stored format, as llama.cpp's
+        converter regroups them); A_log as -exp(A_log) (float32, as transformers computes it)."""
+        g, p = self.spec.linear_attention, f"model.layers.{layer}.linear_attn."
+        data, qtype = self.stored(p + "in_proj_qkvz.weight")  # [Hk * (2dk + 2r dv), D]
+        width = g.value_dim * (g.value_heads // g.key_heads)  # r dv: one key head's v (and z) rows
+        q, k, v, z = data.reshape(g.key_heads, -1, data.shape[-1]).split([g.key_dim, g.key_dim, width, width], dim=1)
+        rows = lambda t: t.reshape(-1, data.shape[-1])  # noqa: E731  [Hk, n, cols] -> [Hk * n, cols]
+        return DeltaNetTensors(
+            qkv=(torch.cat([rows(q), rows(k), rows(v)]), qtype), z=(rows(z).clone(), qtype),
+            ba=self.stored(p + "in_proj_ba.weight"),
+            conv=self.tensor(p + "conv1d.weight").reshape(g.conv_channels, g.conv_kernel).clone(),
+            dt_bias=self.load(p + "dt_bias"), decay_rate=-self.tensor(p + "A_log").exp(),
+            norm=self.load(p + "norm.weight"), out=self.stored(p + "out_proj.weight"))
+
     def stored(self, name: str) -> tuple[torch.Tensor, int]:
         """(tensor, its GGML type id) in the format stored: a view of the mapping for F32, F16 and BF16,
         a float32 copy of any other dtype."""
@@ -169,13 +186,26 @@ class Checkpoint(NamedWeights):
         expect("model.norm.weight", (s.hidden_size,))
         if not s.tie_word_embeddings:
             expect("lm_head.weight", (s.vocab_size, s.hidden_size))
-        inter = s.moe_intermediate_size
+        inter, g, hidden = s.moe_intermediate_size, s.linear_attention, s.hidden_size
         for layer in range(s.num_layers):
             p = self.layer_prefix(layer)
-            expect(f"{p}self_attn.q_proj.weight", (q_out, s.hidden_size))
-            expect(f"{p}self_attn.k_proj.weight", (kv_out, s.hidden_size))
-            expect(f"{p}self_attn.v_proj.weight", (kv_out, s.hidden_size))
-            expect(f"{p}self_attn.o_proj.weight", (s.hidden_size, q_out))
+            if s.is_linear(layer):
+                la = f"{p}linear_attn."
+                for name, shape in (("in_proj_qkvz.weight", (g.conv_channels + g.value_width, hidden)),
+                                    ("in_proj_ba.weight", (2 * g.value_heads, hidden)),
+                                    ("conv1d.weight", (g.conv_channels, 1, g.conv_kernel)), ("dt_bias", (g.value_heads,)),
+                                    ("A_log", (g.value_heads,)), ("norm.weight", (g.value_dim,)),
+                                    ("out_proj.weight", (hidden, g.value_width))):
+                    expect(la + name, shape)
+            else:
+                expect(f"{p}self_attn.q_proj.weight", (q_out * (2 if s.attention_gate else 1), hidden))
+                expect(f"{p}self_attn.k_proj.weight", (kv_out, hidden))
+                expect(f"{p}self_attn.v_proj.weight", (kv_out, hidden))
+                expect(f"{p}self_attn.o_proj.weight", (hidden, q_out))
+            if s.is_moe(layer) and s.shared_expert_gate:
+                for w, shape in _ffn_shapes(hidden, s.shared_width).items():
+                    expect(f"{p}mlp.shared_expert.{w}_proj.weight", shape)
+                expect(f"{p}mlp.shared_expert_gate.weight", (1, hidden))
             expect(f"{p}input_layernorm.weight", (s.hidden_size,))
             expect(f"{p}post_attention_layernorm.weight", (s.hidden_size,))
             if not s.is_moe(layer):

@@ -4,7 +4,11 @@ Both checkpoint readers (HF safetensors in moetier.model.checkpoint, GGUF in
 moetier.model.gguf_file) hand out experts, dense MLPs and shared experts as
 this type, so neither reader imports the other. `NamedWeights` is what both
 readers answer the same way once a tensor is found by its HF name: the router,
-its correction bias, dense and shared MLPs.
+its correction bias, dense and shared MLPs (with Qwen3-Next's shared-expert
+gate), and norm weights as the normalisation multiplies by them (a HF
+Qwen3-Next file stores them as offsets from 1; its GGUF stores 1 + offset).
+`DeltaNetTensors` is a Qwen3-Next linear-attention layer in the one layout
+the engine computes with, which each reader builds from its file's layout.
 """
 
 from __future__ import annotations
@@ -87,6 +91,24 @@ class ExpertWeights:
 
 DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")
 
+Stored = tuple[torch.Tensor, int]  # a matrix as stored, with its GGML type id (Checkpoint.stored)
+
+
+@dataclass(frozen=True)
+class DeltaNetTensors:
+    """A Gated DeltaNet layer's tensors in the engine's layout (moetier.engine.deltanet), whichever file they came
+    from: the conv channels' rows are every key head's q, then every key head's k, then every value head's v (the
+    GGUF converter's order; a HF file interleaves q, k, v, z per key head and its reader regroups the rows)."""
+
+    qkv: Stored  # [C, D]
+    z: Stored  # [Hv*dv, D] the output gate's rows
+    ba: Stored  # [2*Hv, D]: per key head, r beta rows then r alpha rows (both files' order)
+    conv: torch.Tensor  # [C, K] float32
+    dt_bias: torch.Tensor  # [Hv] float32
+    decay_rate: torch.Tensor  # [Hv] float32: -exp(A_log)
+    norm: torch.Tensor  # [dv] float32
+    out: Stored  # [D, Hv*dv]
+
 
 class NamedWeights:
     """The engine's structured reads over HF tensor names, for a reader with `tensor`, `load`, `stored`, `has`,
@@ -95,6 +117,7 @@ class NamedWeights:
     _mlp: str
     # F16 / BF16 matrices multiply float32 activations (a HF checkpoint); a GGUF reader says False: as llama.cpp
     float_acts: bool = True
+    norm_offset: bool = False  # RMSNorm weights stored as offsets from 1 (a HF Qwen3-Next checkpoint)
 
     def router_weight(self, layer: int) -> torch.Tensor:
         return self.tensor(f"model.layers.{layer}.{self._mlp}.gate.weight")  # [E, D]
@@ -107,10 +130,24 @@ class NamedWeights:
         """The SwiGLU MLP of a dense (non-MoE) layer (float32, or in its stored formats)."""
         return self._ffn(f"model.layers.{layer}.mlp", stored=stored)
 
+    def norm(self, name: str) -> torch.Tensor:
+        """The weight an RMSNorm multiplies by, float32 in process memory: 1 + the stored offset where the file
+        stores norms zero-centred (`norm_offset`; computed as transformers does, 1.0 + w in float32)."""
+        weight = self.load(name)
+        return 1.0 + weight if self.norm_offset else weight
+
     def shared_experts(self, layer: int, stored: bool = False) -> ExpertWeights | None:
-        """A GLM MoE layer's shared experts (always applied), or None (float32, or in their stored formats)."""
-        prefix = f"model.layers.{layer}.mlp.shared_experts"
-        return self._ffn(prefix, stored=stored) if self.has(f"{prefix}.gate_proj.weight") else None
+        """A MoE layer's shared expert MLP (always applied: GLM's shared_experts, Qwen3-Next's shared_expert), or
+        None (float32, or in their stored formats)."""
+        for prefix in (f"model.layers.{layer}.mlp.shared_experts", f"model.layers.{layer}.mlp.shared_expert"):
+            if self.has(f"{prefix}.gate_proj.weight"):
+                return self._ffn(prefix, stored=stored)
+        return None
+
+    def shared_expert_gate(self, layer: int) -> torch.Tensor | None:
+        """Qwen3-Next's shared-expert gate [1, D] float32 (the shared output is scaled by sigmoid(x . w)), or None."""
+        name = f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+        return self.load(name) if self.has(name) else None
 
     def _ffn(self, prefix: str, names: tuple[str, str, str] = DENSE_NAMES, stored: bool = False) -> ExpertWeights:
         gate, up, down = (f"{prefix}.{n}.weight" for n in names)

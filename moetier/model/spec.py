@@ -1,7 +1,8 @@
 """Model spec: the shape and routing rules of a MoE checkpoint, read from HF config.json.
 
 One frozen `ModelSpec` describes every architecture moetier runs (qwen3_moe,
-glm4_moe, mixtral). The engine reads only this spec, never the raw config, so
+glm4_moe, mixtral, and the hybrid qwen3_next, whose layers mix Gated DeltaNet
+linear attention with gated full attention). The engine reads only this spec, never the raw config, so
 architecture differences live here and nowhere else. Invariant: a spec that
 builds is complete — every field the engine needs has a concrete value — and
 valid: every constructor path ends in `ModelSpec.validate`, which checks that
@@ -18,11 +19,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Callable, Literal, NoReturn, get_args
 
 from moetier.model.untrusted import read_json
 
-ARCHITECTURES = ("qwen3_moe", "glm4_moe", "mixtral")
+ARCHITECTURES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next")
 
 RouterKind = Literal["softmax", "sigmoid"]
 
@@ -37,6 +38,28 @@ _COUNTS = {"vocab_size": MAX_COUNT, "hidden_size": MAX_COUNT, "num_layers": MAX_
 
 class SpecError(ValueError):
     """A config.json moetier cannot run: names the file, the key and what was expected."""
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The geometry of Qwen3-Next's Gated DeltaNet layers: a causal depthwise convolution of `conv_kernel` taps over
+    q, k and v, then a gated delta-rule state [value_heads, key_dim, value_dim] per layer; each key head serves
+    value_heads / key_heads consecutive value heads."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v as the convolution sees them: key_heads x key_dim twice, value_heads x value_dim."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.value_heads * self.value_dim
 
 
 @dataclass(frozen=True)
@@ -68,10 +91,30 @@ class ModelSpec:
     n_shared_experts: int
     moe_layers: tuple[int, ...]  # layer indices whose MLP is a MoE block
     max_position_embeddings: int | None = None  # the context the model was built for (None: the config does not say)
+    # qwen3_next: which layers mix tokens by linear attention (the rest by full attention), and how
+    linear_layers: tuple[int, ...] = ()
+    linear_attention: LinearAttention | None = None
+    attention_gate: bool = False  # q_proj gives each head's output a sigmoid gate as wide as the head (Qwen3-Next)
+    shared_intermediate_size: int = 0  # I of the shared expert MLP; 0: n_shared_experts x moe_intermediate_size (GLM)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen3-Next)
 
     # -- derived ------------------------------------------------------------
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` mixes tokens by linear attention (a recurrent state) rather than attention over a KV cache."""
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with full attention: the ones that keep a KV cache."""
+        return tuple(l for l in range(self.num_layers) if l not in self.linear_layers)
+
+    @property
+    def shared_width(self) -> int:
+        """I of the shared expert MLP of a MoE layer (0: none)."""
+        return self.shared_intermediate_size or self.n_shared_experts * self.moe_intermediate_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +172,30 @@ class ModelSpec:
                             f"(expected increasing layer indices from 0 to {self.num_layers - 1})")
         if not layers:
             raise SpecError(f"{source}: no MoE layer among the {self.num_layers} layers ({key('moe_layers')}; expected at least one)")
+        self._validate_hybrid(source, key)
         return self
+
+    def _validate_hybrid(self, source: str, key: Callable[[str], str]) -> None:
+        """The qwen3_next fields: linear layers within range, their geometry complete and its heads dividing."""
+        for field in ("shared_intermediate_size",):
+            if not _is_int(getattr(self, field), 0, MAX_COUNT):
+                raise SpecError(f"{source}: key {key(field)!r} is {getattr(self, field)!r} (expected an integer from 0 to {MAX_COUNT})")
+        linear = self.linear_layers
+        if not (isinstance(linear, tuple) and all(_is_int(l, 0, self.num_layers - 1) for l in linear)
+                and list(linear) == sorted(set(linear))):
+            raise SpecError(f"{source}: linear-attention layers {linear!r} from {key('linear_layers')} "
+                            f"(expected increasing layer indices from 0 to {self.num_layers - 1})")
+        geometry = self.linear_attention
+        if linear and geometry is None:
+            raise SpecError(f"{source}: {len(linear)} linear-attention layers from {key('linear_layers')} but no geometry for them")
+        if geometry is None:
+            return
+        for field in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel"):
+            if not _is_int(getattr(geometry, field), 1, MAX_COUNT):
+                raise SpecError(f"{source}: key {key(field)!r} is {getattr(geometry, field)!r} (expected an integer from 1 to {MAX_COUNT})")
+        if geometry.value_heads % geometry.key_heads:
+            raise SpecError(f"{source}: {key('value_heads')} {geometry.value_heads} is not a multiple of "
+                            f"{key('key_heads')} {geometry.key_heads}")
 
     # -- construction ---------------------------------------------------------
     @classmethod
@@ -148,12 +214,12 @@ class ModelSpec:
         num_layers = reader.get("num_hidden_layers", int)
         layers = range(num_layers if 0 < num_layers <= MAX_LAYERS else 0)  # for the per-layer rules; validate() refuses other counts
         keys = dict(_HF_KEYS)
-        head_dim = reader.get("head_dim", int, default=None)
+        head_dim = reader.get("head_dim", int, default=256 if arch == "qwen3_next" else None)  # Qwen3NextConfig's default
         if head_dim is None:  # validate() refuses num_attention_heads < 1 before it reads head_dim
             head_dim, keys["head_dim"] = (hidden // num_heads if num_heads > 0 else 0), "hidden_size / num_attention_heads"
         num_kv_heads = reader.get("num_key_value_heads", int, default=num_heads)
         # GLM-4 MoE rotates half of each head unless its config says otherwise
-        rope_theta, partial = reader.rope(default_partial=0.5 if arch == "glm4_moe" else 1.0)
+        rope_theta, partial = reader.rope(default_partial={"glm4_moe": 0.5, "qwen3_next": 0.25}.get(arch, 1.0))
         rotary_dim = int(head_dim * partial)
         common = dict(
             arch=arch,
@@ -175,16 +241,7 @@ class ModelSpec:
 
         if arch == "qwen3_moe":
             keys["num_experts"], num_experts = reader.first(("num_experts", "num_local_experts"), int)
-            step = reader.get("decoder_sparse_step", int, default=1)
-            if step < 1:
-                raise SpecError(f"{source}: key 'decoder_sparse_step' is {step} (expected an integer >= 1)")
-            mlp_only = reader.get("mlp_only_layers", list, default=[])
-            for layer in mlp_only:
-                if not _is_int(layer, 0, len(layers) - 1):
-                    raise SpecError(f"{source}: key 'mlp_only_layers' holds {layer!r} (expected layer indices from 0 to num_hidden_layers - 1)")
-            dense = set(mlp_only)
-            moe_layers = tuple(l for l in layers if l not in dense and (l + 1) % step == 0)
-            keys["moe_layers"] = f"decoder_sparse_step {step}, mlp_only_layers {sorted(mlp_only)}"
+            moe_layers = _moe_layers(reader, layers, keys)
             window = reader.get("sliding_window", int, default=None) if reader.get("use_sliding_window", bool, default=False) else None
             return cls(
                 **common,
@@ -204,6 +261,8 @@ class ModelSpec:
                 n_shared_experts=0,
                 moe_layers=moe_layers,
             ).validate(source, keys)
+        if arch == "qwen3_next":
+            return _qwen3_next(reader, common, layers, keys).validate(source, keys)
         if arch == "glm4_moe":
             keys["num_experts"], num_experts = reader.first(("n_routed_experts", "num_local_experts", "num_experts"), int)
             first_dense = reader.get("first_k_dense_replace", int, default=0)
@@ -250,6 +309,74 @@ class ModelSpec:
             n_shared_experts=0,
             moe_layers=tuple(layers),
         ).validate(source, keys)
+
+
+def _moe_layers(reader: "_ConfigReader", layers: range, keys: dict[str, str]) -> tuple[int, ...]:
+    """Qwen's MoE layers: every decoder_sparse_step-th layer not in mlp_only_layers (Qwen3-MoE, Qwen3-Next)."""
+    source = reader.source
+    step = reader.get("decoder_sparse_step", int, default=1)
+    if step < 1:
+        raise SpecError(f"{source}: key 'decoder_sparse_step' is {step} (expected an integer >= 1)")
+    mlp_only = reader.get("mlp_only_layers", list, default=[])
+    for layer in mlp_only:
+        if not _is_int(layer, 0, len(layers) - 1):
+            raise SpecError(f"{source}: key 'mlp_only_layers' holds {layer!r} (expected layer indices from 0 to num_hidden_layers - 1)")
+    dense = set(mlp_only)
+    keys["moe_layers"] = f"decoder_sparse_step {step}, mlp_only_layers {sorted(mlp_only)}"
+    return tuple(l for l in layers if l not in dense and (l + 1) % step == 0)
+
+
+def _qwen3_next(reader: "_ConfigReader", common: dict[str, Any], layers: range, keys: dict[str, str]) -> ModelSpec:
+    """Qwen3NextConfig as transformers reads it: `layer_types` (or every full_attention_interval-th layer full
+    attention), the Gated DeltaNet geometry, a gated shared expert beside the routed ones."""
+    source = reader.source
+    types = reader.get("layer_types", list, default=None)
+    if types is None:
+        interval = reader.get("full_attention_interval", int, default=4)
+        if interval < 1:
+            raise SpecError(f"{source}: key 'full_attention_interval' is {interval} (expected an integer >= 1)")
+        types = ["linear_attention" if (l + 1) % interval else "full_attention" for l in layers]
+        keys["linear_layers"] = f"full_attention_interval {interval}"
+    else:
+        keys["linear_layers"] = "layer_types"
+    if len(types) != len(layers) or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise SpecError(f"{source}: key 'layer_types' is {str(types)[:60]!r} (expected {len(layers)} entries, each "
+                        "'linear_attention' or 'full_attention')")
+    keys["num_experts"], num_experts = "num_experts", reader.get("num_experts", int)
+    keys |= {"key_heads": "linear_num_key_heads", "value_heads": "linear_num_value_heads", "key_dim": "linear_key_head_dim",
+             "value_dim": "linear_value_head_dim", "conv_kernel": "linear_conv_kernel_dim",
+             "shared_intermediate_size": "shared_expert_intermediate_size"}
+    shared = reader.get("shared_expert_intermediate_size", int, default=512)
+    if shared < 1:
+        raise SpecError(f"{source}: key 'shared_expert_intermediate_size' is {shared} (expected an integer >= 1)")
+    return ModelSpec(
+        **common,
+        qk_norm=True,
+        attention_bias=reader.get("attention_bias", bool, default=False),
+        output_bias=reader.get("attention_bias", bool, default=False),
+        sliding_window=None,
+        dense_intermediate_size=reader.get("intermediate_size", int, default=5632),
+        num_experts=num_experts,
+        top_k=reader.get("num_experts_per_tok", int, default=10),
+        moe_intermediate_size=reader.get("moe_intermediate_size", int, default=512),
+        router="softmax",
+        norm_topk_prob=reader.get("norm_topk_prob", bool, default=True),
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_layers=_moe_layers(reader, layers, keys),
+        linear_layers=tuple(l for l, t in zip(layers, types) if t == "linear_attention"),
+        linear_attention=LinearAttention(
+            key_heads=reader.get("linear_num_key_heads", int, default=16),
+            value_heads=reader.get("linear_num_value_heads", int, default=32),
+            key_dim=reader.get("linear_key_head_dim", int, default=128),
+            value_dim=reader.get("linear_value_head_dim", int, default=128),
+            conv_kernel=reader.get("linear_conv_kernel_dim", int, default=4)),
+        attention_gate=True,
+        shared_intermediate_size=shared,
+        shared_expert_gate=True,
+    )
 
 
 class _ConfigReader:

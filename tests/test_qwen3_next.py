@@ -1,0 +1,142 @@
+"""Qwen3-Next (qwen3_next) against transformers' Qwen3NextForCausalLM on small random checkpoints.
+
+The configs vary what changes the arithmetic of the hybrid layers: linear key /
+value heads (grouped and equal) and their head dims, the conv kernel, where the
+full-attention layers sit (`layer_types`, `full_attention_interval`), the
+shared expert's width, top-k, norm_topk_prob, dense and sparse-step layers,
+attention biases, tied embeddings, MHA. Sequences are longer than one prefill
+chunk (64 tokens) so the state is carried between chunks, and decode starts
+after a prompt that crosses a chunk: teacher-forced logits over 80 positions
+and 16 cached decode steps within 1e-4 in float32, identical greedy tokens;
+prefill in pieces equals one pass. (The weights are drawn at 0.1 / 0.5 for
+norms: see tests/test_engine.reference_model for why.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moetier.engine import Engine, generate, score
+from moetier.model import open_checkpoint
+from moetier.model.spec import ModelSpec, SpecError
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+POSITIONS = 80
+BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=3, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=12)
+
+CASES = {
+    # the default geometry in small: value heads grouped two per key head, full attention every 4th layer
+    "grouped-heads": dict(),
+    "equal-heads-kernel3-sparse-step": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=12,
+                                            linear_value_head_dim=8, linear_conv_kernel_dim=3, decoder_sparse_step=2,
+                                            num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=True),
+    "layer-types-mha-bias-dense": dict(num_hidden_layers=5, layer_types=["full_attention", "linear_attention",
+                                                                         "linear_attention", "full_attention",
+                                                                         "linear_attention"],
+                                       num_key_value_heads=4, attention_bias=True, mlp_only_layers=[2],
+                                       shared_expert_intermediate_size=8, num_experts_per_tok=4,
+                                       linear_num_value_heads=6, linear_value_head_dim=8),
+}
+
+
+def reference(overrides: dict, seed: int):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**(BASE | overrides))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "norm" in name else 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    model = reference(CASES[request.param], seed=len(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_spec_reads_the_layer_kinds_as_transformers_builds_them(case):
+    model, folder = case
+    spec = open_checkpoint(folder).spec
+    layers = model.model.layers
+    assert spec.linear_layers == tuple(i for i, l in enumerate(layers) if hasattr(l, "linear_attn"))
+    assert spec.moe_layers == tuple(i for i, l in enumerate(layers) if hasattr(l.mlp, "experts"))
+    assert spec.rotary_dim == model.model.rotary_emb.inv_freq.numel() * 2
+
+
+def test_teacher_forced_logits_match_reference(case):
+    model, folder = case
+    ids = torch.randint(0, BASE["vocab_size"], (POSITIONS,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0].numpy()  # [T, V]
+    got = score(Engine(open_checkpoint(folder)), ids.numpy())
+    assert np.abs(got - expected).max() <= TOLERANCE
+
+
+def test_cached_decode_after_a_long_prompt_matches_reference(case):
+    """A 70-token prompt (two prefill chunks) then 16 decode steps on the carried conv and recurrent states."""
+    model, folder = case
+    prompt = torch.randint(0, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model.generate(prompt[None], max_new_tokens=17, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    expected = torch.stack(out.logits)[:, 0].numpy()  # [17, V]
+    result = generate(Engine(open_checkpoint(folder)), prompt.tolist(), 17, keep_logits=True)
+    assert result.ids == out.sequences[0, 70:].tolist()
+    assert np.abs(result.logits - expected).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("cut", [1, 37, 64, 79])
+def test_prefill_in_pieces_equals_one_pass(case, cut):
+    """The states carried between forwards (mid-chunk, on a chunk edge, one token then the rest) give one pass's logits,
+    within float32 rounding: pieces align the 64-token chunks differently, so the sums run in another order
+    (2.5e-5 at most here)."""
+    _, folder = case
+    engine = Engine(open_checkpoint(folder))
+    ids = torch.arange(3, 3 + POSITIONS) % BASE["vocab_size"]
+    whole = engine.forward(ids, engine.new_cache())
+    cache = engine.new_cache()
+    pieces = torch.cat([engine.forward(ids[:cut], cache), engine.forward(ids[cut:], cache)])
+    assert (pieces - whole).abs().max() <= TOLERANCE
+
+
+def test_cache_holds_states_for_linear_layers_and_kv_for_the_rest(case):
+    _, folder = case
+    engine = Engine(open_checkpoint(folder))
+    spec, cache = engine.spec, engine.new_cache()
+    g = spec.linear_attention
+    engine.forward(torch.arange(10), cache)
+    for layer in range(spec.num_layers):
+        if spec.is_linear(layer):
+            assert cache.keys[layer] is None
+            assert tuple(cache.states[layer].recurrent.shape) == (g.value_heads, g.key_dim, g.value_dim)
+            assert tuple(cache.states[layer].conv.shape) == (g.conv_channels, g.conv_kernel - 1)
+        else:
+            assert layer not in cache.states and cache.keys[layer].shape[0] == spec.num_kv_heads
+    assert "linear attention" in engine.decode_path()
+
+
+def _config(**changes) -> dict:
+    return transformers.Qwen3NextConfig(**(BASE | changes)).to_dict()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(layer_types=["linear_attention", "full_attention"]), "layer_types"),
+    (dict(linear_num_key_heads=3, linear_num_value_heads=4), "linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"),
+    (dict(linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
+    (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+])
+def test_bad_configs_are_refused_in_one_line(changes, message):
+    config = _config()
+    config.update(changes)
+    with pytest.raises(SpecError, match=message) as error:
+        ModelSpec.from_hf_config(config, source="config.json")
+    assert "\n" not in str(error.value)
