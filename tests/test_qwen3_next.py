@@ -140,3 +140,34 @@ def test_bad_configs_are_refused_in_one_line(changes, message):
     with pytest.raises(SpecError, match=message) as error:
         ModelSpec.from_hf_config(config, source="config.json")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("heads, dk, dv", [(4, 8, 12), (32, 128, 128), (3, 5, 7)])
+def test_the_native_delta_rule_step_is_the_reference_step(heads, dk, dv):
+    """cpu_deltanet.h against deltanet._recurrent_step (the transformers recurrence) on random states: float32
+    rounding apart, and bit for bit whatever the pool size (each head is one thread's)."""
+    from moetier.backends import cpu_kernels
+    from moetier.engine.deltanet import DeltaNetState, _recurrent_step, l2norm
+    from moetier.model.spec import LinearAttention
+
+    kernel = cpu_kernels.decode_kernel()
+    if kernel is None:
+        pytest.skip(f"no native kernels here: {cpu_kernels.status()}")
+    gen = torch.Generator().manual_seed(heads)
+    q, k = (l2norm(torch.randn(heads, 1, dk, generator=gen)) for _ in range(2))
+    v = torch.randn(heads, 1, dv, generator=gen)
+    decay, beta = -torch.rand(heads, 1, generator=gen), torch.rand(heads, 1, generator=gen)
+    state = DeltaNetState(LinearAttention(heads, heads, dk, dv, 4), torch.device("cpu"))
+    state.recurrent = torch.randn(heads, dk, dv, generator=gen)
+    start = state.recurrent.clone()
+    expected = _recurrent_step(q, k, v, decay, beta, state)[:, 0]
+    args = (q[:, 0].contiguous(), k[:, 0].contiguous(), v[:, 0].contiguous(), decay[:, 0].contiguous(), beta[:, 0].contiguous())
+    outs, states = [], []
+    for threads in (None, 1):
+        s = start.clone()
+        outs.append(cpu_kernels.decode_kernel(threads).deltanet_step(s, *args))
+        states.append(s)
+    assert (outs[0] - expected).abs().max() <= 1e-5 and (states[0] - state.recurrent).abs().max() <= 1e-5
+    assert torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
+    with pytest.raises(ValueError, match="deltanet_step: q must be float32"):
+        kernel.deltanet_step(start.clone(), q[:, 0].double(), *args[1:])

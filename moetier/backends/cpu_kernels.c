@@ -445,3 +445,4 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
 
 #include "cpu_router.h"
 #include "cpu_step.h"
+#include "cpu_deltanet.h"

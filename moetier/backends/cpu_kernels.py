@@ -297,6 +297,27 @@ class DecodeKernel:
         return out
 
 
+    def deltanet_step(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                      beta: torch.Tensor) -> torch.Tensor:
+        """One token of the gated delta rule (cpu_deltanet.h) over every value head on the pool: state [H, dk, dv]
+        updated in place, q, k [H, dk] (L2-normalised, q scaled), v [H, dv], decay (log) and beta [H] -> o [H, dv].
+        float32, contiguous, in host memory. Bad arguments: ValueError, one line."""
+        heads, dk, dv = state.shape if state.dim() == 3 else (0, 0, 0)
+        shapes = {"q": (q, (heads, dk)), "k": (k, (heads, dk)), "v": (v, (heads, dv)), "decay": (decay, (heads,)),
+                  "beta": (beta, (heads,)), "state": (state, (heads, dk, dv))}
+        for name, (t, shape) in shapes.items():
+            if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"deltanet_step: {name} must be float32 {list(shape)} contiguous in host memory "
+                                 f"(state [H, dk, dv]), got {t.dtype} {list(t.shape)} on {t.device}")
+        if not (0 < dv <= 512 and heads > 0 and dk > 0):
+            raise ValueError(f"deltanet_step: state [H, dk, dv] = {list(state.shape)} (expected H, dk >= 1, 1 <= dv <= 512)")
+        out = torch.empty(heads, dv)
+        status_error("deltanet_step", self.library.moe_deltanet_step(
+            self.pool.handle, state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
+            beta.data_ptr(), heads, dk, dv, out.data_ptr()))
+        return out
+
+
 def _mark_forked() -> None:
     for pool in _POOLS:  # the helpers stayed in the parent: the caller computes alone, to the same bits
         pool._lib.pool_forked(pool.handle)
@@ -352,6 +373,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
+        "moe_deltanet_step": (i64, [p, p, p, p, p, p, p, i64, i64, i64, p]),
         "pool_open": (p, [i64, dbl]),
         "pool_threads": (i64, [p]),
         "pool_close": (None, [p]),

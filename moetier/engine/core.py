@@ -279,7 +279,8 @@ class Engine:
                 begin = time.perf_counter() if times is not None else 0.0
                 x = rms_norm(h, w.input_norm, eps)
                 if w.deltanet is not None:
-                    h = h + deltanet_layer(w.deltanet, self.spec.linear_attention, x, cache.states[layer], eps)
+                    kernel = self._cpu_kernel if part.device.type == "cpu" else None
+                    h = h + deltanet_layer(w.deltanet, self.spec.linear_attention, x, cache.states[layer], eps, kernel)
                 else:
                     h = h + self._attention(layer, w, x, cache, start, mask)
                 if times is not None:
@@ -296,7 +297,10 @@ class Engine:
                 partials = self._moe(layer, w, rms_norm(h, w.post_norm, eps))
                 if partials.lane is None:
                     h = h + partials.now
-                elif defer and layer != part.layers[-1]:  # never across a part boundary
+                elif defer and layer != part.layers[-1] and not self.spec.is_linear(layer + 1):
+                    # never across a part boundary, nor into a linear-attention layer: its state would keep the
+                    # missing partial in every later token (a deferred partial lands after attention's KV writes,
+                    # the semantics DEFER_CPU was measured with, but never inside a recurrence)
                     h = h + partials.now
                     pending = partials.lane
                 else:
