@@ -118,7 +118,9 @@ def _timed_rates(engine: Engine, executor, base: Calibration, link_rtt_us: dict[
     spent = defaultdict(float, {name: seconds / times.steps * 1e6 for name, seconds in times.seconds.items()})
     untimed = max(0.0, result.decode_s / (len(result.ids) - 1) * 1e6 - sum(spent.values()))
     spec = engine.spec
-    rates = {"attention_us_per_layer": (spent["attention"] + spent["router"]) / spec.num_layers,
+    # every layer's token mixing (attention, or a hybrid model's linear attention) and router, per layer on average
+    trunk = spent["attention"] + spent["linear attention"] + spent["router"]
+    rates = {"attention_us_per_layer": trunk / spec.num_layers,
              "head_us": spent["head"] + untimed}
     if executor is not None:
         rates["dispatch_us_per_layer"] = spent["dispatch"] / max(len(spec.moe_layers), 1)
