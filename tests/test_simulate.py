@@ -201,8 +201,21 @@ def test_cli_json_sweep_and_plots(tmp_path):
     assert {Path(p).name for p in report["plots"]} == {"hit_rate_vs_slots.png", "tok_s_vs_slots.png"}
 
 
+def test_the_seeds_qwen_geometry_is_a_named_shape(tmp_path):
+    """Qwen3-Next-80B-A3B as IQ3_S: 48 MoE layers x 512 experts, top-10, 1.35 MB an expert, replayed from a trace of
+    that geometry (the synthetic Qwen3-Next-like generator's)."""
+    layout = make_layout(tmp_path, policy="lru")
+    synthetic_trace(120, 48, 512, 10, seed=2).save(tmp_path / "trace.npz")
+    result = moetier("--layout", layout.path, "--trace", tmp_path / "trace.npz", "--shape", "qwen3-next-80b-a3b-iq3_s", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["decode_tok_per_s"] > 0
+    assert sum(report["experts_served_per_token"].values()) == pytest.approx(48 * 10)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--trace", "missing.npz", "--expert-bytes", 1000], "missing.npz"),
+    (["--shape", "qwen3-next-80b-a3b-iq3_s"], "expected 48 x 512"),
     (["--expert-bytes", 1000, "--sweep", "threads=2"], "--sweep"),
     (["--shape", "glm-4.5-air-q4k"], "expected 42 x 128"),
     ([], "no model shape"),

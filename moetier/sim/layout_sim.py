@@ -31,7 +31,12 @@ from moetier.residency import make_policy
 # GLM-4.5-Air experts (hidden 4096, moe_intermediate 1408, gate+up+down) at Q4_K, 4.5 bits/weight;
 # the seed counted 42 MoE layers (the checkpoint has 45 after one dense layer); bf16 hidden states.
 GLM45_AIR_EXPERT_BYTES = 3 * 4096 * 1408 * 9 // 16  # 9,732,096
-SHAPES = {"glm-4.5-air-q4k": ModelShape(42, tuple(range(42)), 128, 8, GLM45_AIR_EXPERT_BYTES, 4096 * 2, "glm-4.5-air-q4k")}
+# Qwen3-Next-80B-A3B (the seed's Qwen: 48 layers, every one MoE, 512 experts top-10, hidden 2048, expert width 512)
+# as the IQ3_S GGUF the seed ran: 256-value blocks of 110 bytes (3.44 bits/weight); bf16 hidden states.
+QWEN3_NEXT_EXPERT_BYTES = 3 * 2048 * 512 // 256 * 110  # 1,351,680
+SHAPES = {"glm-4.5-air-q4k": ModelShape(42, tuple(range(42)), 128, 8, GLM45_AIR_EXPERT_BYTES, 4096 * 2, "glm-4.5-air-q4k"),
+          "qwen3-next-80b-a3b-iq3_s": ModelShape(48, tuple(range(48)), 512, 10, QWEN3_NEXT_EXPERT_BYTES, 2048 * 2,
+                                                 "qwen3-next-80b-a3b-iq3_s")}
 
 
 @dataclass
