@@ -2,14 +2,16 @@
 atomic, and routing over sampled sessions has a realistic skew (hot sets per phase,
 a cold-leaning family, temporal reuse).
 
-Router outputs come from transformers' reference model through `route_sessions`,
-the one place to swap for moetier's engine once it can observe the router.
+Router outputs come from moetier's engine through `route_sessions`, or from
+transformers' reference model for an arch the engine cannot open (qwen3_next
+until moetier runs it): the one place that picks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -22,7 +24,13 @@ import pytest
 import torch
 
 from moetier.model import synth
-from moetier.model.synth import ARCHES, PRESETS, sample_session, token_families, write_synthetic
+from moetier.model.synth import (
+    ARCHES,
+    PRESETS,
+    sample_session,
+    token_families,
+    write_synthetic,
+)
 
 try:
     import transformers
@@ -31,7 +39,7 @@ except ImportError:     # a dev extra; the numpy-only tests still run
     transformers = None
 needs_transformers = pytest.mark.skipif(transformers is None, reason="needs transformers (pip install -e '.[dev]')")
 MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 N_SESSIONS = 6
 TOKENS_PER_PHASE = 64
 
@@ -47,14 +55,20 @@ def route_sessions(model_dir, token_ids: np.ndarray) -> dict[int, tuple[np.ndarr
     """Per MoE layer: (router mass per token [T, E], top-k picks [T, k]) for a batch [S, L] of sessions.
 
     Measured with moetier's own engine (its router matches transformers', see test_engine):
-    mass is the softmax probabilities (qwen3_moe, mixtral) or the sigmoid scores normalised
-    per token (glm4_moe); picks are the router's choice (for glm4_moe after the correction
-    bias and the group limit). Sessions run one at a time (the engine is batch 1), rows in order.
+    mass is the softmax probabilities (qwen3_moe, mixtral, qwen3_next) or the sigmoid scores
+    normalised per token (glm4_moe); picks are the router's choice (for glm4_moe after the
+    correction bias and the group limit). Sessions run one at a time (the engine is batch 1),
+    rows in order. An arch whose config moetier refuses (SpecError) is routed by transformers.
     """
     from moetier.engine import Engine, score
     from moetier.model import open_checkpoint
+    from moetier.model.spec import SpecError
 
-    engine = Engine(open_checkpoint(model_dir))
+    try:
+        checkpoint = open_checkpoint(model_dir)
+    except SpecError:
+        return route_sessions_with_transformers(model_dir, token_ids)
+    engine = Engine(checkpoint)
     sigmoid = engine.spec.router == "sigmoid"
     captured: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
@@ -68,6 +82,28 @@ def route_sessions(model_dir, token_ids: np.ndarray) -> dict[int, tuple[np.ndarr
     for row in np.asarray(token_ids):
         score(engine, row)
     return {layer: (np.concatenate([m for m, _ in rows]), np.concatenate([k for _, k in rows])) for layer, rows in captured.items()}
+
+
+def route_sessions_with_transformers(model_dir, token_ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """route_sessions through transformers, for softmax routers whose `mlp.gate` returns (logits, weights, picks)
+    as Qwen3-Next's does: the batch in one forward, its rows in order."""
+    model, _ = load_reference(model_dir)
+    captured: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def observer(layer):
+        def observe(module, inputs, output):
+            logits, _, picks = output                                        # [S*L, E], _, [S*L, k]
+            captured[layer] = (torch.softmax(logits.float(), -1).numpy(), picks.numpy())
+        return observe
+
+    hooks = [decoder.mlp.gate.register_forward_hook(observer(layer))
+             for layer, decoder in enumerate(model.model.layers) if hasattr(decoder.mlp, "gate")]
+    try:
+        _logits(model, np.asarray(token_ids))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return dict(sorted(captured.items()))
 
 
 def sessions_batch(model_dir, n=N_SESSIONS):
@@ -214,7 +250,7 @@ def test_one_experts_tensors_are_contiguous_in_the_file(models, arch):
     header.pop("__metadata__")
     prefix = "block_sparse_moe" if arch == "mixtral" else "mlp"
     spans = sorted((v["data_offsets"], k) for k, v in header.items())
-    assert all(a[0][1] == b[0][0] for a, b in zip(spans, spans[1:]))       # dense, no gaps
+    assert all(a[0][1] == b[0][0] for a, b in itertools.pairwise(spans))   # dense, no gaps
     for layer in (1, 2):
         for e in range(synth.arch_preset(arch, PRESETS["tiny"]).num_experts):
             mine = [off for off, k in spans if f".{layer}.{prefix}.experts.{e}." in k]
@@ -245,6 +281,50 @@ def test_configs_carry_the_arch_features():
     for preset in PRESETS:
         mixtral = synth.arch_preset("mixtral", PRESETS[preset])
         assert (mixtral.num_experts, mixtral.top_k) == (8, 2)
+    nxt = synth._config("qwen3_next", synth.arch_preset("qwen3_next", PRESETS["tiny"]))
+    assert nxt["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]     # tiny's 3 layers made 4
+    assert nxt["rope_parameters"]["partial_rotary_factor"] == 0.25 and nxt["norm_topk_prob"] is True
+    assert nxt["shared_expert_intermediate_size"] == nxt["moe_intermediate_size"] and nxt["mlp_only_layers"] == []
+    assert nxt["linear_num_key_heads"] < nxt["linear_num_value_heads"]
+    assert nxt["linear_key_head_dim"] != nxt["linear_value_head_dim"]              # a loader mixing them up fails
+
+
+def test_every_preset_has_qwen3_next_dims_and_seed_has_the_real_routing_geometry():
+    for name, preset in PRESETS.items():
+        dims = synth.arch_preset("qwen3_next", preset)
+        assert dims.num_layers % 4 == 0 and dims.num_layers >= preset.num_layers, name
+        assert dims.linear.value_heads % dims.linear.key_heads == 0, name
+        assert int(dims.head_dim * 0.25) % 2 == 0, name                               # rotary pairs
+        assert synth.arch_preset("qwen3_moe", preset).linear is None
+    for arch in ("qwen3_moe", "glm4_moe", "qwen3_next"):
+        seed = synth.arch_preset(arch, PRESETS["seed"])
+        assert (seed.num_layers, seed.num_experts, seed.top_k) == (48, 512, 10), arch
+    with pytest.raises(ValueError, match="linear-attention dims"):
+        synth.arch_preset("qwen3_next", dataclasses.replace(PRESETS["tiny"], linear=None))
+
+
+def test_qwen3_next_tensors_carry_the_arch_features(models):
+    from safetensors.numpy import load_file
+    tensors = load_file(models("qwen3_next") / "model.safetensors")
+    dims = synth.arch_preset("qwen3_next", PRESETS["tiny"])
+    D, lin, H = dims.hidden_size, dims.linear, dims.num_heads * dims.head_dim
+    zero_centred = [k for k in tensors if k.endswith("norm.weight") and ".linear_attn." not in k]
+    assert len(zero_centred) == 1 + 2 * dims.num_layers + 2 * (dims.num_layers // 4)   # final, per layer, q/k norms
+    assert all(abs(float(tensors[k].mean())) < 0.05 and np.abs(tensors[k]).max() < 0.3 for k in zero_centred)
+    gated_norm = tensors["model.layers.0.linear_attn.norm.weight"]                      # [dv], scales by w itself
+    assert gated_norm.shape == (lin.value_head_dim,) and abs(float(gated_norm.mean()) - 1.0) < 0.05
+    assert tensors["model.layers.3.self_attn.q_proj.weight"].shape == (2 * H, D)        # query and gate rows per head
+    assert "model.layers.0.self_attn.q_proj.weight" not in tensors and "model.layers.3.linear_attn.A_log" not in tensors
+    assert tensors["model.layers.2.linear_attn.conv1d.weight"].shape == (lin.conv_channels, 1, lin.conv_kernel)
+    assert np.abs(tensors["model.layers.2.linear_attn.conv1d.weight"]).max() < 2.0
+    for layer in range(dims.num_layers):
+        pre = f"model.layers.{layer}.mlp."
+        assert tensors[pre + "shared_expert_gate.weight"].shape == (1, D)
+        assert tensors[pre + "shared_expert.down_proj.weight"].shape == (D, dims.moe_intermediate_size)
+        if layer % 4 != 3:
+            la = f"model.layers.{layer}.linear_attn."
+            decay = np.exp(-np.exp(tensors[la + "A_log"]) * np.logaddexp(0.0, tensors[la + "dt_bias"]))   # [Hv] at a = 0
+            assert ((0.3 < decay) & (decay < 0.99)).all(), (layer, decay)
 
 
 def test_glm_correction_bias_is_nonzero(models):
@@ -265,10 +345,11 @@ def test_logits_depend_on_context(models):
 
 # --- determinism and atomic writes ----------------------------------------------------
 
-def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
-    one = _tree_digest(write_synthetic(tmp_path / "a", "glm4_moe", "tiny", seed=3))
-    two = _tree_digest(write_synthetic(tmp_path / "b", "glm4_moe", "tiny", seed=3))
-    other = _tree_digest(write_synthetic(tmp_path / "c", "glm4_moe", "tiny", seed=4))
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_next"])
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, arch):
+    one = _tree_digest(write_synthetic(tmp_path / "a", arch, "tiny", seed=3))
+    two = _tree_digest(write_synthetic(tmp_path / "b", arch, "tiny", seed=3))
+    other = _tree_digest(write_synthetic(tmp_path / "c", arch, "tiny", seed=4))
     assert one == two
     assert one["model.safetensors"] != other["model.safetensors"]
     assert one["config.json"] != other["config.json"]  # the seed is in the config: fingerprints differ
@@ -282,13 +363,14 @@ def test_fingerprint_tells_seeds_apart(tmp_path):
     assert a != b
 
 
-def test_bytes_do_not_depend_on_the_blas_thread_count(tmp_path):
-    here = _tree_digest(write_synthetic(tmp_path / "here", "mixtral", "tiny", seed=1, fused=True))
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_next"])
+def test_bytes_do_not_depend_on_the_blas_thread_count(tmp_path, arch):
+    here = _tree_digest(write_synthetic(tmp_path / "here", arch, "tiny", seed=1, fused=True))
     repo = pathlib.Path(synth.__file__).resolve().parents[2]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     code = ("from moetier.model.synth import write_synthetic; "
-            f"write_synthetic({str(tmp_path / 'one')!r}, 'mixtral', 'tiny', seed=1, fused=True)")
+            f"write_synthetic({str(tmp_path / 'one')!r}, {arch!r}, 'tiny', seed=1, fused=True)")
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     assert _tree_digest(tmp_path / "one") == here
 
@@ -348,6 +430,18 @@ def test_sessions_draw_runs_from_the_phase_family(models):
 # --- routing properties -----------------------------------------------------------
 
 @needs_transformers
+def test_transformers_routes_qwen3_next_as_the_engine_does(models):
+    """route_sessions' fallback for an arch moetier refuses gives the decisions moetier's engine makes."""
+    model_dir = models("qwen3_next")
+    ids = sessions_batch(model_dir, n=2)[0]
+    reference, engine = route_sessions_with_transformers(model_dir, ids), route_sessions(model_dir, ids)
+    assert sorted(reference) == sorted(engine) == list(range(synth.arch_preset("qwen3_next", PRESETS["tiny"]).num_layers))
+    for layer, (mass, picks) in reference.items():
+        np.testing.assert_allclose(mass, engine[layer][0], rtol=0, atol=1e-4)
+        assert (np.sort(picks, 1) == np.sort(engine[layer][1], 1)).all(1).mean() > 0.98, layer   # near-ties aside
+
+
+@needs_transformers
 @pytest.mark.parametrize("arch", ARCHES)
 def test_routing_is_skewed_phase_specific_and_local_tiny(models, arch):
     check_properties(measure(models(arch, "tiny")))
@@ -389,3 +483,22 @@ def test_medium_is_about_1gb_sharded_lazy_and_routes_realistically(tmp_path, arc
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     del model
     check_properties(measure(out))
+
+
+# --- seed (Qwen3-Next's routing geometry, about 0.6 GB) ------------------------------------
+
+@needs_transformers
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHES)
+def test_seed_has_the_routing_geometry_of_qwen3_next_and_routes_realistically(tmp_path, arch):
+    out = write_synthetic(tmp_path / "seed", arch, "seed")
+    total = sum(f.stat().st_size for f in out.glob("model-*.safetensors"))
+    assert 0.5e9 <= total <= 0.8e9
+    dims = synth.arch_preset(arch, PRESETS["seed"])
+    model, info = load_reference(out)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert (model.config.num_hidden_layers, model.config.num_experts_per_tok) == (48, dims.top_k)
+    del model
+    props = measure(out)
+    assert len(props) == (47 if arch == "glm4_moe" else 48)
+    check_properties(props)

@@ -169,8 +169,8 @@ def info(
 @errors_to_exit
 def synth(
     out: Path = typer.Option(..., help="folder to write the checkpoint into (a .gguf file with --format gguf)"),
-    arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral"),
-    preset: str = typer.Option("tiny", help="tiny | small | blocks | medium"),
+    arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral | qwen3_next"),
+    preset: str = typer.Option("tiny", help="tiny | small | blocks | medium | wide | seed"),
     seed: int = typer.Option(0),
     fused: bool = typer.Option(False, help="fused expert tensors (experts.gate_up_proj) instead of per-expert names"),
     format: str = typer.Option("hf", "--format", help="hf (safetensors folder) | gguf (the file llama.cpp's converter writes)"),
@@ -193,8 +193,11 @@ def synth(
         folder = write_synthetic(out, arch=arch, preset=preset, seed=seed, fused=fused)
         console.print(f"wrote {arch} {preset} (seed {seed}) to {folder}", highlight=False)
         return
+    from moetier.model.gguf_spec import GGUF_ARCHITECTURES
     from moetier.model.gguf_write import OUT_TYPES, write_gguf
 
+    if arch not in GGUF_ARCHITECTURES:
+        raise UsageError(f"--format gguf: moetier writes no GGUF for {arch} (expected --arch one of {', '.join(GGUF_ARCHITECTURES)})")
     if gguf_type not in OUT_TYPES:
         raise UsageError(f"--gguf-type {gguf_type!r} is unknown (expected one of {', '.join(OUT_TYPES)})")
     if fused:

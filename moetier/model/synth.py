@@ -1,10 +1,11 @@
-"""Synthetic Hugging Face MoE checkpoints (qwen3_moe, glm4_moe, mixtral) with realistic routing.
+"""Synthetic Hugging Face MoE checkpoints (qwen3_moe, glm4_moe, mixtral, qwen3_next) with realistic routing.
 
 `write_synthetic` writes config.json + safetensors (one file, or shards with
 model.safetensors.index.json) that transformers loads with the matching
 *ForCausalLM class, plus moetier_synth.json describing the token families that
 `sample_session` draws agent-like sessions from. The routing skew comes from
-the weight design in synth_routing. Invariants: output bytes are a pure
+the weight design in synth_routing (qwen3_next's Gated DeltaNet layers follow
+it in synth_linear). Invariants: output bytes are a pure
 function of (arch, preset, seed, fused), whatever the BLAS or thread count;
 tensors are streamed one at a time, expert-major, so one expert's tensors are
 contiguous in the file and memory stays at one tensor (plus the embedding);
@@ -21,10 +22,12 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from moetier.model import synth_linear as linear
 from moetier.model import synth_routing as design
 from moetier.model.output import new_folder
+from moetier.model.synth_linear import LinearDims
 
-ARCHES = ("qwen3_moe", "glm4_moe", "mixtral")
+ARCHES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next")
 SYNTH_META = "moetier_synth.json"
 SYNTH_FORMAT_VERSION = 1
 DEFAULT_FAMILY_MIX = design.SESSION_MIX
@@ -33,6 +36,9 @@ ZIPF_TOKEN = 1.0          # token frequency inside a family
 ROUTED_SCALING = 2.5      # glm4_moe routed_scaling_factor (GLM-4.5's value)
 SILU_GLU_RMS = 0.6        # rms of silu(g) * u for g, u ~ N(0, 1)
 ATTN_MIX_RMS = 0.25       # rms of an attention-weighted mean of zero-mean value vectors (measured)
+GATE_LOGIT_RMS = 0.5      # qwen3_next's sigmoid gates (attention output, shared expert): rms of the logit
+GATE_SIGMOID_RMS = 0.514  # rms of sigmoid(x) for x ~ N(0, GATE_LOGIT_RMS^2)
+FULL_ATTENTION_INTERVAL = 4   # qwen3_next: every 4th layer full attention, the rest Gated DeltaNet (Qwen3-Next's)
 
 
 @dataclass(frozen=True)
@@ -48,32 +54,61 @@ class SynthPreset:
     dense_intermediate_size: int
     vocab_size: int
     shard_bytes: int | None = None     # None: one model.safetensors; else shards of about this size
+    linear: LinearDims | None = None   # qwen3_next's linear-attention layers (the other arches have none)
 
 
 PRESETS: dict[str, SynthPreset] = {
-    # a forward in milliseconds; ~1.5 MB
-    "tiny": SynthPreset(64, 3, 4, 2, 16, 16, 4, 32, 128, 512),
+    # a forward in milliseconds; ~1.5 MB (qwen3_next ~2.3 MB: 4 layers, value heads 24 wide next to keys 16 wide)
+    "tiny": SynthPreset(64, 3, 4, 2, 16, 16, 4, 32, 128, 512, linear=LinearDims(2, 4, 16, 24)),
     # the built-in demo model; ~60 MB
-    "small": SynthPreset(256, 4, 8, 4, 32, 48, 6, 96, 1024, 4096),
+    "small": SynthPreset(256, 4, 8, 4, 32, 48, 6, 96, 1024, 4096, linear=LinearDims(4, 8, 32, 32)),
     # every expert row a whole 256-value block (the K-quant and IQ formats' rows), for quantized GGUF files; ~14 MB
-    "blocks": SynthPreset(256, 2, 4, 2, 64, 8, 2, 256, 256, 512),
+    "blocks": SynthPreset(256, 2, 4, 2, 64, 8, 2, 256, 256, 512, linear=LinearDims(2, 4, 64, 64)),
     # ~1.1 GB, fine-grained like Qwen3-Next (many small experts, top-10, many layers):
     # decode touches ~200 MB of weights per token, far beyond the caches (memory-bound)
-    "medium": SynthPreset(512, 16, 8, 2, 64, 80, 10, 128, 1024, 16384, shard_bytes=300_000_000),
+    "medium": SynthPreset(512, 16, 8, 2, 64, 80, 10, 128, 1024, 16384, shard_bytes=300_000_000,
+                          linear=LinearDims(4, 8, 64, 64)),
     # ~2.0 GB, experts of Qwen3-Next's shape (hidden 2048, width 512) in few layers: 1.6 GB of float32 experts,
-    # ~0.7 GB read per decoded token: a layer's work is large next to its fixed costs (bench_decode --preset wide)
-    "wide": SynthPreset(2048, 4, 16, 2, 128, 32, 8, 512, 2048, 16384, shard_bytes=500_000_000),
+    # ~0.7 GB read per decoded token: a layer's work is large next to its fixed costs (bench_decode --preset wide);
+    # qwen3_next ~2.4 GB with Qwen3-Next's linear attention (16 key heads, 32 value heads, 128 wide)
+    "wide": SynthPreset(2048, 4, 16, 2, 128, 32, 8, 512, 2048, 16384, shard_bytes=500_000_000,
+                        linear=LinearDims(16, 32, 128, 128)),
+    # Qwen3-Next's routing geometry (48 MoE layers of 512 experts, top-10) on small matrices: routing and
+    # placement at the real expert count; ~0.6 GB for every arch (mixtral: 8 experts 1024 wide, the same bytes)
+    "seed": SynthPreset(128, 48, 4, 2, 32, 512, 10, 16, 256, 4096, shard_bytes=300_000_000,
+                        linear=LinearDims(2, 4, 32, 32)),
 }
 
 
 def arch_preset(arch: str, preset: SynthPreset) -> SynthPreset:
-    """Per-arch dims: mixtral has 8 experts top-2 with the same expert bytes per layer."""
+    """Per-arch dims: mixtral has 8 experts top-2 with the same expert bytes per layer; qwen3_next a whole
+    number of FULL_ATTENTION_INTERVAL layers (so its last layer is full attention) and linear-attention dims."""
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
+    if arch == "qwen3_next":
+        if preset.linear is None:
+            raise ValueError("qwen3_next needs a preset with linear-attention dims (SynthPreset.linear)")
+        layers = -(-preset.num_layers // FULL_ATTENTION_INTERVAL) * FULL_ATTENTION_INTERVAL
+        return replace(preset, num_layers=layers)
+    preset = replace(preset, linear=None)
     if arch == "mixtral":
         inter = preset.moe_intermediate_size * preset.num_experts // 8
         return replace(preset, num_experts=8, top_k=2, moe_intermediate_size=inter)
     return preset
+
+
+def _dims_dict(dims: SynthPreset) -> dict:
+    """The dims as the version hash and moetier_synth.json hold them: without `linear` where an arch has none,
+    so the other arches' versions (and the built-in model's cache) do not depend on a field they do not use."""
+    out = asdict(dims)
+    if out["linear"] is None:
+        del out["linear"]
+    return out
+
+
+def layer_types(p: SynthPreset) -> list[str]:
+    """qwen3_next's token mixer per layer: "full_attention" every FULL_ATTENTION_INTERVAL-th, else "linear_attention"."""
+    return ["linear_attention" if (i + 1) % FULL_ATTENTION_INTERVAL else "full_attention" for i in range(p.num_layers)]
 
 
 def _glm_groups(experts: int) -> tuple[int, int]:
@@ -85,14 +120,14 @@ def synth_version(arch: str, preset: str) -> str:
     """A short hash of the generator's format version and the preset's dims for `arch`."""
     import hashlib
 
-    dims = asdict(arch_preset(arch, PRESETS[preset]))
+    dims = _dims_dict(arch_preset(arch, PRESETS[preset]))
     return hashlib.sha256(json.dumps([SYNTH_FORMAT_VERSION, arch, dims], sort_keys=True).encode()).hexdigest()[:8]
 
 
 def _config(arch: str, p: SynthPreset) -> dict:
     common = {
         "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                           "mixtral": "MixtralForCausalLM"}[arch]],
+                           "mixtral": "MixtralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}[arch]],
         "model_type": arch, "hidden_size": p.hidden_size, "num_hidden_layers": p.num_layers,
         "num_attention_heads": p.num_heads, "num_key_value_heads": p.num_kv_heads,
         "head_dim": p.head_dim, "vocab_size": p.vocab_size, "hidden_act": "silu",
@@ -109,6 +144,18 @@ def _config(arch: str, p: SynthPreset) -> dict:
             "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
             "rms_norm_eps": 1e-6, "use_sliding_window": False, "sliding_window": None,
             "router_aux_loss_coef": 0.001, "output_router_logits": False}
+    if arch == "qwen3_next":
+        lin = p.linear
+        return common | {
+            "num_experts": p.num_experts, "moe_intermediate_size": p.moe_intermediate_size,
+            "shared_expert_intermediate_size": p.moe_intermediate_size,
+            "intermediate_size": p.dense_intermediate_size, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+            "rms_norm_eps": 1e-6, "layer_types": layer_types(p), "partial_rotary_factor": 0.25,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+            "linear_num_key_heads": lin.key_heads, "linear_num_value_heads": lin.value_heads,
+            "linear_key_head_dim": lin.key_head_dim, "linear_value_head_dim": lin.value_head_dim,
+            "linear_conv_kernel_dim": lin.conv_kernel, "router_aux_loss_coef": 0.001, "output_router_logits": False}
     if arch == "glm4_moe":
         n_group, topk_group = _glm_groups(p.num_experts)
         return common | {
@@ -161,6 +208,9 @@ class _Plan:
         self.sub = design.subspaces(p.hidden_size, seed)
         self.router_kind = "sigmoid" if arch == "glm4_moe" else "softmax"
         self.first_moe = 1 if arch == "glm4_moe" else 0
+        # qwen3_next's RMSNorms scale by 1 + w (zero-centred), but for the gated one inside linear attention
+        self.norm_centre = 0.0 if arch == "qwen3_next" else 1.0
+        self.mixers = layer_types(p) if arch == "qwen3_next" else ["full_attention"] * p.num_layers
         self.tensors: list[_Tensor] = []
         self._build()
 
@@ -170,9 +220,10 @@ class _Plan:
     def _add(self, name: str, shape: tuple[int, ...], fn: Callable[[], np.ndarray], group: str = "") -> None:
         self.tensors.append(_Tensor(name, shape, _one(fn), group or name))
 
-    def _norm(self, name: str, n: int) -> None:
-        # near 1, not exactly 1, so that a loader which swaps two norms is caught by parity tests
-        self._add(name, (n,), lambda: 1.0 + _normal(self.seed, name, (n,), 0.05))
+    def _norm(self, name: str, n: int, centre: float | None = None) -> None:
+        # an effective weight near 1, not exactly 1, so that a loader which swaps two norms is caught by parity tests
+        c = self.norm_centre if centre is None else centre
+        self._add(name, (n,), lambda: c + _normal(self.seed, name, (n,), 0.05))
 
     def _build(self) -> None:
         p, s = self.p, self.seed
@@ -184,21 +235,13 @@ class _Plan:
         self._add("lm_head.weight", emb.shape, lambda: design.lm_head(emb, self.sub, p.num_layers, s))
 
     def _layer(self, layer: int) -> None:
-        p, s, D = self.p, self.seed, self.p.hidden_size
+        p, D = self.p, self.p.hidden_size
         pre = f"model.layers.{layer}."
-        H, KV, hd = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.head_dim
         self._norm(pre + "input_layernorm.weight", D)
-        for proj, rows in (("q_proj", H), ("k_proj", KV)):
-            key = f"{pre}self_attn.{proj}.weight"
-            self._add(key, (rows, D), lambda key=key, rows=rows: _normal(s, key, (rows, D), D**-0.5))
-        v_key = pre + "self_attn.v_proj.weight"
-        self._add(v_key, (KV, D), lambda: design.reader(
-            design.rng_for(s, v_key), self.sub, KV, 2 * layer, identity_only=True))
-        o_key = pre + "self_attn.o_proj.weight"
-        self._add(o_key, (D, H), lambda: design.writer(design.rng_for(s, o_key), self.sub, H, ATTN_MIX_RMS))
-        if self.arch == "qwen3_moe":
-            self._norm(pre + "self_attn.q_norm.weight", hd)
-            self._norm(pre + "self_attn.k_norm.weight", hd)
+        if self.mixers[layer] == "linear_attention":
+            self._linear_attention(layer, pre + "linear_attn.")
+        else:
+            self._attention(layer, pre + "self_attn.")
         self._norm(pre + "post_attention_layernorm.weight", D)
         if layer < self.first_moe:
             self._mlp(pre + "mlp.", p.dense_intermediate_size, f"L{layer}.dense", layer, 1.0)
@@ -209,7 +252,55 @@ class _Plan:
             self._add(moe + "gate.e_score_correction_bias", (p.num_experts,),
                       lambda: design.correction_bias(self.mass(layer), design.session_family_mix()))
             self._mlp(moe + "shared_experts.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5)
+        if self.arch == "qwen3_next":
+            # sigmoid(gate) * shared expert writes ~0.5 * UPDATE_RMS, as GLM's ungated shared expert does
+            self._mlp(moe + "shared_expert.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5 / GATE_SIGMOID_RMS)
+            self._add(moe + "shared_expert_gate.weight", (1, D), lambda: self._gate_rows(moe + "shared_expert_gate", 1, layer))
         self._experts(layer, moe + "experts.")
+
+    def _gate_rows(self, key: str, rows: int, layer: int) -> np.ndarray:
+        """[rows, D] logits of a sigmoid gate: identity reads of rms GATE_LOGIT_RMS (a gate near 0.5 that varies by token)."""
+        read = design.reader(design.rng_for(self.seed, key), self.sub, rows, 2 * layer, identity_only=True)
+        return read * np.float32(GATE_LOGIT_RMS)
+
+    def _attention(self, layer: int, pre: str) -> None:
+        p, s, D = self.p, self.seed, self.p.hidden_size
+        H, KV, hd = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.head_dim
+        gated = self.arch == "qwen3_next"
+        q_key = pre + "q_proj.weight"
+        if gated:   # per head: hd query rows, then hd rows of the sigmoid gate on that head's output
+            def q_rows() -> np.ndarray:
+                q = _normal(s, q_key, (H, D), D**-0.5).reshape(p.num_heads, 1, hd, D)
+                g = self._gate_rows(q_key + ".gate", H, layer).reshape(p.num_heads, 1, hd, D)
+                return np.concatenate([q, g], axis=1).reshape(2 * H, D)                   # [2H, D]
+            self._add(q_key, (2 * H, D), q_rows)
+        else:
+            self._add(q_key, (H, D), lambda: _normal(s, q_key, (H, D), D**-0.5))
+        k_key = pre + "k_proj.weight"
+        self._add(k_key, (KV, D), lambda: _normal(s, k_key, (KV, D), D**-0.5))
+        v_key = pre + "v_proj.weight"
+        self._add(v_key, (KV, D), lambda: design.reader(
+            design.rng_for(s, v_key), self.sub, KV, 2 * layer, identity_only=True))
+        o_key = pre + "o_proj.weight"
+        mix_rms = ATTN_MIX_RMS * (GATE_SIGMOID_RMS if gated else 1.0)
+        self._add(o_key, (D, H), lambda: design.writer(design.rng_for(s, o_key), self.sub, H, mix_rms))
+        if self.arch in ("qwen3_moe", "qwen3_next"):
+            self._norm(pre + "q_norm.weight", hd)
+            self._norm(pre + "k_norm.weight", hd)
+
+    def _linear_attention(self, layer: int, pre: str) -> None:
+        """Gated DeltaNet (synth_linear); its out-projection reads RMSNorm(o) * silu(z), rms ~ SILU_GLU_RMS."""
+        s, D, lin = self.seed, self.p.hidden_size, self.p.linear
+        C, qkvz = lin.conv_channels, 2 * lin.key_heads * lin.key_head_dim + 2 * lin.value_width
+        self._add(pre + "in_proj_qkvz.weight", (qkvz, D), lambda: linear.in_proj_qkvz(s, pre + "qkvz", self.sub, lin, layer))
+        self._add(pre + "in_proj_ba.weight", (2 * lin.value_heads, D), lambda: linear.in_proj_ba(s, pre + "ba", self.sub, lin, layer))
+        self._add(pre + "conv1d.weight", (C, 1, lin.conv_kernel), lambda: linear.conv_weight(s, pre + "conv1d", lin))
+        self._add(pre + "dt_bias", (lin.value_heads,), lambda: linear.decay(s, pre + "decay", lin.value_heads)[0])
+        self._add(pre + "A_log", (lin.value_heads,), lambda: linear.decay(s, pre + "decay", lin.value_heads)[1])
+        self._norm(pre + "norm.weight", lin.value_head_dim, centre=1.0)
+        out_key = pre + "out_proj.weight"
+        self._add(out_key, (D, lin.value_width), lambda: design.writer(
+            design.rng_for(s, out_key), self.sub, lin.value_width, SILU_GLU_RMS))
 
     def roles(self, layer: int) -> dict[str, np.ndarray]:
         n_group = _glm_groups(self.p.num_experts)[0] if self.arch == "glm4_moe" else 1
@@ -323,7 +414,7 @@ def _synth_meta(plan: _Plan, arch: str, preset: str, dims: SynthPreset) -> dict:
         layers[str(layer)] = {k: v.tolist() for k, v in plan.roles(layer).items()}
     return {
         "format": "moetier-synth", "version": SYNTH_FORMAT_VERSION, "arch": arch, "preset": preset,
-        "seed": plan.seed, "fused": plan.fused, "dims": asdict(dims),
+        "seed": plan.seed, "fused": plan.fused, "dims": _dims_dict(dims),
         "phases": list(design.PHASE_FAMILIES), "special_tokens": design.SPECIAL_TOKENS,
         # token ids per family in frequency-rank order (first = most frequent in sessions)
         "families": {k: v.tolist() for k, v in tokens.items()},
