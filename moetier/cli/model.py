@@ -147,6 +147,8 @@ def info(
         "n_group": s.n_group,
         "topk_group": s.topk_group,
         "shared_experts": s.n_shared_experts,
+        **({"shared_expert": f"width {s.shared_width}, sigmoid-gated"} if s.shared_expert_gate else {}),
+        **(_linear_attention(s) if s.linear_layers else {}),
         "hidden_size": s.hidden_size,
         "moe_intermediate_size": s.moe_intermediate_size,
         "vocab_size": s.vocab_size,
@@ -164,6 +166,15 @@ def info(
     for key, value in summary.items():
         table.add_row(key, f"{value:,}" if isinstance(value, int) and "bytes" in key else str(value))
     console.print(table)
+
+
+def _linear_attention(s) -> dict[str, str]:
+    """info's rows for a hybrid model's linear-attention layers (Qwen3-Next's Gated DeltaNet)."""
+    g = s.linear_attention
+    return {"linear_attention_layers": f"{len(s.linear_layers)} of {s.num_layers} (full attention: "
+                                       f"{', '.join(map(str, s.attention_layers)) or 'none'})",
+            "linear_attention": f"{g.key_heads} key heads x {g.key_dim}, {g.value_heads} value heads x {g.value_dim}, "
+                                f"conv {g.conv_kernel}; state {g.value_heads * g.key_dim * g.value_dim * 4:,} bytes a layer"}
 
 
 @errors_to_exit
