@@ -179,9 +179,10 @@ class DecodeKernel:
     @staticmethod
     def fits(weights: ExpertWeights) -> bool:
         """Whether an expert can be read in place: both matrices in a format of moetier.model.formats,
-        contiguous, in host memory (`expert_record` then checks their shapes)."""
+        contiguous, in host memory (`expert_record` then checks their shapes), and a SwiGLU without clamps (the
+        kernels compute the plain one)."""
         gate_up, down = weights.gate_up, weights.down
-        return (weights.gate_up_type in FORMATS and weights.down_type in FORMATS
+        return (weights.swiglu_limit is None and weights.gate_up_type in FORMATS and weights.down_type in FORMATS
                 and gate_up.is_cpu and down.is_cpu and gate_up.is_contiguous() and down.is_contiguous())
 
     def act_type(self, wtype: int, float_acts: bool = False) -> int:

@@ -33,6 +33,7 @@ class NumpyExpert:
     gate_up_type: int = F32
     down_type: int = F32
     float_acts: bool = True
+    swiglu_limit: float | None = None
 
 
 def reference_float32(data: np.ndarray, qtype: int) -> np.ndarray:
@@ -53,6 +54,8 @@ def swiglu(x: np.ndarray, w: NumpyExpert) -> np.ndarray:
     """x [n, D] -> [n, D] = down(silu(gate x) * up x), each product with the activations its format takes."""
     gate_up = dot_input(x, w.gate_up_type, w.float_acts) @ reference_float32(w.gate_up, w.gate_up_type).T
     gate, up = np.split(gate_up, 2, axis=-1)  # [n, I] each
+    if w.swiglu_limit is not None:  # GLM-5.3's clamps
+        gate, up = np.minimum(gate, np.float32(w.swiglu_limit)), np.clip(up, np.float32(-w.swiglu_limit), np.float32(w.swiglu_limit))
     hidden = ((gate / (1.0 + np.exp(-gate))) * up).astype(np.float32)
     return dot_input(hidden, w.down_type, w.float_acts) @ reference_float32(w.down, w.down_type).T
 
@@ -73,7 +76,7 @@ class NumpyBackend(Backend):
     def _place(self, weights: ExpertWeights) -> NumpyExpert:
         resident = weights.resident()
         return NumpyExpert(_numpy(resident.gate_up), _numpy(resident.down), weights.gate_up_type, weights.down_type,
-                           weights.float_acts)
+                           weights.float_acts, weights.swiglu_limit)
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         xs = x.detach().cpu().numpy()  # [T, D]

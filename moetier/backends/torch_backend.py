@@ -38,18 +38,25 @@ from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS
 
 
+def glu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(gate) * up, with GLM-5.3's clamps first where `limit` is given (gate <= limit, up in [-limit, limit])."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """x [n, D] -> [n, D] = down(silu(gate x) * up x), the torch path: each stored matrix dequantized on its device
     for this call and multiplied with the activations its format's dot product takes (torch_activations)."""
     gate, up = stored_product(x, w.gate_up, w.gate_up_type, w.float_acts).chunk(2, dim=-1)  # [n, I] each
-    return stored_product(F.silu(gate) * up, w.down, w.down_type, w.float_acts)
+    return stored_product(glu(gate, up, w.swiglu_limit), w.down, w.down_type, w.float_acts)
 
 
 def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
     """One token through some experts with torch ops: x [1, D] -> sum of scale * ffn(x) [1, D]."""
     out = torch.zeros_like(x)
     for w, scale in zip(experts, scales):
-        if not w.float32:
+        if not w.float32 or w.swiglu_limit is not None:
             out.add_(swiglu(x, w), alpha=scale)
             continue
         gate_up = F.linear(x, w.gate_up)  # [1, 2I]
@@ -100,6 +107,8 @@ class TorchBackend(Backend):
         return out
 
     def _run_decode(self, x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
+        if self._kernel is not None and not all(map(self._kernel.fits, experts)):  # a clamped SwiGLU: torch's
+            return _decode_experts(x, experts, scales)
         return self._decode(x, experts, scales)
 
     def decode_kernel(self) -> "cpu_kernels.DecodeKernel | None":

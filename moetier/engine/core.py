@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from moetier.backends import Backend, ExpertWork, cpu_kernels, get_backend
 from moetier.backends.base import ROW0
 from moetier.engine.deltanet import DeltaNetState, DeltaNetWeights, deltanet_layer
+from moetier.engine.hyper import HyperWeights, Residual, Streams
+from moetier.engine.kda import KdaWeights, kda_layer
+from moetier.engine.mla import IndexerWeights, LatentState, LatentWeights, latent_layer
 from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
 from moetier.engine.linear import StoredEmbedding, StoredLinear, stored_ffn
 from moetier.engine.native_step import NativeStep
@@ -143,6 +146,10 @@ class LayerWeights:
     shared: ExpertWeights | None  # shared experts (GLM) / the shared expert (Qwen3-Next), stored
     shared_gate: torch.Tensor | None = None  # [1, D]: the shared expert's output scaled by sigmoid(x . w) (Qwen3-Next)
     deltanet: DeltaNetWeights | None = None  # a linear-attention layer's token mixer (Qwen3-Next)
+    kda: KdaWeights | None = None  # a linear-attention layer's token mixer (GLM-5.3)
+    latent: LatentWeights | None = None  # a latent-attention layer's token mixer (GLM-5.3)
+    hyper_attn: HyperWeights | None = None  # the hyper-connections around the mixer and the MLP (GLM-5.3)
+    hyper_ffn: HyperWeights | None = None
 
 
 
@@ -212,7 +219,7 @@ class Engine:
         attn = p + "self_attn."
         moe, linear = spec.is_moe(layer), spec.is_linear(layer)
         qkv = o_proj = qk_norm = None
-        if not linear:
+        if not linear and spec.latent_attention is None:
             bias = None
             if spec.attention_bias:
                 bias = torch.cat([c.tensor(f"{attn}{n}_proj.bias") for n in "qkv"])
@@ -235,8 +242,50 @@ class Engine:
             correction_bias=(lambda b: None if b is None else b.clone().to(dev))(c.router_bias(layer)) if moe else None,
             shared=to_dev(c.shared_experts(layer, stored=True)) if moe else None,
             shared_gate=None if gate is None else gate.to(dev),
-            deltanet=self._deltanet_weights(layer, dev) if linear else None,
+            deltanet=self._deltanet_weights(layer, dev) if linear and spec.linear_attention.kind == "gated_deltanet" else None,
+            kda=self._kda_weights(layer, dev) if linear and spec.linear_attention.kind == "kda" else None,
+            latent=self._latent_weights(layer, dev) if not linear and spec.latent_attention is not None else None,
+            hyper_attn=self._hyper_weights(layer, "attn", dev), hyper_ffn=self._hyper_weights(layer, "ffn", dev),
         )
+
+    def _hyper_weights(self, layer: int, block: str, dev: torch.device) -> HyperWeights | None:
+        if self.spec.hyper is None:
+            return None
+        p = f"model.layers.{layer}.hc_{block}_"
+        return HyperWeights(*(self.checkpoint.load(p + name).to(dev) for name in ("fn", "base", "scale")))
+
+    def _kda_weights(self, layer: int, dev: torch.device) -> KdaWeights:
+        c, g, p = self.checkpoint, self.spec.linear_attention, f"model.layers.{layer}.self_attn."
+        parts = [c.stored(f"{p}{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")]
+        linear = lambda name: StoredLinear([c.stored(p + name)], None, self.float_acts, dev)  # noqa: E731
+        conv = torch.cat([c.tensor(f"{p}{n}_conv1d.weight") for n in "qkv"]).reshape(3 * g.value_width, g.conv_kernel)
+        return KdaWeights(in_proj=StoredLinear(parts, None, self.float_acts, dev), forget_up=linear("f_b_proj.weight"),
+                          gate_up=linear("g_b_proj.weight"), conv=conv.to(dev), dt_bias=c.load(p + "dt_bias").to(dev),
+                          decay_rate=c.tensor(p + "A_log").exp().to(dev), norm=c.load(p + "o_norm.weight").to(dev),
+                          out_proj=linear("o_proj.weight"))
+
+    def _latent_weights(self, layer: int, dev: torch.device) -> LatentWeights:
+        c, spec, p = self.checkpoint, self.spec, f"model.layers.{layer}.self_attn."
+        shared = layer in spec.indexer.shared_layers
+        names = ["q_a_proj", "kv_a_proj_with_mqa"] + ([] if shared else
+                                                       ["indexer.wk", "indexer.weights_proj", "indexer.index_kpool_compress_gate"])
+        parts = [c.stored(f"{p}{n}" + ("" if n.endswith("compress_gate") else ".weight")) for n in names]
+        bias = None
+        if spec.attention_bias:  # q_a and kv_a carry biases; the indexer's projections none
+            mla, index = spec.latent_attention, spec.indexer
+            zeros = torch.zeros(0 if shared else 2 * index.head_dim + index.heads)
+            bias = torch.cat([c.tensor(p + "q_a_proj.bias"), c.tensor(p + "kv_a_proj_with_mqa.bias"), zeros])
+            assert bias.shape[0] == mla.q_rank + mla.kv_rank + zeros.shape[0]
+        linear = lambda name, b=None: StoredLinear([c.stored(p + name)], b, self.float_acts, dev)  # noqa: E731
+        indexer = None if shared else IndexerWeights(
+            q_up=linear("indexer.wq_b.weight"),
+            k_norm=(c.load(p + "indexer.k_norm.weight").to(dev), c.load(p + "indexer.k_norm.bias").to(dev)),
+            pool_bias=c.load(p + "indexer.index_kpool_compress_ape").to(dev))
+        return LatentWeights(in_proj=StoredLinear(parts, bias, self.float_acts, dev), q_norm=c.load(p + "q_a_layernorm.weight").to(dev),
+                             q_up=linear("q_b_proj.weight"), kv_norm=c.load(p + "kv_a_layernorm.weight").to(dev),
+                             kv_up=linear("kv_b_proj.weight"),
+                             out_proj=linear("o_proj.weight", c.load(p + "o_proj.bias") if spec.attention_bias else None),
+                             indexer=indexer)
 
     def _deltanet_weights(self, layer: int, dev: torch.device) -> DeltaNetWeights:
         t = self.checkpoint.deltanet(layer)
@@ -248,7 +297,9 @@ class Engine:
     def new_cache(self) -> KVCache:
         s = self.spec
         devices = [self.layer_device[l] for l in range(s.num_layers)]
-        states = {l: DeltaNetState(s.linear_attention, devices[l]) for l in s.linear_layers}
+        states: dict = {l: DeltaNetState(s.linear_attention, devices[l]) for l in s.linear_layers}
+        if s.latent_attention is not None:
+            states |= {l: LatentState(s, devices[l]) for l in s.attention_layers}
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, devices, states=states)
 
     def warm_up(self) -> None:
@@ -267,45 +318,48 @@ class Engine:
             return self._forward(ids, cache, all_logits)
 
     def _forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool) -> torch.Tensor:
-        start, eps, times = cache.length, self.spec.rms_norm_eps, self.times
+        start, eps, times, spec = cache.length, self.spec.rms_norm_eps, self.times, self.spec
         h = self.embed.rows(ids)  # [T, D]
+        new = h.shape[0]
+        stream = Streams.of(h, spec.hyper, eps) if spec.hyper is not None else Residual(h)  # [T, (N,) D]
         for index, part in enumerate(self.parts):
-            h = h.to(part.device)
-            mask = None if self._native_attention(part.device) else attention_mask(start, h.shape[0], self.spec.sliding_window, part.device)
+            stream.to(part.device)
+            mask = None if self._native_attention(part.device) else attention_mask(start, new, spec.sliding_window, part.device)
             defer = self.defer_cpu == 2 or (self.defer_cpu == 1 and index == 0)
-            pending: Future | None = None  # the previous layer's CPU-lane partial, deferred
+            pending = None  # the previous layer's CPU-lane partial, deferred: (its future, the post weights it expands by)
+            selection = None  # the positions the previous latent-attention layer attended to (a shared indexer's)
             for layer in part.layers:
                 w = self.layers[layer]
                 begin = time.perf_counter() if times is not None else 0.0
-                x = rms_norm(h, w.input_norm, eps)
-                if w.deltanet is not None:
-                    kernel = self._cpu_kernel if part.device.type == "cpu" else None
-                    h = h + deltanet_layer(w.deltanet, self.spec.linear_attention, x, cache.states[layer], eps, kernel)
-                else:
-                    h = h + self._attention(layer, w, x, cache, start, mask)
+                x = rms_norm(stream.enter(w.hyper_attn), w.input_norm, eps)
+                y, selection = self._mix(layer, w, x, cache, start, mask, selection, part.device)
+                stream.leave(y)
                 if times is not None:
-                    times.add("linear attention" if w.deltanet is not None else "attention", time.perf_counter() - begin)
+                    times.add("attention" if w.qkv is not None or w.latent is not None else "linear attention",
+                              time.perf_counter() - begin)
                 if pending is not None:  # DEFER_CPU: layer-1's lane partial lands after this attention
-                    h = h + self._wait_lane(pending, index)
+                    stream.late(self._wait_lane(pending[0], index), pending[1])
                     pending = None
+                x = rms_norm(stream.enter(w.hyper_ffn), w.post_norm, eps)
                 if w.mlp is not None:  # a dense layer: trunk work, accounted with attention
                     begin = time.perf_counter() if times is not None else 0.0
-                    h = h + stored_ffn(rms_norm(h, w.post_norm, eps), w.mlp, self._cpu_kernel)
+                    stream.leave(stored_ffn(x, w.mlp, self._cpu_kernel))
                     if times is not None:
                         times.add("attention", time.perf_counter() - begin)
                     continue
-                partials = self._moe(layer, w, rms_norm(h, w.post_norm, eps))
+                partials = self._moe(layer, w, x)
                 if partials.lane is None:
-                    h = h + partials.now
-                elif defer and layer != part.layers[-1] and not self.spec.is_linear(layer + 1):
+                    stream.leave(partials.now)
+                elif defer and layer != part.layers[-1] and not spec.is_linear(layer + 1):
                     # never across a part boundary, nor into a linear-attention layer: its state would keep the
                     # missing partial in every later token (a deferred partial lands after attention's KV writes,
                     # the semantics DEFER_CPU was measured with, but never inside a recurrence)
-                    h = h + partials.now
-                    pending = partials.lane
+                    stream.leave(partials.now)
+                    pending = (partials.lane, stream.post)
                 else:
-                    h = h + (partials.now + self._wait_lane(partials.lane, index))
-        cache.length = start + h.shape[0]
+                    stream.leave(partials.now + self._wait_lane(partials.lane, index))
+        cache.length = start + new
+        h = stream.hidden()  # [T, D]
         if not all_logits:
             h = h[-1:]
         begin = time.perf_counter() if times is not None else 0.0
@@ -338,6 +392,20 @@ class Engine:
         result = lane.result()
         self.times.add(f"cpu lane wait (part {part})", time.perf_counter() - begin)
         return result
+
+    def _mix(self, layer: int, w: LayerWeights, x: torch.Tensor, cache: KVCache, start: int, mask, selection,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A layer's token mixer on x [T, D] -> (its output [T, D], the selection a latent-attention layer made)."""
+        g = self.spec.linear_attention
+        if w.deltanet is not None:
+            kernel = self._cpu_kernel if device.type == "cpu" else None
+            return deltanet_layer(w.deltanet, g, x, cache.states[layer], self.spec.rms_norm_eps, kernel), None
+        if w.kda is not None:
+            return kda_layer(w.kda, g, x, cache.states[layer], self.spec.rms_norm_eps), None
+        if w.latent is not None:
+            return latent_layer(w.latent, self.spec, x, cache.states[layer], start,
+                                None if selection is None else selection.to(device))
+        return self._attention(layer, w, x, cache, start, mask), None
 
     def _attention(self, layer: int, w: LayerWeights, x: torch.Tensor, cache: KVCache, start: int, mask) -> torch.Tensor:
         s = self.spec

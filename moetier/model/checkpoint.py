@@ -46,17 +46,23 @@ class Checkpoint(NamedWeights):
         self.spec = spec
         self.config = config
         self._where: dict[str, SafetensorsFile] = {}
+        self._in_file: dict[str, str] = {}  # a tensor's name -> its name in the file, where the two differ
         for file in files:
-            for name in file.entries:
+            for stored_name in file.entries:
+                name = _text_name(spec.arch, stored_name)
+                if name is None:  # a vision tower's tensor: moetier runs the text model
+                    continue
                 if name in self._where:
-                    raise CheckpointError(f"{file.path}: tensor {name!r} also appears in {self._where[name].path}")
+                    raise CheckpointError(f"{file.path}: tensor {stored_name!r} also appears in {self._where[name].path}")
                 self._where[name] = file
+                if name != stored_name:
+                    self._in_file[name] = stored_name
         self._mlp = "block_sparse_moe" if spec.arch == "mixtral" else "mlp"
         # per-expert tensor names of (gate, up, down)
         self._expert_names = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         self._fused = f"model.layers.{spec.moe_layers[0]}.{self._mlp}.experts.gate_up_proj" in self._where if spec.moe_layers else False
         self.norm_offset = spec.arch == "qwen3_next"  # Qwen3NextRMSNorm: x_normed * (1 + w)
-        self.fingerprint = _fingerprint(config, {n: f.entries[n] for n, f in self._where.items()})
+        self.fingerprint = _fingerprint(config, {n: self.entry(n) for n in self._where})
         self._check_complete()
 
     # -- raw tensors --------------------------------------------------------
@@ -67,12 +73,12 @@ class Checkpoint(NamedWeights):
         return name in self._where
 
     def entry(self, name: str) -> TensorEntry:
-        return self._where[name].entries[name]
+        return self._where[name].entries[self._in_file.get(name, name)]
 
     def tensor(self, name: str) -> torch.Tensor:
         """float32 tensor by name: a view of the mapping when stored as float32, else a converted copy."""
         try:
-            raw = self._where[name].tensor(name)
+            raw = self._where[name].tensor(self._in_file.get(name, name))
         except KeyError:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found") from None
         return raw if raw.dtype == torch.float32 else raw.float()
@@ -93,7 +99,7 @@ class Checkpoint(NamedWeights):
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.entries[n].nbytes for n, f in self._where.items())
+        return sum(self.entry(n).nbytes for n in self._where)
 
     @property
     def expert_nbytes(self) -> int:
@@ -118,7 +124,7 @@ class Checkpoint(NamedWeights):
     def trunk_bytes(self) -> int:
         """Bytes of the trunk as stored (every tensor but the routed experts): what the engine holds of it, its
         matrices in their formats (norms, router and embedding of a bf16 file are held as float32: up to twice theirs)."""
-        return sum(f.entries[n].nbytes for n, f in self._where.items()
+        return sum(self.entry(n).nbytes for n in self._where
                    if ".experts." not in n and not n.endswith((".experts.gate_up_proj", ".experts.down_proj")))
 
     def expert_nbytes_at(self, layer: int) -> int:
@@ -134,12 +140,14 @@ class Checkpoint(NamedWeights):
         experts = f"model.layers.{layer}.{self._mlp}.experts"
         if self._fused:
             (gate_up, gate_up_type), (down, down_type) = self.stored(f"{experts}.gate_up_proj"), self.stored(f"{experts}.down_proj")
-            return ExpertWeights(gate_up[expert], down[expert], True, gate_up_type, down_type)  # [2I, D], [D, I]: views
+            return ExpertWeights(gate_up[expert], down[expert], True, gate_up_type, down_type,
+                                 swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]: views
         (gate, gate_type), (up, up_type), (down, down_type) = (self.stored(f"{experts}.{expert}.{n}.weight") for n in self._expert_names)
         if gate_type != up_type:  # stacked, they must share a format
             gate, up, gate_type = gate.float(), up.float(), F32
         # gate and up are copied by the stacking anyway: copy down too, so the result owns its memory
-        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type)  # [2I, D], [D, I]
+        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type,
+                             swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]
 
     def deltanet(self, layer: int) -> DeltaNetTensors:
         """A Qwen3-Next linear-attention layer in the engine's layout: in_proj_qkvz's rows, stored per key head as
@@ -161,7 +169,7 @@ class Checkpoint(NamedWeights):
         """(tensor, its GGML type id) in the format stored: a view of the mapping for F32, F16 and BF16,
         a float32 copy of any other dtype."""
         try:
-            raw = self._where[name].tensor(name)
+            raw = self._where[name].tensor(self._in_file.get(name, name))
         except KeyError:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found") from None
         qtype = BY_DTYPE.get(raw.dtype)
@@ -181,27 +189,15 @@ class Checkpoint(NamedWeights):
             if got != shape:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {list(got)} (expected {list(shape)})")
 
-        q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         expect("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
         expect("model.norm.weight", (s.hidden_size,))
         if not s.tie_word_embeddings:
             expect("lm_head.weight", (s.vocab_size, s.hidden_size))
-        inter, g, hidden = s.moe_intermediate_size, s.linear_attention, s.hidden_size
+        inter, hidden = s.moe_intermediate_size, s.hidden_size
         for layer in range(s.num_layers):
             p = self.layer_prefix(layer)
-            if s.is_linear(layer):
-                la = f"{p}linear_attn."
-                for name, shape in (("in_proj_qkvz.weight", (g.conv_channels + g.value_width, hidden)),
-                                    ("in_proj_ba.weight", (2 * g.value_heads, hidden)),
-                                    ("conv1d.weight", (g.conv_channels, 1, g.conv_kernel)), ("dt_bias", (g.value_heads,)),
-                                    ("A_log", (g.value_heads,)), ("norm.weight", (g.value_dim,)),
-                                    ("out_proj.weight", (hidden, g.value_width))):
-                    expect(la + name, shape)
-            else:
-                expect(f"{p}self_attn.q_proj.weight", (q_out * (2 if s.attention_gate else 1), hidden))
-                expect(f"{p}self_attn.k_proj.weight", (kv_out, hidden))
-                expect(f"{p}self_attn.v_proj.weight", (kv_out, hidden))
-                expect(f"{p}self_attn.o_proj.weight", (hidden, q_out))
+            for name, shape in _mixer_shapes(s, layer):
+                expect(p + name, shape)
             if s.is_moe(layer) and s.shared_expert_gate:
                 for w, shape in _ffn_shapes(hidden, s.shared_width).items():
                     expect(f"{p}mlp.shared_expert.{w}_proj.weight", shape)
@@ -221,6 +217,62 @@ class Checkpoint(NamedWeights):
                 for e in range(s.num_experts):
                     for w, shape in zip(self._expert_names, shapes):
                         expect(f"{p}{self._mlp}.experts.{e}.{w}.weight", shape)
+
+
+def _mixer_shapes(s: ModelSpec, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name inside model.layers.N., shape) of every tensor of a layer's token mixer (and its hyper-connections)."""
+    hidden, g, mla, index = s.hidden_size, s.linear_attention, s.latent_attention, s.indexer
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    if s.hyper is not None:
+        n = s.hyper.streams
+        for block in ("attn", "ffn"):
+            shapes += [(f"hc_{block}_fn", ((2 + n) * n, n * hidden)), (f"hc_{block}_base", ((2 + n) * n,)), (f"hc_{block}_scale", (3,))]
+    if s.is_linear(layer) and g.kind == "kda":  # GLM-5.3's Kimi Delta Attention
+        width, d = g.value_width, g.key_dim
+        shapes += [(f"self_attn.{n}_proj.weight", (width, hidden)) for n in "qkv"]
+        shapes += [(f"self_attn.{n}_conv1d.weight", (width, 1, g.conv_kernel)) for n in "qkv"]
+        shapes += [("self_attn.f_a_proj.weight", (d, hidden)), ("self_attn.f_b_proj.weight", (width, d)),
+                   ("self_attn.dt_bias", (width,)), ("self_attn.A_log", (g.key_heads,)),
+                   ("self_attn.b_proj.weight", (g.key_heads, hidden)), ("self_attn.g_a_proj.weight", (d, hidden)),
+                   ("self_attn.g_b_proj.weight", (width, d)), ("self_attn.o_norm.weight", (d,)),
+                   ("self_attn.o_proj.weight", (hidden, width))]
+    elif s.is_linear(layer):  # Qwen3-Next's Gated DeltaNet
+        shapes += [(f"linear_attn.{name}", shape) for name, shape in (
+            ("in_proj_qkvz.weight", (g.conv_channels + g.value_width, hidden)), ("in_proj_ba.weight", (2 * g.value_heads, hidden)),
+            ("conv1d.weight", (g.conv_channels, 1, g.conv_kernel)), ("dt_bias", (g.value_heads,)), ("A_log", (g.value_heads,)),
+            ("norm.weight", (g.value_dim,)), ("out_proj.weight", (hidden, g.value_width)))]
+    elif mla is not None:  # latent attention, its indexer where the layer runs one
+        heads = s.num_heads
+        shapes += [(f"self_attn.{name}", shape) for name, shape in (
+            ("q_a_proj.weight", (mla.q_rank, hidden)), ("q_a_layernorm.weight", (mla.q_rank,)),
+            ("q_b_proj.weight", (heads * mla.key_dim, mla.q_rank)), ("kv_a_proj_with_mqa.weight", (mla.kv_rank, hidden)),
+            ("kv_a_layernorm.weight", (mla.kv_rank,)), ("kv_b_proj.weight", (heads * (mla.key_dim + mla.value_dim), mla.kv_rank)),
+            ("o_proj.weight", (hidden, heads * mla.value_dim)))]
+        if layer not in index.shared_layers:
+            shapes += [(f"self_attn.indexer.{name}", shape) for name, shape in (
+                ("wq_b.weight", (index.heads * index.head_dim, mla.q_rank)), ("wk.weight", (index.head_dim, hidden)),
+                ("k_norm.weight", (index.head_dim,)), ("k_norm.bias", (index.head_dim,)),
+                ("weights_proj.weight", (index.heads, hidden)), ("index_kpool_compress_ape", (index.pool, index.head_dim)),
+                ("index_kpool_compress_gate", (index.head_dim, hidden)))]
+    else:
+        q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        shapes += [("self_attn.q_proj.weight", (q_out * (2 if s.attention_gate else 1), hidden)),
+                   ("self_attn.k_proj.weight", (kv_out, hidden)), ("self_attn.v_proj.weight", (kv_out, hidden)),
+                   ("self_attn.o_proj.weight", (hidden, q_out))]
+    return shapes
+
+
+TEXT_PREFIX = "model.language_model."  # a vision-language checkpoint's text model (glm5_next)
+
+
+def _text_name(arch: str, name: str) -> str | None:
+    """The name the engine asks for of a tensor stored as `name`: a glm5_next file's text model under
+    model.language_model. answers as model.; its vision tower (model.visual.) is not read (None)."""
+    if arch != "glm5_next":
+        return name
+    if name.startswith(TEXT_PREFIX):
+        return "model." + name[len(TEXT_PREFIX):]
+    return None if name.startswith("model.visual.") else name
 
 
 def _ffn_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:

@@ -43,6 +43,8 @@ class ExpertWeights:
     # the weight format does (GGUF files: F16 / BF16 activations for F16 / BF16 weights). Block formats always dot
     # with the activations llama.cpp quantizes for them (Q8_K, Q8_0, Q8_1: moetier.backends.activations).
     float_acts: bool = True
+    # GLM-5.3's clamped SwiGLU: gate clamped to <= limit and up to [-limit, limit] before silu(gate) * up (None: none)
+    swiglu_limit: float | None = None
 
     @property
     def inter(self) -> int:
@@ -86,7 +88,7 @@ class ExpertWeights:
 
     def with_tensors(self, gate_up: torch.Tensor, down: torch.Tensor, mapped: bool = False) -> "ExpertWeights":
         """The same formats over other tensors (a copy, a device upload, a slot of an arena)."""
-        return ExpertWeights(gate_up, down, mapped, self.gate_up_type, self.down_type, self.float_acts)
+        return ExpertWeights(gate_up, down, mapped, self.gate_up_type, self.down_type, self.float_acts, self.swiglu_limit)
 
 
 DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -156,7 +158,9 @@ class NamedWeights:
             if g_type != u_type:  # stacked rows share one format: both as float32 values then
                 g, u, g_type = self.tensor(gate), self.tensor(up), F32
             # gate and up are copied by the stacking: copy down too, so the result owns its memory
-            return ExpertWeights(torch.cat([g, u]), d.clone(), False, g_type, d_type, self.float_acts)  # [2I, D], [D, I]
+            return ExpertWeights(torch.cat([g, u]), d.clone(), False, g_type, d_type, self.float_acts,
+                                 self.spec.swiglu_limit)  # [2I, D], [D, I]
         # gate and up must be stacked, which copies them anyway: copy down too, so the result owns its
         # memory and a later resident() copies nothing a second time
-        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down))  # [2I, D], [D, I]
+        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down),
+                             swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]

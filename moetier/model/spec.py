@@ -1,8 +1,10 @@
 """Model spec: the shape and routing rules of a MoE checkpoint, read from HF config.json.
 
 One frozen `ModelSpec` describes every architecture moetier runs (qwen3_moe,
-glm4_moe, mixtral, and the hybrid qwen3_next, whose layers mix Gated DeltaNet
-linear attention with gated full attention). The engine reads only this spec, never the raw config, so
+glm4_moe, mixtral, and two hybrids: qwen3_next, whose layers mix Gated
+DeltaNet linear attention with gated full attention, and glm5_next, whose
+layers mix KDA linear attention with NoPE latent attention over positions a
+sparse indexer picks, on hyper-connected residual streams). The engine reads only this spec, never the raw config, so
 architecture differences live here and nowhere else. Invariant: a spec that
 builds is complete — every field the engine needs has a concrete value — and
 valid: every constructor path ends in `ModelSpec.validate`, which checks that
@@ -23,7 +25,7 @@ from typing import Any, Callable, Literal, NoReturn, get_args
 
 from moetier.model.untrusted import read_json
 
-ARCHITECTURES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next")
+ARCHITECTURES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next", "glm5_next")
 
 RouterKind = Literal["softmax", "sigmoid"]
 
@@ -42,15 +44,18 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """The geometry of Qwen3-Next's Gated DeltaNet layers: a causal depthwise convolution of `conv_kernel` taps over
-    q, k and v, then a gated delta-rule state [value_heads, key_dim, value_dim] per layer; each key head serves
-    value_heads / key_heads consecutive value heads."""
+    """The geometry of a linear-attention layer: a causal depthwise convolution of `conv_kernel` taps over q, k and
+    v, then a delta-rule state [value_heads, key_dim, value_dim] per layer; each key head serves value_heads /
+    key_heads consecutive value heads. kind "gated_deltanet" (Qwen3-Next: one decay per head) or "kda" (GLM-5.3's
+    Kimi Delta Attention: one decay per key channel, from a low-rank forget gate bounded below by `lower_bound`)."""
 
     key_heads: int
     value_heads: int
     key_dim: int
     value_dim: int
     conv_kernel: int
+    kind: str = "gated_deltanet"
+    lower_bound: float | None = None  # kda: the forget gate is lower_bound * sigmoid(...) (None: -exp(A) softplus(...))
 
     @property
     def conv_channels(self) -> int:
@@ -60,6 +65,44 @@ class LinearAttention:
     @property
     def value_width(self) -> int:
         return self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True)
+class HyperConnections:
+    """Manifold-constrained hyper-connections (GLM-5.3): the residual is `streams` streams; before each block they
+    are collapsed into its input, after it its output is expanded back and mixed with them by a doubly stochastic
+    matrix (`sinkhorn_iters` Sinkhorn-Knopp steps with floor `eps`)."""
+
+    streams: int
+    eps: float
+    sinkhorn_iters: int
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention without rotary dims (GLM-5.3's NoPE MLA): q through a rank-`q_rank` bottleneck,
+    keys and values expanded per head from one cached latent of `kv_rank` per position; heads score key_dim dims and
+    return value_dim."""
+
+    q_rank: int
+    kv_rank: int
+    key_dim: int
+    value_dim: int
+
+
+@dataclass(frozen=True)
+class SparseIndexer:
+    """The DSA indexer of latent-attention layers: it scores pools of `pool` consecutive positions (their keys pooled
+    by a learned softmax) with `heads` ReLU heads of `head_dim`, and each query attends to the positions of its
+    topk / pool best pools (plus the incomplete last pool when `select_tail`). A layer in `shared_layers` reuses the
+    previous layer's selection instead of running its own indexer."""
+
+    topk: int
+    heads: int
+    head_dim: int
+    pool: int
+    select_tail: bool
+    shared_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +140,11 @@ class ModelSpec:
     attention_gate: bool = False  # q_proj gives each head's output a sigmoid gate as wide as the head (Qwen3-Next)
     shared_intermediate_size: int = 0  # I of the shared expert MLP; 0: n_shared_experts x moe_intermediate_size (GLM)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen3-Next)
+    # glm5_next: hyper-connected residual streams, latent attention with a sparse indexer, clamped SwiGLU
+    hyper: HyperConnections | None = None
+    latent_attention: LatentAttention | None = None
+    indexer: SparseIndexer | None = None
+    swiglu_limit: float | None = None  # SwiGLU's gate clamped to <= limit, its up to [-limit, limit] (None: no clamp)
 
     # -- derived ------------------------------------------------------------
     def is_moe(self, layer: int) -> bool:
@@ -150,8 +198,13 @@ class ModelSpec:
 
         if self.num_heads % self.num_kv_heads:
             raise SpecError(f"{source}: {key('num_heads')} {self.num_heads} is not a multiple of {key('num_kv_heads')} {self.num_kv_heads}")
-        # the rotary table pairs dim i with dim i + rotary_dim/2 (moetier.engine.layers.RotaryTable)
-        if not (_is_int(self.rotary_dim, 2, self.head_dim) and self.rotary_dim % 2 == 0):
+        # the rotary table pairs dim i with dim i + rotary_dim/2 (moetier.engine.layers.RotaryTable); latent attention
+        # here is NoPE: no rotary dims at all
+        if self.latent_attention is not None:
+            if self.rotary_dim != 0:
+                raise SpecError(f"{source}: key {key('rotary_dim')!r} gives {self.rotary_dim!r} rotary dims (expected 0: "
+                                "moetier's latent attention is NoPE)")
+        elif not (_is_int(self.rotary_dim, 2, self.head_dim) and self.rotary_dim % 2 == 0):
             raise SpecError(f"{source}: key {key('rotary_dim')!r} gives {self.rotary_dim!r} rotary dims of head_dim {self.head_dim}"
                             " (expected an even number from 2 to head_dim)")
         if not _is_int(self.top_k, 1, self.num_experts):
@@ -173,7 +226,46 @@ class ModelSpec:
         if not layers:
             raise SpecError(f"{source}: no MoE layer among the {self.num_layers} layers ({key('moe_layers')}; expected at least one)")
         self._validate_hybrid(source, key)
+        self._validate_latent(source, key)
         return self
+
+    def _validate_latent(self, source: str, key: Callable[[str], str]) -> None:
+        """The glm5_next fields: hyper-connection, latent-attention and indexer counts, and where shared indexers sit."""
+        def count(owner: Any, field: str, least: int = 1) -> None:
+            value = getattr(owner, field)
+            if not _is_int(value, least, MAX_COUNT):
+                raise SpecError(f"{source}: key {key(field)!r} is {value!r} (expected an integer from {least} to {MAX_COUNT})")
+
+        def positive(owner: Any, field: str) -> None:
+            value = getattr(owner, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise SpecError(f"{source}: key {key(field)!r} is {value!r} (expected a finite number > 0)")
+
+        if self.swiglu_limit is not None:
+            positive(self, "swiglu_limit")
+        if self.hyper is not None:
+            count(self.hyper, "streams")
+            count(self.hyper, "sinkhorn_iters")
+            positive(self.hyper, "eps")
+        mla, index = self.latent_attention, self.indexer
+        if mla is None:
+            return
+        for field in ("q_rank", "kv_rank", "key_dim", "value_dim"):
+            count(mla, field)
+        if self.num_kv_heads != self.num_heads or self.head_dim != mla.key_dim:
+            raise SpecError(f"{source}: latent attention with {key('num_kv_heads')} {self.num_kv_heads} of {self.num_heads} heads "
+                            f"and head dim {self.head_dim} (expected one kv head per head and head dim {key('key_dim')})")
+        if index is None:
+            raise SpecError(f"{source}: latent attention without an indexer (expected {key('topk')} and its keys)")
+        for field in ("topk", "heads", "head_dim", "pool"):
+            count(index, field)
+        if index.topk % index.pool:
+            raise SpecError(f"{source}: {key('topk')} {index.topk} is not a multiple of {key('pool')} {index.pool}")
+        for layer in index.shared_layers:
+            previous = layer - 1
+            if (self.is_linear(layer) or previous < 0 or self.is_linear(previous) or previous in index.shared_layers):
+                raise SpecError(f"{source}: {key('shared_layers')} makes layer {layer} reuse the previous layer's selection, "
+                                "but that layer runs no indexer (expected 'shared' only right after a 'full' indexed layer)")
 
     def _validate_hybrid(self, source: str, key: Callable[[str], str]) -> None:
         """The qwen3_next fields: linear layers within range, their geometry complete and its heads dividing."""
@@ -196,6 +288,10 @@ class ModelSpec:
         if geometry.value_heads % geometry.key_heads:
             raise SpecError(f"{source}: {key('value_heads')} {geometry.value_heads} is not a multiple of "
                             f"{key('key_heads')} {geometry.key_heads}")
+        if geometry.kind not in ("gated_deltanet", "kda") or (geometry.lower_bound is not None and not (
+                isinstance(geometry.lower_bound, float) and math.isfinite(geometry.lower_bound) and geometry.lower_bound < 0)):
+            raise SpecError(f"{source}: linear attention {geometry.kind!r} with lower bound {geometry.lower_bound!r} from "
+                            f"{key('lower_bound')} (expected 'gated_deltanet' or 'kda', a finite bound < 0 or none)")
 
     # -- construction ---------------------------------------------------------
     @classmethod
@@ -205,6 +301,13 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> "ModelSpec":
+        if config.get("model_type") == "glm5_next":  # a vision-language config: the text model's keys are in text_config
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise SpecError(f"{source}: glm5_next without a 'text_config' object (expected the text model's keys there)")
+            # the top-level tie_word_embeddings decides whether lm_head is the embedding (Glm5NextConfig's, default False)
+            tied = config.get("tie_word_embeddings", False)
+            config, source = text | {"model_type": "glm5_next", "tie_word_embeddings": tied}, f"{source} text_config"
         reader = _ConfigReader(config, source)
         arch = reader.get("model_type", str)
         if arch not in ARCHITECTURES:
@@ -263,6 +366,8 @@ class ModelSpec:
             ).validate(source, keys)
         if arch == "qwen3_next":
             return _qwen3_next(reader, common, layers, keys).validate(source, keys)
+        if arch == "glm5_next":
+            return _glm5_next(reader, common, layers, keys).validate(source, keys)
         if arch == "glm4_moe":
             keys["num_experts"], num_experts = reader.first(("n_routed_experts", "num_local_experts", "num_experts"), int)
             first_dense = reader.get("first_k_dense_replace", int, default=0)
@@ -376,6 +481,76 @@ def _qwen3_next(reader: "_ConfigReader", common: dict[str, Any], layers: range, 
         attention_gate=True,
         shared_intermediate_size=shared,
         shared_expert_gate=True,
+    )
+
+
+def _layer_kinds(reader: "_ConfigReader", key: str, layers: range, kinds: tuple[str, ...], default: list[str]) -> list[str]:
+    """A per-layer list of kind names (layer_types, mlp_layer_types, indexer_types), or `default`; refused unless it has
+    one entry per layer, each one of `kinds`."""
+    value = reader.get(key, list, default=default)
+    if len(value) != len(layers) or any(v not in kinds for v in value):
+        raise SpecError(f"{reader.source}: key {key!r} is {str(value)[:60]!r} (expected {len(layers)} entries, each one of "
+                        f"{', '.join(map(repr, kinds))})")
+    return value
+
+
+def _glm5_next(reader: "_ConfigReader", common: dict[str, Any], layers: range, keys: dict[str, str]) -> ModelSpec:
+    """Glm5NextTextConfig (the text_config of a Glm5NextConfig) as transformers reads it: KDA linear-attention layers
+    and NoPE latent-attention layers with a DSA indexer (`layer_types`, `indexer_types`), hyper-connections,
+    dense / sparse MLPs (`mlp_layer_types`) with clamped SwiGLUs, GLM's grouped sigmoid router."""
+    source = reader.source
+    count = len(layers)
+    types = _layer_kinds(reader, "layer_types", layers, ("linear_attention", "indexed_attention", "full_attention"),
+                         ["linear_attention" if l % 4 != 3 else "indexed_attention" for l in layers])
+    mlp_types = _layer_kinds(reader, "mlp_layer_types", layers, ("dense", "sparse"),
+                             ["dense"] * min(3, count) + ["sparse"] * (count - 3))
+    indexers = _layer_kinds(reader, "indexer_types", layers, ("full", "shared"), ["full"] * count)
+    keys |= {"key_heads": "linear_num_heads", "value_heads": "linear_num_heads", "key_dim": "linear_head_dim",
+             "value_dim": "linear_head_dim", "conv_kernel": "linear_conv_kernel_dim", "lower_bound": "linear_lower_bound",
+             "streams": "hc_mult", "eps": "hc_eps", "sinkhorn_iters": "hc_sinkhorn_iters", "q_rank": "q_lora_rank",
+             "kv_rank": "kv_lora_rank", "value_dim_mla": "v_head_dim", "topk": "index_topk", "heads": "index_n_heads",
+             "pool": "index_kpool", "shared_layers": "indexer_types", "linear_layers": "layer_types",
+             "moe_layers": "mlp_layer_types", "num_experts": "n_routed_experts", "head_dim": "qk_nope_head_dim"}
+    rope = reader.get("qk_rope_head_dim", int, default=0)
+    if rope != 0:
+        raise SpecError(f"{source}: key 'qk_rope_head_dim' is {rope} (expected 0: GLM-5.3's latent attention is NoPE)")
+    heads, nope = reader.get("num_attention_heads", int), reader.get("qk_nope_head_dim", int, default=256)
+    linear_heads, linear_dim = reader.get("linear_num_heads", int, default=64), reader.get("linear_head_dim", int, default=128)
+    # null is meaningful here (no lower bound: the softplus gate), so only an absent key takes the default
+    lower = reader.config.get("linear_lower_bound", -5.0)
+    lower = None if lower is None else reader.get("linear_lower_bound", float)
+    indexed = [l for l, t in zip(layers, types) if t != "linear_attention"]
+    return ModelSpec(
+        **(common | {"head_dim": nope, "rotary_dim": 0, "num_kv_heads": reader.get("num_key_value_heads", int, default=heads)}),
+        qk_norm=False,
+        attention_bias=reader.get("attention_bias", bool, default=False),
+        output_bias=reader.get("attention_bias", bool, default=False),
+        sliding_window=None,
+        dense_intermediate_size=reader.get("intermediate_size", int, default=12288),
+        num_experts=reader.get("n_routed_experts", int, default=288),
+        top_k=reader.get("num_experts_per_tok", int, default=8),
+        moe_intermediate_size=reader.get("moe_intermediate_size", int, default=2048),
+        router="sigmoid",
+        norm_topk_prob=reader.get("norm_topk_prob", bool, default=True),
+        routed_scaling_factor=reader.get("routed_scaling_factor", float, default=2.5),
+        n_group=reader.get("n_group", int, default=1),
+        topk_group=reader.get("topk_group", int, default=1),
+        n_shared_experts=reader.get("n_shared_experts", int, default=1),
+        moe_layers=tuple(l for l, t in zip(layers, mlp_types) if t == "sparse"),
+        linear_layers=tuple(l for l, t in zip(layers, types) if t == "linear_attention"),
+        linear_attention=LinearAttention(key_heads=linear_heads, value_heads=linear_heads, key_dim=linear_dim,
+                                         value_dim=linear_dim, conv_kernel=reader.get("linear_conv_kernel_dim", int, default=4),
+                                         kind="kda", lower_bound=lower),
+        hyper=HyperConnections(streams=reader.get("hc_mult", int, default=4), eps=reader.get("hc_eps", float, default=1e-6),
+                               sinkhorn_iters=reader.get("hc_sinkhorn_iters", int, default=20)),
+        latent_attention=LatentAttention(q_rank=reader.get("q_lora_rank", int, default=1536),
+                                         kv_rank=reader.get("kv_lora_rank", int, default=512), key_dim=nope,
+                                         value_dim=reader.get("v_head_dim", int, default=256)),
+        indexer=SparseIndexer(topk=reader.get("index_topk", int, default=2048), heads=reader.get("index_n_heads", int, default=32),
+                              head_dim=reader.get("index_head_dim", int, default=128), pool=reader.get("index_kpool", int, default=16),
+                              select_tail=reader.get("index_kpool_always_select_tail", bool, default=True),
+                              shared_layers=tuple(l for l in indexed if indexers[l] == "shared")),
+        swiglu_limit=reader.get("swiglu_limit", float, default=10.0),
     )
 
 
