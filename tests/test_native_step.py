@@ -4,12 +4,15 @@ Models: synthetic checkpoints of the three architectures (softmax and sigmoid
 routers, router groups, a correction bias, shared experts, dense first layers,
 qk-norm, partial rotary, GQA, a sliding window) as HF float32 folders, a bf16
 copy, and GGUFs whose experts and trunk matrices are stored in block formats
-(tests/gguf_blocks.py). Both paths decode the same tokens teacher-forced from
-the same prefill, each with its own KV cache; the step must give the Python
-path's logits to float32 rounding on float weights, and on quantized ones the
-same tokens with logits within the few activation quanta a rounding flip
-moves. Also: the same bits for any pool size, decoding past the KV cache's
-first capacity and the window, the router bias and observer, and who takes
+(tests/gguf_blocks.py), and small random qwen3_next checkpoints written by
+transformers (linear attention, gated attention, a gated shared expert;
+against transformers too). Both paths decode the same tokens teacher-forced
+from the same prefill, each with its own KV cache; the step must give the
+Python path's logits to float32 rounding on float weights, and on quantized
+ones the same tokens with logits within the few activation quanta a rounding
+flip moves. Also: the same bits for any pool size, the linear layers' states
+passed between the step and the Python path on one cache, decoding past the
+KV cache's first capacity and the window, the router bias and observer, and who takes
 the Python path.
 """
 
@@ -204,3 +207,109 @@ def test_two_threads_decode_two_sequences_on_one_engine(models):
     for thread in threads:
         thread.join()
     assert all(np.array_equal(np.stack(a), np.stack(b)) for a, b in zip(alone, together))
+
+
+# -- qwen3_next: Gated DeltaNet linear attention, gated full attention, a gated shared expert --------------------------
+# small random checkpoints written by transformers (drawn as tests/test_qwen3_next.py draws them): value heads grouped
+# two to a key head or one each, value head dims 12 and 7 (not multiples of 8: the vector loops' tails), a 3-tap conv,
+# attention biases and MHA, dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step), tied embeddings
+NEXT = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=3, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=12)
+NEXT_CASES = {
+    "grouped": dict(),
+    "equal-tied-sparse": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=12,
+                              linear_value_head_dim=7, linear_conv_kernel_dim=3, decoder_sparse_step=2,
+                              norm_topk_prob=False, tie_word_embeddings=True),
+    "bias-mha-dense": dict(num_hidden_layers=5, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                             "full_attention", "linear_attention"],
+                           num_key_value_heads=4, attention_bias=True, mlp_only_layers=[2], linear_num_value_heads=6,
+                           linear_value_head_dim=8),
+}
+NEXT_IDS = np.random.default_rng(4).integers(0, NEXT["vocab_size"], 86).tolist()  # a 70-token prompt, 16 decoded
+
+
+def next_reference(overrides: dict, seed: int):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**(NEXT | overrides))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "norm" in name else 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(NEXT_CASES))
+def next_case(request, tmp_path_factory):
+    model = next_reference(NEXT_CASES[request.param], seed=len(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_qwen3_next_decodes_natively_to_the_python_paths_logits(next_case):
+    """Prefill (Python, the chunked rule) then the step's decode, against prefill and decode both in Python."""
+    engine = Engine(open_checkpoint(next_case[1]))
+    assert engine.decode_path().startswith("native step")
+    native, python = decode_both(engine, NEXT_IDS, 70)
+    assert np.abs(native - python).max() <= 1e-5
+    assert (native.argmax(1) == python.argmax(1)).all()
+
+
+def test_qwen3_next_greedy_decode_matches_transformers(next_case):
+    from moetier.engine import generate
+
+    model, folder = next_case
+    prompt = torch.tensor(NEXT_IDS[:70])
+    with torch.no_grad():
+        out = model.generate(prompt[None], max_new_tokens=17, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    engine = Engine(open_checkpoint(folder))
+    assert engine.native_step is not None
+    result = generate(engine, prompt.tolist(), 17, keep_logits=True)
+    assert result.ids == out.sequences[0, 70:].tolist()
+    assert np.abs(result.logits - torch.stack(out.logits)[:, 0].numpy()).max() <= 1e-4
+
+
+def test_qwen3_next_states_pass_between_the_step_and_the_python_path(next_case):
+    """One cache, the two paths in turn: native decode, a Python forward of several tokens, native again (each reads
+    the states the other left: the step updates them in place, the Python path replaces them), against all-Python."""
+    engine = Engine(open_checkpoint(next_case[1]))
+    pieces = [(0, 70), (70, 71), (71, 72), (72, 79), (79, 80), (80, 81)]  # one-token pieces decode natively
+    logits = {}
+    for native in (True, False):
+        cache = engine.new_cache()
+        with contextlib.nullcontext() if native else python_path(engine):
+            logits[native] = torch.cat([engine.forward(torch.tensor(NEXT_IDS[a:b]), cache)[-1:] for a, b in pieces])
+    assert (logits[True] - logits[False]).abs().max() <= 1e-5
+
+
+def test_qwen3_next_the_same_bits_whatever_the_pool_size(next_case):
+    checkpoint = open_checkpoint(next_case[1])
+    runs = []
+    for lanes in (1, 2, 3):
+        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=lanes))
+        assert engine.native_step.kernel.threads == lanes
+        cache = engine.new_cache()
+        engine.forward(torch.tensor(NEXT_IDS[:70]), cache)
+        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in NEXT_IDS[70:80]]))
+    assert all(np.array_equal(runs[0], other) for other in runs[1:])
+
+
+def test_qwen3_next_refusals_and_state_checks(next_case):
+    import dataclasses
+
+    from moetier.engine.native_step import NativeStep
+
+    engine = Engine(open_checkpoint(next_case[1]))
+    cache = engine.new_cache()
+    engine.forward(torch.tensor(NEXT_IDS[:5]), cache)
+    layer = engine.spec.linear_layers[0]
+    state = cache.states[layer]
+    state.recurrent = state.recurrent.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, other strides
+    with pytest.raises(ValueError, match=rf"layer {layer}'s recurrent state must be float32 .* contiguous"):
+        engine.forward(torch.tensor([3]), cache)
+    spec = engine.spec
+    engine.spec = dataclasses.replace(spec, linear_attention=dataclasses.replace(spec.linear_attention, value_dim=520))
+    assert "value heads of 520 dims" in NativeStep.why_not(engine)

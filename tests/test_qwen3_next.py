@@ -121,7 +121,7 @@ def test_cache_holds_states_for_linear_layers_and_kv_for_the_rest(case):
             assert tuple(cache.states[layer].conv.shape) == (g.conv_channels, g.conv_kernel - 1)
         else:
             assert layer not in cache.states and cache.keys[layer].shape[0] == spec.num_kv_heads
-    assert "linear attention" in engine.decode_path()
+    assert engine.decode_path().startswith("native step")  # a decoded token runs every layer natively (test_native_step)
 
 
 def _config(**changes) -> dict:

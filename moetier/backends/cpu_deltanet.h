@@ -1,33 +1,27 @@
 /* The gated delta rule's decode step for Qwen3-Next's linear-attention layers, on the pool.
  *
- * Per value head (a granule each), with the head's state S [dk, dv] updated in place:
+ * Per value head, with the head's state S [dk, dv] updated in place:
  *
  *   S <- S * exp(g);  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T;  o = S^T q
  *
  * in two passes over S (the first decays it and sums u, the second adds the rank-one update and sums o), so the
  * state -- 64 KB a head at dk = dv = 128 -- is read from memory once a token, where torch's five elementwise
  * passes and their temporaries read and wrote it ~8 times (1.25 ms a layer against 24 us for one read, measured).
- * q and k come L2-normalised (q scaled by dk^-1/2) and repeated to the value heads. The sums over dk run in row
- * order, each of dv lanes accumulating on its own: the same products as moetier.engine.deltanet._recurrent_step,
- * summed in another order (float32 rounding apart). Included by cpu_kernels.c (v8f, load8, store8, pool_run).
+ * The sums over dk run in row order, each of dv lanes accumulating on its own: the same products as
+ * moetier.engine.deltanet._recurrent_step, summed in another order (float32 rounding apart).
+ *
+ * Two jobs run it: moe_deltanet_step (a granule per value head; q and k come L2-normalised, q scaled by dk^-1/2,
+ * repeated to the value heads), and the decode step's token mixer (deltanet_mix_held, for cpu_step.h: a granule
+ * per key head does all of what deltanet_layer computes between the in- and out-projections for its channels --
+ * the causal conv step continuing the conv state, silu, the L2 norms, beta and g, the rule for each of its value
+ * heads, the gated RMSNorm -- so a linear-attention layer hands the pool one job between its two products). Each
+ * granule writes only its own heads' channels, state and outputs: the same bits for any thread count. Included by
+ * cpu_kernels.c (v8f, load8, store8, exp8, pool_run).
  */
 
-typedef struct {
-    float *state;           /* [H, dk, dv] */
-    const float *q, *k;     /* [H, dk] */
-    const float *v;         /* [H, dv] */
-    const float *decay;     /* [H]: g, the log of the step's decay */
-    const float *beta;      /* [H] */
-    float *out;             /* [H, dv] */
-    int64_t dk, dv;
-} deltanet_job;
-
-static void deltanet_granule(void *job, int64_t head) {
-    const deltanet_job *a = job;
-    const int64_t dk = a->dk, dv = a->dv;
-    float *S = a->state + head * dk * dv, *o = a->out + head * dv;
-    const float *q = a->q + head * dk, *k = a->k + head * dk, *v = a->v + head * dv;
-    const float e = expf(a->decay[head]), beta = a->beta[head];
+/* One value head: S [dk, dv] updated in place, o [dv] = S^T q after it (see the top of this file). dv <= 512. */
+static void deltanet_head(float *S, const float *q, const float *k, const float *v, float e, float beta, float *o,
+                          int64_t dk, int64_t dv) {
     float u[512], delta[512];  /* dv <= 512: the Python side refuses wider heads */
     for (int64_t j = 0; j < dv; j++) u[j] = o[j] = 0.f;
     const int64_t wide = dv & ~(int64_t)7;
@@ -62,6 +56,23 @@ static void deltanet_granule(void *job, int64_t head) {
     }
 }
 
+typedef struct {
+    float *state;           /* [H, dk, dv] */
+    const float *q, *k;     /* [H, dk] */
+    const float *v;         /* [H, dv] */
+    const float *decay;     /* [H]: g, the log of the step's decay */
+    const float *beta;      /* [H] */
+    float *out;             /* [H, dv] */
+    int64_t dk, dv;
+} deltanet_job;
+
+static void deltanet_granule(void *job, int64_t head) {
+    const deltanet_job *a = job;
+    const int64_t dk = a->dk, dv = a->dv;
+    deltanet_head(a->state + head * dk * dv, a->q + head * dk, a->k + head * dk, a->v + head * dv, expf(a->decay[head]),
+                  a->beta[head], a->out + head * dv, dk, dv);
+}
+
 /* One token's delta-rule step over H value heads (see the top of this file). -> 0. */
 int64_t moe_deltanet_step(moe_pool *pool, float *state, const float *q, const float *k, const float *v,
                           const float *decay, const float *beta, int64_t H, int64_t dk, int64_t dv, float *out) {
@@ -70,4 +81,96 @@ int64_t moe_deltanet_step(moe_pool *pool, float *state, const float *q, const fl
     pool_run(pool, deltanet_granule, &a, 1, &H);
     pthread_mutex_unlock(&pool->call);
     return 0;
+}
+
+/* x * sigmoid(x) for 8 lanes, from e^-|x| (exp8's domain): 1 / (1 + e) for x >= 0, e / (1 + e) below */
+static inline v8f silu8(v8f x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8i negative = x < 0.f;
+    const v8f e = exp8((v8f)((negative & (v8i)x) | (~negative & (v8i)-x))), sum = 1.f + e;  /* e^-|x|, 1 + e^-|x| */
+    return x * (v8f)((negative & (v8i)(e / sum)) | (~negative & (v8i)(1.f / sum)));
+}
+
+/* x[0 .. n) = silu(x), every value by silu8's lanes (a tail through a padded copy) */
+static void silu_row(float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(x + i, silu8(load8(x + i)));
+    if (i < n) {
+        float tail[8] = {0};
+        memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
+        store8(tail, silu8(load8(tail)));
+        memcpy(x + i, tail, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+/* channels [0, n) of the conv: y = sum_j w[j] window[j] over the K-1 earlier inputs (state [n, K-1]) and this
+ * one (x), the state shifted to end with x; y replaces x, silu'd */
+static void conv_step(float *x, float *state, const float *w, int64_t n, int64_t K) {
+    for (int64_t c = 0; c < n; c++) {
+        float *s = state + c * (K - 1);
+        const float *wc = w + c * K, now = x[c];
+        float y = 0.f;
+        for (int64_t j = 0; j < K - 1; j++) y += s[j] * wc[j];
+        y += now * wc[K - 1];
+        for (int64_t j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
+        if (K > 1) s[K - 2] = now;
+        x[c] = y;
+    }
+    silu_row(x, n);
+}
+
+/* x[0 .. n) *= 1 / sqrt(sum x^2 + 1e-6) (transformers' l2norm), then *= scale when scale != 1 */
+static void l2_normalise(float *x, int64_t n, float scale) {
+    float squares = 0.f;
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+    const float r = 1.f / sqrtf(squares + 1e-6f);
+    for (int64_t i = 0; i < n; i++) x[i] *= r;
+    if (scale != 1.f)
+        for (int64_t i = 0; i < n; i++) x[i] *= scale;
+}
+
+/* softplus as torch computes it (beta 1, threshold 20) */
+static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+typedef struct {  /* a linear-attention layer's token mixer for one token, between its two projections */
+    float *mixed;              /* [C] the in-projection's q|k|v channels, replaced by the conv's silu outputs */
+    const float *z, *ba;       /* [Hv dv] the output gate, [Hk, 2, r] b|a, from the same projection */
+    float *conv_state;         /* [C, K-1] */
+    float *state;              /* [Hv, dk, dv] */
+    const float *conv;         /* [C, K] */
+    const float *dt_bias, *decay_rate, *norm;  /* [Hv], [Hv] (-exp(A_log)), [dv] */
+    float *out;                /* [Hv, dv]: RMSNorm(o) * norm * silu(z) */
+    int64_t Hk, Hv, dk, dv, K;
+    float eps, q_scale;        /* the gated norm's epsilon, dk^-1/2 */
+} deltanet_mix;
+
+static void deltanet_mix_granule(void *job, int64_t head) {  /* key head `head` and its r value heads */
+    const deltanet_mix *a = job;
+    const int64_t dk = a->dk, dv = a->dv, r = a->Hv / a->Hk, K = a->K;
+    const int64_t qc = head * dk, kc = a->Hk * dk + head * dk, vc = 2 * a->Hk * dk + head * r * dv;  /* first channels */
+    float *q = a->mixed + qc, *k = a->mixed + kc, *v = a->mixed + vc;
+    conv_step(q, a->conv_state + qc * (K - 1), a->conv + qc * K, dk, K);
+    conv_step(k, a->conv_state + kc * (K - 1), a->conv + kc * K, dk, K);
+    conv_step(v, a->conv_state + vc * (K - 1), a->conv + vc * K, r * dv, K);
+    l2_normalise(q, dk, a->q_scale);
+    l2_normalise(k, dk, 1.f);
+    for (int64_t j = 0; j < r; j++) {
+        const int64_t h = head * r + j;
+        const float b = a->ba[head * 2 * r + j], alpha = a->ba[head * 2 * r + r + j];
+        const float beta = 1.f / (1.f + expf(-b)), g = a->decay_rate[h] * softplus(alpha + a->dt_bias[h]);
+        float *o = a->out + h * dv;
+        deltanet_head(a->state + h * dk * dv, q, k, v + j * dv, expf(g), beta, o, dk, dv);
+        float squares = 0.f, z[512];  /* the gated RMSNorm: o / rms(o) * norm * silu(z) */
+        for (int64_t i = 0; i < dv; i++) squares += o[i] * o[i];
+        const float rms = 1.f / sqrtf(squares / (float)dv + a->eps);
+        memcpy(z, a->z + h * dv, (size_t)dv * sizeof(float));
+        silu_row(z, dv);
+        for (int64_t i = 0; i < dv; i++) o[i] = o[i] * rms * a->norm[i] * z[i];
+    }
+}
+
+/* The token mixer on the pool (see deltanet_mix). The caller holds pool->call. */
+static void deltanet_mix_held(moe_pool *pool, const deltanet_mix *a) {
+    int64_t heads = a->Hk;
+    pool_run(pool, deltanet_mix_granule, (void *)a, 1, &heads);
 }

@@ -1,5 +1,6 @@
 /* moetier native CPU kernels: SwiGLU experts and a linear layer on a thread pool (cpu_pool.h); the decode router
- * (cpu_router.h) and the decode step (cpu_step.h) are included at the end.
+ * (cpu_router.h), the delta rule of linear attention (cpu_deltanet.h) and the decode step (cpu_step.h), which uses
+ * both, are included at the end.
  *
  *   out[t] = sum over the experts e serving token t of w_e[t] * down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t]))
  *
@@ -41,6 +42,30 @@ static inline v8f load8(const float *p) {
 
 static inline float sum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* e^x for x <= 0 in 8 lanes (clamped at -87.3: about 1e-38): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two
+ * parts (Cody-Waite), p Cephes' degree-6 polynomial for e^r: within about 2 ulp of expf */
+static inline v8f exp8(v8f x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8f low = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const v8i below = x < low;  /* lanes of -1 where x < low */
+    x = (v8f)((below & (v8i)low) | (~below & (v8i)x));
+    const v8i whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);  /* x <= 0: rounds to nearest */
+    const v8f n = __builtin_convertvector(whole, v8f);
+    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const v8i bits = (whole + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
 /* w . x over cols: 4 vector accumulators (independent FMA chains), then the tail columns.
@@ -444,5 +469,5 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
 }
 
 #include "cpu_router.h"
-#include "cpu_step.h"
 #include "cpu_deltanet.h"
+#include "cpu_step.h"

@@ -1,24 +1,30 @@
 /* moetier's native decode step: one token through a run of decoder layers in one call (included once, by
- * cpu_kernels.c, whose jobs, dot families and router it uses).
+ * cpu_kernels.c, whose jobs, dot families, router and delta rule it uses).
  *
  * For each layer, what moetier/engine/core.py computes for one token, in the same order:
  *
- *   x = rms_norm(h, input_norm); [q k v] = qkv(x) (+ bias); q, k per-head rms_norm * qk_norm; rotary on q, k;
- *   k, v -> the KV cache at `position`; a = attention(q, keys [first, position], values); h += o(a) (+ bias);
+ *   x = rms_norm(h, input_norm); then the token mixer, one of
+ *     attention: [q k v] = qkv(x) (+ bias) (with an output gate, q's rows per head are d query rows then d gate
+ *       rows); q, k per-head rms_norm * qk_norm; rotary on the first rotary_dim dims of q, k; k, v -> the KV cache
+ *       at `position`; a = attention(q, keys [first, position], values) (* sigmoid(gate)); h += o(a) (+ bias);
+ *     linear attention (Qwen3-Next's Gated DeltaNet, moetier/engine/deltanet.py): [q|k|v z b|a] = in(x); the
+ *       conv step, silu, L2 norms, beta and g, the delta rule on the layer's state, the gated RMSNorm (one job of
+ *       cpu_deltanet.h, a granule per key head); h += out(...);
  *   x = rms_norm(h, post_norm); then a dense layer: h += mlp(x); a MoE layer: the router's logits (a float32
  *   linear), its picks and weights (pick_softmax / pick_sigmoid, nudged by the caller's bias row), and
- *   h += (sum_j w_j expert_j(x) + shared(x)). Before the layers h may be a token's embedding row (dequantized by
- *   cpu_formats.c, as the engine's StoredEmbedding does), after them the lm head's logits of rms_norm(h, final_norm).
+ *   h += (sum_j w_j expert_j(x) + shared(x)), the shared part scaled by sigmoid(x . shared_gate) where the layer
+ *   has one. Before the layers h may be a token's embedding row (dequantized by cpu_formats.c, as the engine's
+ *   StoredEmbedding does), after them the lm head's logits of rms_norm(h, final_norm).
  *
  * Every matrix product is a job of cpu_kernels.c on the pool (the trunk's projections through their formats'
  * dot families, the experts through moe_layout's phases), each query head's attention a granule of one more
  * job; the per-head norms, rotary, the cache writes, the router's selection and the residual adds run on the
- * calling thread between jobs while the helpers poll. So one call hands the pool ~5 jobs per layer and Python
+ * calling thread between jobs while the helpers poll. So one call hands the pool ~6 jobs per layer and Python
  * none. Every output value is computed by one thread from the same inputs, so the result is the same bits for
  * any thread count. Numerics against the Python path: the same products and formats, float32 sums in other
- * orders (the attention's dot products and softmax, the norms' sums, the router's logits), so logits agree to
- * float32 rounding (tests/test_native_step.py). The Python side (moetier/engine/native_step.py) checks every
- * shape, format and pointer; nothing here validates.
+ * orders (the attention's dot products and softmax, the norms' sums, the router's logits, the conv taps) and
+ * exp8's e^x in the mixer's silu, so logits agree to float32 rounding (tests/test_native_step.py). The Python
+ * side (moetier/engine/native_step.py) checks every shape, format and pointer; nothing here validates.
  */
 
 typedef struct {  /* the model's shape, for every layer of a call */
@@ -31,7 +37,17 @@ typedef struct {  /* the model's shape, for every layer of a call */
     int64_t embed_type;
     const float *final_norm;         /* [D] */
     linear_part head;                /* the lm head: V rows of D values */
+    int64_t attention_gate;          /* attention layers' q rows per head: d query rows, then d gate rows */
+    int64_t Hk, Hv, dk, dv, K;       /* linear attention: key / value heads, their dims, conv taps (0: none) */
 } step_model;
+
+typedef struct {  /* a linear-attention layer's token mixer (moetier.engine.deltanet.DeltaNetWeights) */
+    linear_part in[3];                          /* rows C + Hv dv + 2 Hv: q|k|v, z, b|a; same-format parts merged */
+    int64_t in_parts;                           /* 0: an attention layer */
+    const float *conv;                          /* [C, K] */
+    const float *dt_bias, *decay_rate, *norm;   /* [Hv], [Hv] (-exp(A_log)), [dv] */
+    linear_part out;                            /* D rows of Hv dv */
+} step_deltanet;
 
 typedef struct {  /* one decoder layer: addresses of what the engine holds */
     const float *input_norm, *post_norm;  /* [D] */
@@ -45,6 +61,8 @@ typedef struct {  /* one decoder layer: addresses of what the engine holds */
     const int64_t *experts;               /* [E, RECORD_WORDS]: every routed expert's record */
     const int64_t *mlp;                   /* a dense layer's MLP, a MoE layer's shared experts, or NULL: a record */
     int64_t mlp_I;                        /* its width */
+    const float *shared_gate;             /* [D]: the shared experts' output * sigmoid(x . shared_gate), or NULL */
+    step_deltanet deltanet;               /* a linear-attention layer's mixer (its qkv, o, qk_norm unused) */
 } step_layer;
 
 typedef struct {  /* one call */
@@ -52,16 +70,30 @@ typedef struct {  /* one call */
     float *h;                             /* [D] the residual stream, updated in place */
     int64_t position, capacity, window;   /* the token's position, the caches' capacity, sliding window (0: none) */
     const float *cos, *sin;               /* [rotary_dim] the rotary table's row at position */
-    float *const *keys, *const *values;   /* per layer of the call: [G, capacity, d] */
+    float *const *keys, *const *values;   /* per layer of the call: [G, capacity, d] (NULL in linear layers) */
     const float *nudge;                   /* [MoE layers of the call, E] added to the selection scores, or NULL */
     float *logits, *probs, *weights;      /* per MoE layer of the call: [E], [E], [k]: its route */
     int64_t *picks;                       /* [MoE layers, k] */
     float *scratch;                       /* step_scratch(model) floats */
     float *out;                           /* [V] logits = head(rms_norm(h, final_norm)) after the layers, or NULL */
+    float *const *conv_states;            /* per layer: [C, K-1] a linear layer's conv inputs, updated in place */
+    float *const *recurrent_states;       /* per layer: [Hv, dk, dv] its delta-rule state, updated in place */
 } step_call;
 
+/* Floats of the token mixers' projection (an attention layer's q, gates, k, v; a linear layer's q|k|v z b|a) and of
+ * their outputs (the attention heads', the delta rule's heads') */
+static int64_t mix_rows(const step_model *m) {
+    const int64_t attention = (m->H * (1 + m->attention_gate) + 2 * m->G) * m->d;
+    const int64_t linear = 2 * m->Hk * m->dk + 2 * m->Hv * m->dv + 2 * m->Hv;
+    return attention > linear ? attention : linear;
+}
+
+static int64_t mix_outputs(const step_model *m) { return m->H * m->d > m->Hv * m->dv ? m->H * m->d : m->Hv * m->dv; }
+
 /* Floats of scratch a call needs. */
-int64_t step_scratch(const step_model *m) { return 5 * m->D + (m->H + 2 * m->G) * m->d + m->H * m->d + m->E + 64; }
+int64_t step_scratch(const step_model *m) {
+    return 5 * m->D + mix_rows(m) + mix_outputs(m) + m->attention_gate * m->H * m->d + m->E + 64;
+}
 
 static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
     float squares = 0.f;
@@ -91,30 +123,6 @@ typedef struct {
     int64_t H, G, d, capacity, T, start, window, blocks, span;  /* blocks: granules per head */
     float scale;
 } attn_job;
-
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-/* e^x for x <= 0 in 8 lanes (clamped at -87.3: about 1e-38): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two
- * parts (Cody-Waite), p Cephes' degree-6 polynomial for e^r: within about 2 ulp of expf */
-static inline v8f exp8(v8f x) {
-    typedef int32_t v8i __attribute__((vector_size(32)));
-    const v8f low = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8i below = x < low;  /* lanes of -1 where x < low */
-    x = (v8f)((below & (v8i)low) | (~below & (v8i)x));
-    const v8i whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);  /* x <= 0: rounds to nearest */
-    const v8f n = __builtin_convertvector(whole, v8f);
-    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const v8i bits = (whole + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* s[j] = q . K[j] for 8 keys (rows d apart), d a multiple of 8 */
 static inline void scores8(const float *q, const float *K, int64_t d, float *s) {
@@ -192,12 +200,61 @@ int64_t moe_attention(moe_pool *pool, const float *q, const float *keys, const f
     return status;
 }
 
+/* A linear-attention layer's output out [D] for x [D] (moetier.engine.deltanet.deltanet_layer for one token): the
+ * in-projection into proj, the mixer into mixed (cpu_deltanet.h), the out-projection; its states advance in place.
+ * -> 0, or -2 when out of memory. The caller holds pool->call. */
+static int64_t linear_attention_held(moe_pool *pool, const step_model *m, const step_deltanet *L, const float *x,
+                                     float *conv_state, float *state, float *proj, float *mixed, float *out) {
+    const int64_t C = 2 * m->Hk * m->dk + m->Hv * m->dv, width = m->Hv * m->dv;
+    const int64_t status = linear_held(pool, x, 1, m->D, L->in, L->in_parts, m->float_acts, proj);
+    if (status) return status;
+    const deltanet_mix mix = {proj, proj + C, proj + C + width, conv_state, state, L->conv, L->dt_bias, L->decay_rate,
+                              L->norm, mixed, m->Hk, m->Hv, m->dk, m->dv, m->K, (float)m->eps,
+                              (float)pow((double)m->dk, -0.5)};  /* as torch scales by a Python float */
+    deltanet_mix_held(pool, &mix);
+    return linear_held(pool, mixed, 1, width, &L->out, 1, m->float_acts, out);
+}
+
+/* An attention layer's output o [D] for x [D] (Engine._attention for one token); its k, v land in the layer's cache.
+ * qkv, att, gate: scratch of mix_rows, mix_outputs and H d floats. -> 0, or -2 when out of memory. The caller holds
+ * pool->call. */
+static int64_t attention_layer_held(moe_pool *pool, const step_model *m, const step_layer *L, const step_call *c,
+                                    int64_t l, const float *x, float *qkv, float *att, float *gate, float *o) {
+    const int64_t D = m->D, H = m->H, G = m->G, d = m->d, pos = c->position, gated = m->attention_gate;
+    int64_t status;
+    if ((status = linear_held(pool, x, 1, D, L->qkv, L->qkv_parts, m->float_acts, qkv))) return status;
+    if (L->qkv_bias)
+        for (int64_t i = 0; i < (H * (1 + gated) + 2 * G) * d; i++) qkv[i] += L->qkv_bias[i];
+    if (gated) {  /* the gates out, then q, k, v packed as [H + 2G, d] (each move's target below its source) */
+        for (int64_t head = 0; head < H; head++) {
+            memcpy(gate + head * d, qkv + (2 * head + 1) * d, (size_t)d * sizeof(float));
+            memmove(qkv + head * d, qkv + 2 * head * d, (size_t)d * sizeof(float));
+        }
+        memmove(qkv + H * d, qkv + 2 * H * d, (size_t)(2 * G * d) * sizeof(float));
+    }
+    float *K = c->keys[l] + pos * d, *V = c->values[l] + pos * d;
+    for (int64_t head = 0; head < H + G; head++) {  /* q heads, then k heads */
+        float *v = qkv + head * d;
+        if (L->qk_norm) rms_norm_row(v, L->qk_norm + head * d, v, d, (float)m->eps);
+        rotate(v, c->cos, c->sin, m->rotary_dim);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        memcpy(K + g * c->capacity * d, qkv + (H + g) * d, (size_t)d * sizeof(float));
+        memcpy(V + g * c->capacity * d, qkv + (H + G + g) * d, (size_t)d * sizeof(float));
+    }
+    if ((status = attention_held(pool, qkv, c->keys[l], c->values[l], c->capacity, H, G, d, 1, pos, c->window, att)))
+        return status;
+    if (gated)
+        for (int64_t i = 0; i < H * d; i++) att[i] *= 1.f / (1.f + expf(-gate[i]));
+    return linear_held(pool, att, 1, H * d, &L->o, 1, m->float_acts, o);
+}
+
 /* One token through layers[0 .. n): see the top of this file. -> 0, or -2 when out of memory. */
 int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, int64_t n, const step_call *c) {
-    const int64_t D = m->D, H = m->H, G = m->G, d = m->d, E = m->E, k = m->k, pos = c->position;
+    const int64_t D = m->D, E = m->E, k = m->k;
     const float eps = (float)m->eps, one = 1.f;
-    float *h = c->h, *x = c->scratch, *qkv = x + D, *att = qkv + (H + 2 * G) * d, *o = att + H * d;
-    float *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
+    float *h = c->h, *x = c->scratch, *mixing = x + D, *att = mixing + mix_rows(m), *gate = att + mix_outputs(m);
+    float *o = gate + m->attention_gate * m->H * m->d, *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
     int64_t status = 0, moe = 0;
     pthread_mutex_lock(&pool->call);  /* the scratch is the pool's caller's */
     if (c->token >= 0) {  /* the embedding row, dequantized as ggml's get_rows does */
@@ -208,34 +265,26 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
     for (int64_t l = 0; l < n && !status; l++) {
         const step_layer *L = &layers[l];
         rms_norm_row(h, L->input_norm, x, D, eps);
-        if ((status = linear_held(pool, x, 1, D, L->qkv, L->qkv_parts, m->float_acts, qkv))) break;
-        if (L->qkv_bias)
-            for (int64_t i = 0; i < (H + 2 * G) * d; i++) qkv[i] += L->qkv_bias[i];
-        float *K = c->keys[l] + pos * d, *V = c->values[l] + pos * d;
-        for (int64_t head = 0; head < H + G; head++) {  /* q heads, then k heads */
-            float *v = qkv + head * d;
-            if (L->qk_norm) rms_norm_row(v, L->qk_norm + head * d, v, d, eps);
-            rotate(v, c->cos, c->sin, m->rotary_dim);
+        if (L->deltanet.in_parts) {
+            if ((status = linear_attention_held(pool, m, &L->deltanet, x, c->conv_states[l], c->recurrent_states[l], mixing,
+                                                att, o))) break;
+            for (int64_t i = 0; i < D; i++) h[i] += o[i];
+        } else {
+            if ((status = attention_layer_held(pool, m, L, c, l, x, mixing, att, gate, o))) break;
+            for (int64_t i = 0; i < D; i++) h[i] += L->o_bias ? o[i] + L->o_bias[i] : o[i];
         }
-        for (int64_t g = 0; g < G; g++) {
-            memcpy(K + g * c->capacity * d, qkv + (H + g) * d, (size_t)d * sizeof(float));
-            memcpy(V + g * c->capacity * d, qkv + (H + G + g) * d, (size_t)d * sizeof(float));
-        }
-        if ((status = attention_held(pool, qkv, c->keys[l], c->values[l], c->capacity, H, G, d, 1, pos, c->window, att))) break;
-        if ((status = linear_held(pool, att, 1, H * d, &L->o, 1, m->float_acts, o))) break;
-        for (int64_t i = 0; i < D; i++) h[i] += L->o_bias ? o[i] + L->o_bias[i] : o[i];
         rms_norm_row(h, L->post_norm, x, D, eps);
         if (!L->router) {  /* a dense layer */
             if ((status = experts_held(pool, x, 1, D, L->mlp_I, 1, L->mlp, NULL, NULL, &one, routed))) break;
             for (int64_t i = 0; i < D; i++) h[i] += routed[i];
             continue;
         }
-        const linear_part gate = {(int64_t)(intptr_t)L->router, TYPE_F32, E};
+        const linear_part gate_rows = {(int64_t)(intptr_t)L->router, TYPE_F32, E};
         float *logits = c->logits + moe * E, *probs = c->probs + moe * E, *weights = c->weights + moe * k;
         int64_t *picks = c->picks + moe * k;
         const float *nudge = c->nudge ? c->nudge + moe * E : NULL;
         moe++;
-        if ((status = linear_held(pool, x, 1, D, &gate, 1, 0, logits))) break;
+        if ((status = linear_held(pool, x, 1, D, &gate_rows, 1, 0, logits))) break;
         if (m->router == 0)
             pick_softmax(logits, E, k, nudge, m->norm_topk, probs, picks, weights, pick_scratch);
         else
@@ -247,7 +296,12 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
         if ((status = experts_held(pool, x, 1, D, m->I, k, records, NULL, NULL, weights, routed))) break;
         if (L->mlp) {
             if ((status = experts_held(pool, x, 1, D, L->mlp_I, 1, L->mlp, NULL, NULL, &one, shared))) break;
-            for (int64_t i = 0; i < D; i++) h[i] += routed[i] + shared[i];
+            if (L->shared_gate) {  /* Qwen3-Next: the shared expert's output scaled by sigmoid(x . w) */
+                const float s = 1.f / (1.f + expf(-dot(L->shared_gate, x, D)));
+                for (int64_t i = 0; i < D; i++) h[i] += routed[i] + s * shared[i];
+            } else {
+                for (int64_t i = 0; i < D; i++) h[i] += routed[i] + shared[i];
+            }
         } else {
             for (int64_t i = 0; i < D; i++) h[i] += routed[i];
         }
