@@ -272,3 +272,32 @@ def test_bias_write_refuses_models_without_a_correction_bias(qwen, tmp_path):
     with pytest.raises(BiasError, match="apply the table at run time with --bias"):
         write_biased_checkpoint(checkpoint.folder, table_path, tmp_path / "copy")
     assert not (tmp_path / "copy").exists()
+
+
+def test_bias_write_on_a_gguf_routes_as_the_table_does(glm, tmp_path):
+    """A GGUF's biased copy: every tensor and key as stored but exp_probs_b (plus the table's row) and the provenance
+    key, which changes the fingerprint; moetier on the copy routes as moetier on the original with the table."""
+    from moetier.model.gguf_write import write_gguf
+
+    checkpoint, _, root = glm
+    source = write_gguf(checkpoint.folder, tmp_path / "f32.gguf", "F32")[0]
+    original = open_checkpoint(source)
+    requests = load_sessions(root / "s.jsonl", checkpoint.folder, original.spec.vocab_size)
+    table_path = build_table(profile_requests(Engine(original), requests), 8, "graded", -0.05).save(tmp_path / "t.safetensors")
+    out = tmp_path / "biased.gguf"
+    result = CliRunner().invoke(app, ["bias", "write", "--model", str(source), "--table", str(table_path), "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    copy = open_checkpoint(out)
+    assert json.loads(result.stdout)["fingerprint"] == copy.fingerprint != original.fingerprint
+    assert json.loads(copy.metadata["moetier.router_bias"])["source_fingerprint"] == original.fingerprint
+    for name in original.names():
+        same = torch.equal(original.tensor(name), copy.tensor(name))
+        assert same != name.endswith("e_score_correction_bias"), name
+    engine = Engine(original)
+    apply_router_options(engine, table_path)
+    assert np.abs(score(engine, IDS) - score(Engine(copy), IDS)).max() < 1e-4
+    with pytest.raises(BiasError, match="built for model"):
+        apply_router_options(Engine(copy), table_path)
+    onto = CliRunner().invoke(app, ["bias", "write", "--model", str(source), "--table", str(table_path), "--out", str(source)])
+    assert onto.exit_code == 2 and onto.stderr.startswith("moetier: error:") and "--model" in onto.stderr
+    assert open_checkpoint(source).fingerprint == original.fingerprint  # the source is untouched

@@ -20,10 +20,11 @@ from moetier.profile.sweep import Arm, SweepResult, equal_kl_rows, hit_rate_at
 from layouts import cache_layout
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
+def tiny(request, tmp_path_factory):
+    """The synthetic tiny model of a softmax-router arch (qwen3_next: the hybrid, its linear layers carrying state)."""
     root = tmp_path_factory.mktemp("kl")
-    folder = write_synthetic(root / "tiny", arch="qwen3_moe", preset="tiny", seed=0)
+    folder = write_synthetic(root / "tiny", arch=request.param, preset="tiny", seed=0)
     sessions = write_example_sessions(folder, root / "s.jsonl", sessions=3, tokens_per_phase=64)
     checkpoint = open_checkpoint(folder)
     requests = load_sessions(sessions, folder, checkpoint.spec.vocab_size)

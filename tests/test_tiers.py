@@ -372,3 +372,56 @@ def test_a_failed_upload_raises_where_its_experts_are_needed(model, tmp_path):
         assert tier.submit(layer, x, DecodeJobs(others, [0.5, 0.5])).result().shape == x.shape
     finally:
         runtime.close()
+
+
+@pytest.fixture(scope="module", params=["qwen3_next"])
+def hybrid(request, tmp_path_factory):
+    """A synthetic hybrid model: linear-attention layers whose recurrent states a layout must carry like the KV cache."""
+    return open_checkpoint(write_synthetic(tmp_path_factory.mktemp(request.param) / "m", arch=request.param, preset="tiny", seed=4))
+
+
+@pytest.mark.parametrize("name", ["vram-lru", "two-parts-two-caches"])
+def test_layouts_are_lossless_on_hybrid_models(hybrid, tmp_path, name):
+    """A VRAM cache and a CPU lane (one part, or two parts with a cache each) give the all-resident engine's logits
+    within 1e-5 and its greedy tokens."""
+    expected = score(Engine(hybrid), IDS)
+    expected_tokens = generate(Engine(hybrid), [5, 9, 13], 12).ids
+    runtime = runtime_for(tmp_path, hybrid, LAYOUTS[name] + scheduler(defer=0))
+    try:
+        got = score(runtime.engine, IDS)
+        tokens = generate(runtime.engine, [5, 9, 13], 12).ids
+        served = {n: c.served for n, c in runtime.executor.counters.items()}
+    finally:
+        runtime.close()
+    assert np.abs(got - expected).max() <= 1e-5
+    assert tokens == expected_tokens
+    assert all(v > 0 for v in served.values()), served
+
+
+def qwen3_next_checkpoint(folder, layer_types: list[str]):
+    """A small random Qwen3-Next written by transformers, its layers' mixers as given."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3NextConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layer_types), num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=6,
+        num_experts_per_tok=2, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=layer_types)
+    torch.manual_seed(3)
+    model = transformers.Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "norm" in name else 0.1)
+    model.save_pretrained(folder)
+    return open_checkpoint(folder)
+
+
+def test_nothing_deferred_crosses_a_state_update(tmp_path):
+    """DEFER_CPU holds a layer's lane partial back only when the next layer attends over a KV cache: into a
+    linear-attention layer it is awaited (the recurrent state would keep the difference for every later token).
+    A model of linear layers only defers nothing; with a full-attention layer after them, the layer before it defers."""
+    results = {}
+    for kind, types in (("linear", ["linear_attention"] * 4), ("last-full", ["linear_attention"] * 3 + ["full_attention"])):
+        model = qwen3_next_checkpoint(tmp_path / kind, types)
+        results[kind] = [score(Engine(model, executor=LaneOnly(model), defer_cpu=mode), IDS) for mode in (0, 2)]
+    assert np.array_equal(results["linear"][0], results["linear"][1])
+    assert not np.array_equal(results["last-full"][0], results["last-full"][1])

@@ -173,11 +173,11 @@ def bias_show(table_path: Path = typer.Argument(..., metavar="TABLE", help="bias
 
 @bias_app.command("write")
 @errors_to_exit
-def bias_write(model: Path = typer.Option(..., help="glm4_moe model folder"),
+def bias_write(model: Path = typer.Option(..., help="glm4_moe / glm5_next model folder, GGUF file or first file of a split set"),
                table_path: Path = typer.Option(..., "--table", help="bias table built for that model"),
-               out: Path = typer.Option(..., help="new folder for the copy"),
+               out: Path = typer.Option(..., help="new folder for a folder's copy; the new .gguf (or first split) for a GGUF's"),
                as_json: bool = typer.Option(False, "--json")):
-    """Copy a sigmoid-router checkpoint with the table added to its e_score_correction_bias."""
+    """Copy a sigmoid-router checkpoint with the table added to its e_score_correction_bias (a GGUF's exp_probs_b)."""
     from moetier.profile.write import write_biased_checkpoint
 
     result = write_biased_checkpoint(model, table_path, out)

@@ -72,6 +72,10 @@ class Checkpoint(NamedWeights):
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def file_name(self, name: str) -> str:
+        """The name a tensor has in its file (a glm5_next file keeps its text model under model.language_model.)."""
+        return self._in_file.get(name, name)
+
     def entry(self, name: str) -> TensorEntry:
         return self._where[name].entries[self._in_file.get(name, name)]
 

@@ -406,7 +406,9 @@ class GgufCheckpoint(NamedWeights):
         different quantization of the same model differs; a renamed model or another tokenizer does not."""
         digest = hashlib.sha256()
         arch = GGUF_ARCHITECTURES[self.spec.arch]
-        shaping = {k: v for k, v in self.metadata.items() if k == "general.architecture" or k.startswith(f"{arch}.")}
+        # moetier.* keys are moetier's own edits of a file (a baked router bias: moetier.profile.write)
+        shaping = {k: v for k, v in self.metadata.items()
+                   if k == "general.architecture" or k.startswith(f"{arch}.") or k.startswith("moetier.")}
         digest.update(json.dumps(shaping, sort_keys=True).encode())
         for name in sorted(self._tensors):
             t = self._tensors[name]
