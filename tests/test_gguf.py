@@ -8,6 +8,11 @@ engine's teacher-forced logits match within 1e-6. F16, BF16 and Q8_0 files
 dequantize bit for bit as gguf.quants does. Split sets, the GLM NextN block,
 whole-or-nothing writing and the tensor names against gguf's TensorNameMap are
 checked too, and every bad file is one line and exit code 2 through the CLI.
+Qwen3-Next (qwen3next) comes from transformers-saved checkpoints
+(tests/qwen3_next_files): the same round trip (its GGUF logits equal the HF
+folder's), the file against what llama.cpp's converter wrote for one of them,
+the older fused ssm_in layout and a NextN block, and the files llama.cpp would
+refuse or compute differently, each refused in one line, reading or writing.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from moetier.engine import Engine, score
+from moetier.engine import Engine, generate, score
 from moetier.model import CheckpointError, SpecError, open_checkpoint
 from moetier.model.gguf_file import GgufCheckpoint
 from moetier.model.gguf_spec import GGUF_ARCHITECTURES, expert_layer, gguf_name
@@ -280,7 +285,7 @@ def _bad_files(models, tmp_path) -> dict:
     (tmp_path / "garbage.gguf").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "magic-then-garbage.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\xff" * 200)
     last = gguf.GGUFReader(good).tensors[-1].name
-    writer = gguf.GGUFWriter(tmp_path / "next.gguf", "qwen3next")
+    writer = gguf.GGUFWriter(tmp_path / "deepseek.gguf", "deepseek2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
@@ -302,7 +307,7 @@ def _bad_files(models, tmp_path) -> dict:
         "type not supported yet": (_edited(good, tmp_path / "q4.gguf",
                                            lambda r: _tensor(r, "blk.1.ffn_gate_exps.weight").field.parts[4].__setitem__(0, int(QType.MXFP4))),
                                    "is MXFP4: not supported yet for experts"),
-        "unsupported architecture": (tmp_path / "next.gguf", "qwen3next: not supported yet"),
+        "unsupported architecture": (tmp_path / "deepseek.gguf", "deepseek2: not supported yet"),
         "missing split file": (split[0], "split file 2 of"),
         "metadata disagrees with shapes": (_edited(good, tmp_path / "experts.gguf",
                                                    lambda r: r.fields["qwen3moe.expert_count"].parts[-1].__setitem__(0, 8)),
@@ -344,3 +349,203 @@ def test_bad_gguf_input_gives_one_line_and_exit_2(models, tmp_path):
         assert result.returncode == 2, (label, result.stderr)
         assert len(lines) == 1 and lines[0].startswith("moetier: error: ") and words in lines[0], (label, lines)
         assert str(path.name) in lines[0], (label, lines)
+
+
+# -- qwen3next ------------------------------------------------------------------------------
+
+# transformers-saved Qwen3-Next checkpoints (tests/qwen3_next_files): value heads grouped two per key head; and key
+# heads = value heads, a 3-tap conv, full attention first and fourth (layer_types), MHA, tied embeddings. Every row
+# a whole number of Q8_0 blocks; DeltaNet's key and value heads of one size (llama.cpp's qwen3next needs it).
+NEXT = dict(vocab_size=288, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=3, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, bos_token_id=1, eos_token_id=2)
+NEXT_CASES = {"grouped": {},
+              "equal-heads-tied": dict(num_hidden_layers=5, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                                         "full_attention", "linear_attention"],
+                                       linear_num_key_heads=4, linear_conv_kernel_dim=3, num_attention_heads=2,
+                                       num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=True)}
+# the keys and types llama.cpp's converter wrote for the "grouped" checkpoint (convert_hf_to_gguf.py --outtype f32
+# --no-mtp, run once on this machine's llama.cpp sources; --no-mtp as the checkpoint has no MTP tensors)
+CONVERTER_KEYS = [
+    ("block_count", "UINT32"), ("context_length", "UINT32"), ("embedding_length", "UINT32"), ("feed_forward_length", "UINT32"),
+    ("attention.head_count", "UINT32"), ("attention.head_count_kv", "UINT32"), ("rope.freq_base", "FLOAT32"),
+    ("attention.layer_norm_rms_epsilon", "FLOAT32"), ("expert_count", "UINT32"), ("expert_used_count", "UINT32"),
+    ("attention.key_length", "UINT32"), ("attention.value_length", "UINT32"), ("expert_feed_forward_length", "UINT32"),
+    ("expert_shared_feed_forward_length", "UINT32"), ("ssm.conv_kernel", "UINT32"), ("ssm.state_size", "UINT32"),
+    ("ssm.group_count", "UINT32"), ("ssm.time_step_rank", "UINT32"), ("ssm.inner_size", "UINT32"),
+    ("attention.recurrent_layers", "ARRAY"), ("full_attention_interval", "UINT32"), ("rope.dimension_count", "UINT32")]
+
+
+@pytest.fixture(scope="module")
+def next_models(tmp_path_factory):
+    """case -> (HF folder, its F32 GGUF)."""
+    pytest.importorskip("transformers")
+    from qwen3_next_files import save_qwen3_next
+
+    root, out = tmp_path_factory.mktemp("gguf-next"), {}
+    for i, (case, overrides) in enumerate(NEXT_CASES.items()):
+        folder = save_qwen3_next(root / case, NEXT | overrides, seed=i)
+        out[case] = folder, write_gguf(folder, root / f"{case}.gguf")[0]
+    return out
+
+
+@pytest.mark.parametrize("case", NEXT_CASES)
+def test_qwen3_next_round_trip_spec_and_logits(next_models, case):
+    """The spec is the HF config's; teacher-forced logits over 80 positions (two prefill chunks) and 8 cached decode
+    steps after a 70-token prompt equal the HF checkpoint's within 1e-5 (measured: equal)."""
+    folder, path = next_models[case]
+    g, hf = open_checkpoint(path), open_checkpoint(folder)
+    assert isinstance(g, GgufCheckpoint) and g.spec == hf.spec and g.spec.arch == "qwen3_next" and not g.norm_offset
+    ids = np.arange(80) * 37 % g.spec.vocab_size
+    assert np.abs(score(Engine(g), ids) - score(Engine(hf), ids)).max() <= 1e-5
+    ours, theirs = (generate(Engine(c), ids[:70].tolist(), 8, keep_logits=True) for c in (g, hf))
+    assert ours.ids == theirs.ids and np.abs(ours.logits - theirs.logits).max() <= 1e-5
+
+
+@pytest.mark.parametrize("case", NEXT_CASES)
+def test_qwen3_next_tensors_are_what_the_engine_reads_from_hf(next_models, case):
+    """Bit for bit: norms as normalisation multiplies (the file holds 1 + w, the HF reader adds it), each DeltaNet
+    layer's tensors (the converter's qkv / z rows are the HF reader's regrouping; ssm_a its -exp(A_log)), the
+    shared-expert gate [1, D] and every other tensor by its HF name; what no HF tensor holds keeps its GGUF name."""
+    folder, path = next_models[case]
+    g, hf, s = open_checkpoint(path), open_checkpoint(folder), open_checkpoint(folder).spec
+    made = {f"model.layers.{l}.linear_attn.{n}" for l in s.linear_layers for n in ("in_proj_qkvz.weight", "A_log")}
+    assert set(g.names()) == (set(hf.names()) - made) | {f"blk.{l}.{n}" for l in s.linear_layers
+                                                         for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_a")}
+    for name in set(hf.names()) - made:
+        if name.endswith("norm.weight") and ".linear_attn." not in name:  # DeltaNet's gated norm multiplies by w itself
+            assert np.array_equal(bits(g.norm(name)), bits(hf.norm(name))), name
+        elif name.endswith(".conv1d.weight"):
+            assert np.array_equal(bits(g.tensor(name)), bits(hf.tensor(name)[:, 0])), name
+        elif expert_layer(s.arch, name) is None:
+            assert np.array_equal(bits(g.tensor(name)), bits(hf.tensor(name))), name
+    for layer in range(s.num_layers):
+        assert np.array_equal(bits(g.shared_expert_gate(layer)), bits(hf.shared_expert_gate(layer)))
+        for ours, theirs in ((g.expert(layer, 0), hf.expert(layer, 0)), (g.shared_experts(layer), hf.shared_experts(layer))):
+            assert np.array_equal(bits(ours.gate_up), bits(theirs.gate_up)) and np.array_equal(bits(ours.down), bits(theirs.down))
+        if s.is_linear(layer):
+            ours, theirs = g.deltanet(layer), hf.deltanet(layer)
+            for field in ("qkv", "z", "ba", "out"):
+                assert getattr(ours, field)[1] == getattr(theirs, field)[1] == QType.F32
+                assert np.array_equal(bits(getattr(ours, field)[0]), bits(getattr(theirs, field)[0])), (layer, field)
+            for field in ("conv", "dt_bias", "decay_rate", "norm"):
+                assert np.array_equal(bits(getattr(ours, field)), bits(getattr(theirs, field))), (layer, field)
+
+
+def test_qwen3_next_file_is_the_converters(next_models, tmp_path):
+    """Keys in the converter's order and types, tensor names from gguf's TensorNameMap after the converter's
+    renames (in_proj_qkvz -> attn_qkv + attn_gate, not TensorNameMap's ssm_in; dt_bias -> ssm_dt.bias), its
+    shapes ({D, 1} for the shared-expert gate, conv taps squeezed to {K, C}) and types: F32 for 1-D tensors, norms,
+    routers, conv taps and ssm_a; Q8_0 for the matrices ssm_ba included; Q8_0 values the converter's rounding."""
+    folder, path = next_models["grouped"]
+    hf = open_checkpoint(folder)
+    s, reader = hf.spec, gguf.GGUFReader(path)
+    keys = [(k.removeprefix("qwen3next."), f.types[0].name) for k, f in reader.fields.items() if k.startswith("qwen3next.")]
+    assert keys == CONVERTER_KEYS
+    assert reader.fields["qwen3next.attention.recurrent_layers"].contents() == [True, True, True, False]
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, s.num_layers)
+    expected = set()
+    for name in hf.names():
+        layer = expert_layer(s.arch, name)
+        if layer is not None:
+            expected |= {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
+        elif name.endswith("in_proj_qkvz.weight"):
+            expected |= {name.replace("model.layers.", "blk.").replace("linear_attn.in_proj_qkvz", n) for n in ("attn_qkv", "attn_gate")}
+        else:
+            expected.add(names.get_name(name.replace("dt_bias", "dt_proj.bias"), try_suffixes=(".weight", ".bias")))
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == expected
+    g = s.linear_attention
+    assert [int(n) for n in tensors["blk.0.ffn_gate_inp_shexp.weight"].shape] == [s.hidden_size, 1]
+    assert [int(n) for n in tensors["blk.0.ssm_conv1d.weight"].shape] == [g.conv_kernel, g.conv_channels]
+    q8 = {t.name: t for t in gguf.GGUFReader(write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")[0]).tensors}
+    floats = {n for n, t in q8.items() if t.tensor_type == QType.F32}
+    assert floats == {n for n in q8 if q8[n].data.ndim == 1 or n.endswith(("_norm.weight", "gate_inp.weight", "gate_inp_shexp.weight",
+                                                                                  "ssm_conv1d.weight", "ssm_a", ".bias"))}
+    assert {q8[n].tensor_type for n in q8} - {QType.F32} == {QType.Q8_0} and "blk.0.ssm_ba.weight" not in floats
+    for name, t in q8.items():
+        if t.tensor_type == QType.Q8_0:
+            assert np.array_equal(np.asarray(t.data), gguf.quants.quantize(np.asarray(tensors[name].data), QType.Q8_0)), name
+
+
+def test_qwen3_next_older_and_nextn_files_read_the_same(next_models, tmp_path):
+    """A file with the fused ssm_in older converters wrote (llama.cpp's loader still reads it), and one with a
+    NextN/MTP block after the layers (nextn_predict_layers: recognised, not run), give the same spec and logits."""
+    from qwen3_next_files import legacy_in_projection, with_nextn_block
+
+    folder, path = next_models["grouped"]
+    s = open_checkpoint(folder).spec
+    g = s.linear_attention
+    legacy = legacy_in_projection(path, tmp_path / "legacy.gguf", g.key_heads, g.key_dim, g.value_width)
+    nextn = with_nextn_block(path, tmp_path / "nextn.gguf", s.num_layers, s.attention_layers[-1], s.hidden_size)
+    ids = np.arange(70) * 11 % s.vocab_size
+    expected = score(Engine(open_checkpoint(path)), ids)
+    for other in (legacy, nextn):
+        checkpoint = open_checkpoint(other)
+        assert checkpoint.spec == s and np.abs(score(Engine(checkpoint), ids) - expected).max() == 0.0
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in open_checkpoint(legacy).names()
+    assert not any(n.startswith(f"blk.{s.num_layers}.") or f"layers.{s.num_layers}." in n for n in open_checkpoint(nextn).names())
+
+
+def _next_bad_files(path, tmp_path) -> dict:
+    """label -> (a qwen3next file llama.cpp's loader refuses or would compute differently from transformers, words of
+    its one error line)."""
+    from gguf import GGUFValueType as T
+    from qwen3_next_files import rewritten
+
+    def tensors(edit):
+        return lambda listed: [t for item in listed for t in edit(*item)]
+
+    drop_gate = tensors(lambda n, d, q: [] if n == "blk.0.attn_gate.weight" else [(n, d, q)])
+    short_conv = tensors(lambda n, d, q: [(n, d[:, :3].copy() if n == "blk.1.ssm_conv1d.weight" else d, q)])
+    fused = tensors(lambda n, d, q: [(n.replace("attn_q.", "attn_qkv."), d, q)] if n.startswith("blk.3.attn_q.") else [(n, d, q)])
+    cases = {
+        "recurrent flags short": ({"qwen3next.attention.recurrent_layers": ([True, False], T.ARRAY, T.BOOL)}, None,
+                                  "key 'qwen3next.attention.recurrent_layers' is [True, False] (expected 4 booleans, one per block)"),
+        "value heads not state_size": ({"qwen3next.ssm.inner_size": (96, T.UINT32, None)}, None,
+                                       "key 'qwen3next.ssm.inner_size' is 96, not 'qwen3next.ssm.time_step_rank' = 4 x"),
+        "another L2 epsilon": ({"qwen3next.attention.layer_norm_rms_epsilon": (1e-5, T.FLOAT32, None)}, None,
+                               "L2-normalises DeltaNet's q and k with it, transformers with 1e-06"),
+        "no interval, no flags": ({"qwen3next.attention.recurrent_layers": None, "qwen3next.full_attention_interval": (0, T.UINT32, None)},
+                                  None, "key 'qwen3next.full_attention_interval' is 0"),
+        "no output gate": ({}, drop_gate, "tensor 'blk.0.attn_gate.weight' is missing (expected shape {64, 64}"),
+        "conv taps": ({}, short_conv, "tensor 'blk.1.ssm_conv1d.weight' has shape {3, 128} (expected {4, 128} from the metadata, "
+                                      "ggml order: dim 0 is qwen3next.ssm.conv_kernel = 4)"),
+        "fused attention qkv": ({}, fused, "tensor 'blk.3.attn_qkv.weight': fused Q/K/V"),
+    }
+    return {label: (rewritten(path, tmp_path / f"{i}.gguf", keys, edit), words) for i, (label, (keys, edit, words)) in enumerate(cases.items())}
+
+
+def test_bad_qwen3_next_files_are_refused_in_one_line(next_models, tmp_path):
+    for label, (path, words) in _next_bad_files(next_models["grouped"][1], tmp_path).items():
+        with pytest.raises((CheckpointError, SpecError)) as error:
+            open_checkpoint(path)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(str(path)) and words in message, (label, message)
+
+
+def test_write_refuses_qwen3_next_that_llama_cpp_computes_differently(next_models, tmp_path):
+    """What llama.cpp's qwen3next cannot load or computes differently from transformers is refused, and nothing is
+    written: DeltaNet key and value heads of two sizes, another rms_norm_eps (its L2 norm's epsilon there), dense
+    layers, unrenormalised top-k, attention biases (it has no o_proj bias), an MTP block (not written yet)."""
+    from qwen3_next_files import save_qwen3_next
+    from safetensors.torch import load_file, save_file
+
+    source = next_models["grouped"][0]
+    cases = {"linear_key_head_dim": dict(linear_value_head_dim=8), "rms_norm_eps": dict(rms_norm_eps=1e-5),
+             "mlp_only_layers": dict(mlp_only_layers=[1]), "norm_topk_prob": dict(norm_topk_prob=False),
+             "attention_bias": dict(attention_bias=True)}
+    for word, change in cases.items():
+        folder = save_qwen3_next(tmp_path / word, NEXT | change, seed=0)
+        with pytest.raises(SpecError, match=word) as error:
+            write_gguf(folder, tmp_path / f"{word}.gguf")
+        assert "\n" not in str(error.value)
+    folder = tmp_path / "mtp"
+    shutil.copytree(source, folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file(weights | {"mtp.fc.weight": torch.zeros(64, 128)}, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tensor 'mtp.fc.weight': the MTP block is not written yet"):
+        write_gguf(folder, tmp_path / "mtp.gguf")
+    assert not list(tmp_path.glob("*.gguf"))

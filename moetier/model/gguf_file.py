@@ -8,7 +8,12 @@ until used. The spec comes from the metadata (moetier.model.gguf_spec). A
 (spec, fingerprint, tensor/load by HF name, expert, router, dense and shared
 MLPs, sizes) with the values transformers sees in the HF checkpoint: where
 llama.cpp's converter changed a value (Mixtral's Q/K rows, permuted for its
-interleaved RoPE) the change is undone here. Routed experts come out in their
+interleaved RoPE) the change is undone here. Qwen3-Next's changes are not all
+undone: its norms hold 1 + w (`norm_offset` False says so), and the tensors
+the converter made that no HF tensor holds (attn_qkv and attn_gate, split from
+in_proj_qkvz; ssm_a = -exp(A_log)) keep their GGUF names; `deltanet(layer)`
+serves a linear-attention layer in the engine's layout, the converter's own.
+Routed experts come out in their
 stored bytes (`expert`, `stored`: uint8 GGML blocks, or F32/F16/BF16 values),
 which every tier holds and computes from, and so do the trunk's matrices
 (`stored`; `trunk_bytes` of RAM); `tensor` and `load` give float32 values,
@@ -37,9 +42,10 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
-from moetier.model.expert_weights import ExpertWeights, NamedWeights
+from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
 from moetier.model.formats import BF16, F32, FORMATS
-from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
+from moetier.model.gguf_shapes import required_tensors
+from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
 
@@ -51,6 +57,7 @@ DEQUANTIZED = EXPERT_TYPES + (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ
                               QType.TQ2_0, QType.MXFP4)
 SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+_CONVERTED = {name for names in CONVERTED.values() for name in names}
 # tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
 _NOT_YET = {"attn_qkv.weight": "fused Q/K/V (convert_hf_to_gguf.py --fuse-qkv)",
             "ffn_gate_up_exps.weight": "fused gate/up experts (--fuse-gate-up-exps)",
@@ -259,6 +266,7 @@ class GgufCheckpoint(NamedWeights):
                 mapping.madvise(mmap.MADV_DONTNEED)
 
     float_acts = False  # F16 / BF16 matrices multiply the activations llama.cpp converts for them
+    norm_offset = False  # a qwen3next file's norms hold 1 + w already (the converter added the 1)
 
     def stored(self, name: str) -> tuple[torch.Tensor, int]:
         """(tensor, its GGML type id) by HF name, in the bytes stored, a view of the mapping (Mixtral's Q/K rows:
@@ -300,6 +308,30 @@ class GgufCheckpoint(NamedWeights):
                                                          for part in ("gate", "up", "down"))
         return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type, float_acts=False)  # [2I, D], [D, I]
 
+    def deltanet(self, layer: int) -> DeltaNetTensors:
+        """A Qwen3-Next linear-attention layer in the engine's layout, which is the converter's: attn_qkv (every key
+        head's q, then k, then every value head's v) and attn_gate in their stored bytes, or an older file's ssm_in
+        (q, k, v, z per key head, as HF's in_proj_qkvz) regrouped so (row copies in the stored bytes); ssm_a holds
+        -exp(A_log) already, ssm_conv1d the taps [C, K]."""
+        g, b, p = self.spec.linear_attention, f"blk.{layer}.", f"model.layers.{layer}.linear_attn."
+        if self.has(p + "in_proj_qkvz.weight"):
+            data, qtype = self.stored(p + "in_proj_qkvz.weight")  # [Hk * (2dk + 2r dv), cols]
+            width = g.value_dim * (g.value_heads // g.key_heads)  # r dv: one key head's v (and z) rows
+            q, k, v, z = data.reshape(g.key_heads, -1, data.shape[-1]).split([g.key_dim, g.key_dim, width, width], dim=1)
+            rows = lambda t: t.reshape(-1, data.shape[-1])  # noqa: E731  [Hk, n, cols] -> [Hk * n, cols]
+            qkv, gate = (torch.cat([rows(q), rows(k), rows(v)]), qtype), (rows(z).clone(), qtype)
+        else:
+            qkv, gate = self.stored(b + "attn_qkv.weight"), self.stored(b + "attn_gate.weight")
+        return DeltaNetTensors(
+            qkv=qkv, z=gate, ba=self.stored(p + "in_proj_ba.weight"),
+            conv=self.load(p + "conv1d.weight").reshape(g.conv_channels, g.conv_kernel), dt_bias=self.load(p + "dt_bias"),
+            decay_rate=self.load(b + "ssm_a"), norm=self.load(p + "norm.weight"), out=self.stored(p + "out_proj.weight"))
+
+    def shared_expert_gate(self, layer: int) -> torch.Tensor | None:
+        """Qwen3-Next's shared-expert gate [1, D] (the converter stores it {D, 1}; the loader takes {D} too)."""
+        gate = super().shared_expert_gate(layer)
+        return None if gate is None else gate.reshape(1, -1)
+
     def expert_format(self, layer: int) -> str:
         """The stored format of a MoE layer's experts, e.g. "Q4_K" or "Q4_K/Q6_K" (gate and up / down)."""
         gate, down = (self._tensors[f"blk.{layer}.{EXPERT_STACKS[part]}"].tensor_type.name for part in ("gate", "down"))
@@ -332,74 +364,36 @@ class GgufCheckpoint(NamedWeights):
                 elif s.arch == "mixtral" and ".self_attn.k_proj." in hf:
                     heads = s.num_kv_heads
                 sources[hf] = _Source(tensor, permuted_heads=heads)
+            elif match and match.group(2) in _CONVERTED:  # qwen3next's attn_qkv, attn_gate, ssm_a: no HF tensor holds these
+                sources[name] = _Source(tensor)
             elif match and match.group(2) in stacks:
                 for e in range(s.num_experts):
                     sources[expert_hf_name(s.arch, int(match.group(1)), e, stacks[match.group(2)])] = _Source(tensor, e)
         return sources
 
     def _check_complete(self) -> None:
-        """Every tensor the engine reads exists with the shape (ggml order, as llama.cpp's loader checks it) the
-        metadata implies; the first that does not is the error."""
+        """Every tensor the engine reads exists with the shape (ggml order, as llama.cpp's loader checks it: trailing
+        dims of 1 aside) the metadata implies (moetier.model.gguf_shapes); the first that does not is the error."""
         s, where = self.spec, self.folder
         for name in self._tensors:
             match = _BLOCK.fullmatch(name)
             inner = match.group(2) if match else name
-            if inner in _NOT_YET and not (match and int(match.group(1)) >= s.num_layers):
+            if match and int(match.group(1)) >= s.num_layers:  # a NextN/MTP block: not run
+                continue
+            if inner in _NOT_YET and not (match and inner == "attn_qkv.weight" and s.is_linear(int(match.group(1)))):
                 raise CheckpointError(f"{where}: tensor {name!r}: {_NOT_YET[inner]} is not supported yet")
-
-        def expect(name: str, *dims: tuple[int, str]) -> None:
-            """dims: (size, the metadata it comes from) per dimension, ggml order (ne0 first)."""
+        for name, dims in required_tensors(s, spec_keys(GGUF_ARCHITECTURES[s.arch], self.metadata), set(self._tensors)):
             ne = tuple(size for size, _ in dims)
             if name not in self._tensors:
                 raise CheckpointError(f"{where}: tensor {name!r} is missing (expected shape {_ne(ne)}, ggml order)")
-            got = tuple(int(d) for d in self._tensors[name].shape)
+            got = tuple(int(n) for n in self._tensors[name].shape)
+            if len(got) > len(ne) and all(n == 1 for n in got[len(ne):]):  # {D, 1} is {D} to the loader
+                got = got[: len(ne)]
             if got != ne:
                 why = "; ".join(f"dim {i} is {origin} = {size}" for i, (size, origin) in enumerate(dims)
                                 if i >= len(got) or got[i] != size) or f"{len(got)} dims, not {len(ne)}"
-                raise CheckpointError(f"{where}: tensor {name!r} has shape {_ne(got)} (expected {_ne(ne)} from the metadata, "
-                                      f"ggml order: {why})")
-
-        k = spec_keys(GGUF_ARCHITECTURES[s.arch], self.metadata)
-        D, V, d, E = (s.hidden_size, k["hidden_size"]), (s.vocab_size, k["vocab_size"]), (s.head_dim, k["head_dim"]), (s.num_experts, k["num_experts"])
-        q = (s.num_heads * s.head_dim, f"{k['num_heads']} x {k['head_dim']}")
-        kv = (s.num_kv_heads * s.head_dim, f"{k['num_kv_heads']} x {k['head_dim']}")
-        inter = (s.moe_intermediate_size, k["moe_intermediate_size"])
-        expect("token_embd.weight", D, V)
-        expect("output_norm.weight", D)
-        if not s.tie_word_embeddings:
-            expect("output.weight", D, V)
-        post_norm = "post_attention_norm" if s.arch == "glm4_moe" else "ffn_norm"
-        for layer in range(s.num_layers):
-            b = f"blk.{layer}."
-            expect(b + "attn_norm.weight", D)
-            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
-                expect(f"{b}{name}.weight", D, rows)
-                if s.attention_bias:
-                    expect(f"{b}{name}.bias", rows)
-            expect(b + "attn_output.weight", q, D)
-            if s.output_bias:
-                expect(b + "attn_output.bias", D)
-            if s.qk_norm:
-                expect(b + "attn_q_norm.weight", d)
-                expect(b + "attn_k_norm.weight", d)
-            expect(f"{b}{post_norm}.weight", D)
-            if not s.is_moe(layer):
-                F = (s.dense_intermediate_size, k["dense_intermediate_size"])
-                expect(b + "ffn_gate.weight", D, F)
-                expect(b + "ffn_up.weight", D, F)
-                expect(b + "ffn_down.weight", F, D)
-                continue
-            expect(b + "ffn_gate_inp.weight", D, E)
-            expect(b + "ffn_gate_exps.weight", D, inter, E)
-            expect(b + "ffn_up_exps.weight", D, inter, E)
-            expect(b + "ffn_down_exps.weight", inter, D, E)
-            if s.router == "sigmoid":
-                expect(b + "exp_probs_b.bias", E)
-            if s.n_shared_experts:
-                shared = (s.moe_intermediate_size * s.n_shared_experts, f"{k['moe_intermediate_size']} x {k['n_shared_experts']}")
-                expect(b + "ffn_gate_shexp.weight", D, shared)
-                expect(b + "ffn_up_shexp.weight", D, shared)
-                expect(b + "ffn_down_shexp.weight", shared, D)
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {_ne(self._tensors[name].shape)} (expected {_ne(ne)} from "
+                                      f"the metadata, ggml order: {why})")
 
     def _fingerprint(self) -> str:
         """Hashes the metadata that shapes the model and the tensor index (names, types, shapes, offsets): a

@@ -2,11 +2,13 @@
 
 llama.cpp is the reference for what a GGUF means: its converter
 (convert_hf_to_gguf.py, conversion/{qwen,glm,llama}.py) writes the keys and
-names, its loader (src/llama-model.cpp, src/models/{qwen3moe,glm4-moe,llama}.cpp)
-reads them, with defaults where a key is optional. `spec_from_gguf` reads the
-keys the way that loader does (same defaults, same fixed behaviours: qwen3moe
-and llama always renormalise the top-k weights) and ends in
-`ModelSpec.validate`, naming the file and the GGUF key on every refusal. Floats
+names, its loader (src/llama-model.cpp, src/models/{qwen3moe,glm4-moe,llama,
+qwen3next}.cpp) reads them, with defaults where a key is optional.
+`spec_from_gguf` reads the keys the way that loader does (same defaults, same
+fixed behaviours: qwen3moe, qwen3next and llama always renormalise the top-k
+weights; qwen3next runs every layer as MoE) and ends in `ModelSpec.validate`,
+naming the file and the GGUF key on every refusal; what llama.cpp computes
+differently from transformers (qwen3next's L2 norm epsilon) is refused. Floats
 are stored as float32; each is read back as the shortest decimal that rounds to
 it, which is the config's own value for every config that writes a short one
 (1e-6, 1e6, 2.5). The name tables here are the one place that knows both
@@ -19,16 +21,21 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moetier.model.spec import MAX_LAYERS, ModelSpec, SpecError
+from moetier.model.spec import MAX_LAYERS, LinearAttention, ModelSpec, SpecError
 
 # GGUF general.architecture -> moetier arch; llama is read only with experts (Mixtral)
-ARCHITECTURES = {"qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "llama": "mixtral"}
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "llama": "mixtral", "qwen3next": "qwen3_next"}
 GGUF_ARCHITECTURES = {arch: name for name, arch in ARCHITECTURES.items()}
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 # stacked routed experts [E, rows, cols] in GGUF, by part of the SwiGLU block
 EXPERT_STACKS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
+# qwen3next tensors the converter computes from HF ones beyond a reader's undoing (rows regrouped across two
+# tensors; A_log -> -exp(A_log)): HF inner name -> the GGUF inner names made from it; the reader keeps these by GGUF name
+CONVERTED = {"linear_attn.in_proj_qkvz.weight": ("attn_qkv.weight", "attn_gate.weight"), "linear_attn.A_log": ("ssm_a",)}
+# transformers' l2norm epsilon for DeltaNet's q and k (moetier.engine.deltanet); llama.cpp's qwen3next uses the RMS one
+L2_NORM_EPS = 1e-6
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -47,8 +54,8 @@ def expert_parts(arch: str) -> dict[str, str]:
 def _layer_names(arch: str) -> dict[str, str]:
     """HF name inside model.layers.N. -> GGUF name inside blk.N. (tensor_mapping.py's entries for the arch)."""
     names = {"input_layernorm.weight": "attn_norm.weight",
-             # GLM-4 MoE keeps a separate post-attention norm; the others call it the FFN norm
-             "post_attention_layernorm.weight": "post_attention_norm.weight" if arch == "glm4_moe" else "ffn_norm.weight",
+             # GLM-4 MoE and Qwen3-Next keep a separate post-attention norm; the others call it the FFN norm
+             "post_attention_layernorm.weight": "post_attention_norm.weight" if arch in ("glm4_moe", "qwen3_next") else "ffn_norm.weight",
              f"{moe_prefix(arch)}.gate.weight": "ffn_gate_inp.weight"}
     for hf, gguf in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
         names |= {f"self_attn.{hf}.weight": f"{gguf}.weight", f"self_attn.{hf}.bias": f"{gguf}.bias"}
@@ -65,11 +72,20 @@ def _layer_names(arch: str) -> dict[str, str]:
                   "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
                   "shared_head.head.weight": "nextn.shared_head_head.weight",
                   "shared_head.norm.weight": "nextn.shared_head_norm.weight"}
+    if arch == "qwen3_next":
+        for part in ("gate", "up", "down"):
+            names[f"mlp.shared_expert.{part}_proj.weight"] = f"ffn_{part}_shexp.weight"
+        # the linear-attention layers (Qwen3NextModel.modify_tensors renames dt_bias to dt_proj.bias)
+        names |= {"mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+                  "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+                  "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight"}
     return names
 
 
 _HF_TO_GGUF = {arch: _layer_names(arch) for arch in ARCHITECTURES.values()}
 _GGUF_TO_HF = {arch: {g: h for h, g in names.items()} for arch, names in _HF_TO_GGUF.items()}
+# the fused in-projection older converters wrote unchanged (llama.cpp's loader still reads it): read, never written
+_GGUF_TO_HF["qwen3_next"]["ssm_in.weight"] = "linear_attn.in_proj_qkvz.weight"
 
 
 def gguf_name(arch: str, hf_name: str) -> str | None:
@@ -157,7 +173,12 @@ def spec_keys(arch: str, meta: Mapping[str, Any]) -> dict[str, str]:
              "n_group": "expert_group_count", "topk_group": "expert_group_used_count",
              "routed_scaling_factor": "expert_weights_scale", "n_shared_experts": "expert_shared_count",
              "max_position_embeddings": "context_length",
-             "moe_layers": "leading_dense_block_count" if arch == "glm4moe" else "block_count"}
+             "moe_layers": "leading_dense_block_count" if arch == "glm4moe" else "block_count",
+             # qwen3next: the linear-attention geometry (validate's and gguf_shapes' messages), the shared expert
+             "key_heads": "ssm.group_count", "value_heads": "ssm.time_step_rank", "key_dim": "ssm.state_size",
+             "value_dim": "ssm.state_size", "conv_kernel": "ssm.conv_kernel", "value_width": "ssm.inner_size",
+             "shared_intermediate_size": "expert_shared_feed_forward_length",
+             "linear_layers": "attention.recurrent_layers" if f"{arch}.attention.recurrent_layers" in meta else "full_attention_interval"}
     keys = {field: f"{arch}.{key}" for field, key in names.items()}
     keys["vocab_size"] = f"{arch}.vocab_size" if f"{arch}.vocab_size" in meta else "tokenizer.ggml.tokens"
     return keys
@@ -216,6 +237,8 @@ def spec_from_gguf(meta: Mapping[str, Any], tensors: Sequence[str], token_count:
         routed_scaling_factor=scale, n_group=groups, topk_group=groups_used,
         attention_bias="blk.0.attn_q.bias" in present,
     )
+    if arch == "qwen3_next":
+        return _qwen3_next(keys, common, present, block_count, n_ff).validate(source, field_keys)
     if arch == "qwen3_moe":
         ff_exp = keys.get("expert_feed_forward_length", int, default=n_ff // top_k if top_k > 0 else 0)
         spec = ModelSpec(**common, qk_norm=True, output_bias="blk.0.attn_output.bias" in present,
@@ -246,6 +269,45 @@ def spec_from_gguf(meta: Mapping[str, Any], tensors: Sequence[str], token_count:
                          moe_intermediate_size=n_ff, router="softmax", norm_topk_prob=True, n_shared_experts=0,
                          moe_layers=tuple(range(num_layers)))
     return spec.validate(source, field_keys)
+
+
+def _qwen3_next(keys: _Keys, common: dict[str, Any], present: set[str], block_count: int, n_ff: int) -> ModelSpec:
+    """Qwen3-Next as src/models/qwen3next.cpp loads it: the recurrent (Gated DeltaNet) layers from the
+    recurrent_layers array, else every layer but each full_attention_interval-th; DeltaNet key and value heads both
+    of ssm.state_size dims (the loader sizes both by it); every layer MoE with a gated shared expert of
+    expert_shared_feed_forward_length (feed_forward_length when 0), top-k renormalised; gated attention with q/k
+    norms and no output bias."""
+    source, num_layers, top_k = keys.source, common["num_layers"], common["top_k"]
+    flags = keys.get("attention.recurrent_layers", list, default=None)
+    if flags is None:
+        interval = keys.get("full_attention_interval", int, default=4)
+        if interval < 1:
+            raise SpecError(f"{source}: key {keys.key('full_attention_interval')!r} is {interval} (expected an integer >= 1)")
+        linear = tuple(l for l in range(num_layers) if (l + 1) % interval)
+    elif len(flags) != block_count or not all(isinstance(f, bool) for f in flags):
+        raise SpecError(f"{source}: key {keys.key('attention.recurrent_layers')!r} is {_short(flags)} (expected "
+                        f"{block_count} booleans, one per block)")
+    else:
+        linear = tuple(l for l in range(num_layers) if flags[l])
+    state, value_heads = keys.get("ssm.state_size", int), keys.get("ssm.time_step_rank", int)
+    inner = keys.get("ssm.inner_size", int)
+    if value_heads < 1 or inner != value_heads * state:
+        raise SpecError(f"{source}: key {keys.key('ssm.inner_size')!r} is {inner}, not {keys.key('ssm.time_step_rank')!r} = "
+                        f"{value_heads} x {keys.key('ssm.state_size')!r} = {state} (expected equal: llama.cpp's qwen3next "
+                        "sizes DeltaNet's key and value heads both by ssm.state_size)")
+    if linear and common["rms_norm_eps"] != L2_NORM_EPS:
+        raise SpecError(f"{source}: key {keys.key('attention.layer_norm_rms_epsilon')!r} is {common['rms_norm_eps']}: llama.cpp's "
+                        f"qwen3next L2-normalises DeltaNet's q and k with it, transformers with {L2_NORM_EPS} (expected {L2_NORM_EPS})")
+    ff_exp = keys.get("expert_feed_forward_length", int, default=n_ff // top_k if top_k > 0 else 0)
+    attention = [l for l in range(num_layers) if l not in linear]
+    return ModelSpec(
+        **(common | {"attention_bias": bool(attention) and f"blk.{attention[0]}.attn_q.bias" in present}),
+        qk_norm=True, output_bias=False, dense_intermediate_size=n_ff or ff_exp, moe_intermediate_size=ff_exp, router="softmax",
+        norm_topk_prob=True, n_shared_experts=1, moe_layers=tuple(range(num_layers)), linear_layers=linear,
+        linear_attention=LinearAttention(key_heads=keys.get("ssm.group_count", int), value_heads=value_heads,
+                                         key_dim=state, value_dim=state, conv_kernel=keys.get("ssm.conv_kernel", int)),
+        attention_gate=True, shared_intermediate_size=keys.get("expert_shared_feed_forward_length", int, default=0) or n_ff,
+        shared_expert_gate=True)
 
 
 def _refuse_rope_extras(keys: _Keys) -> None:

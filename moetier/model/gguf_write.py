@@ -1,20 +1,27 @@
 """Write a HF MoE checkpoint as the GGUF llama.cpp's own converter writes for it, with a stand-in vocabulary.
 
 `write_gguf(folder, out, dtype)` writes what `convert_hf_to_gguf.py --outtype
-f32|f16|bf16|q8_0` writes for a Qwen3MoeForCausalLM, Glm4MoeForCausalLM or
-MixtralForCausalLM folder (conversion/{qwen,glm,llama}.py on conversion/base.py):
-the same architecture name, metadata keys in the same order and types
-(TextModel.set_gguf_parameters, then each class's own), tensor names (gguf's
-TensorNameMap, spelled out in moetier.model.gguf_spec), value transforms (routed
-experts stacked [E, ...]; Mixtral's Q/K rows permuted for llama.cpp's
-interleaved RoPE) and tensor types (1-D tensors, norms and routers in F32; a
-Q8_0 tensor whose rows are not whole blocks falls back to F16, as there). The
-vocabulary is a stand-in, since a synthetic checkpoint has no tokenizer: one
+f32|f16|bf16|q8_0` writes for a Qwen3MoeForCausalLM, Glm4MoeForCausalLM,
+MixtralForCausalLM or Qwen3NextForCausalLM folder (conversion/{qwen,glm,llama}.py
+on conversion/base.py; Qwen3-Next as with --no-mtp, a checkpoint with MTP
+tensors is refused): the same architecture name, metadata keys in the same
+order and types (TextModel.set_gguf_parameters, then each class's own), tensor
+names (gguf's TensorNameMap, spelled out in moetier.model.gguf_spec), value
+transforms (routed experts stacked [E, ...]; Mixtral's Q/K rows permuted for
+llama.cpp's interleaved RoPE; Qwen3-Next's norms + 1, A_log -> -exp(A_log),
+in_proj_qkvz's rows regrouped into attn_qkv and attn_gate, conv taps squeezed)
+and tensor types (1-D tensors, norms, routers and conv taps in F32; a Q8_0
+tensor whose rows are not whole blocks falls back to F16, as there); for
+Qwen3-Next, measured against the converter, the same bytes but for the
+vocabulary (docs/gguf-qwen3next.md). The vocabulary is a stand-in, since a
+synthetic checkpoint has no tokenizer: one
 token per id, the config's bos/eos/pad ids as control tokens, the 256 byte
 tokens, then pieces with a BPE merge (gpt2) or a score (llama) each, so
 llama.cpp can load the file and tokenize any text. A checkpoint llama.cpp would
-compute differently from transformers (a sliding window; Qwen3-MoE dense
-layers, unrenormalised top-k or an o_proj bias) is refused, not written.
+compute differently from transformers (a sliding window; Qwen3-MoE's and
+Qwen3-Next's dense layers, unrenormalised top-k or an o_proj bias; Qwen3-Next's
+DeltaNet key and value heads of two sizes, or an rms_norm_eps other than the
+L2 norm's 1e-6) is refused, not written.
 Tensors stream one at a time; the file, or every file of a split set, appears
 whole or not at all (moetier.model.output.new_file).
 """
@@ -31,21 +38,23 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 from gguf.vocab import bytes_to_unicode
 
 from moetier.model.checkpoint import Checkpoint, open_checkpoint
-from moetier.model.gguf_spec import EXPERT_STACKS, GGUF_ARCHITECTURES, expert_layer, gguf_name
+from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, L2_NORM_EPS, expert_layer, gguf_name
 from moetier.model.output import check_output, new_file
 from moetier.model.safetensors_mmap import CheckpointError
-from moetier.model.spec import SpecError
+from moetier.model.spec import ModelSpec, SpecError
 
 # --outtype -> (general.file_type, the type of the tensors it quantizes)
 OUT_TYPES = {"F32": (LlamaFileType.ALL_F32, QType.F32), "F16": (LlamaFileType.MOSTLY_F16, QType.F16),
              "BF16": (LlamaFileType.MOSTLY_BF16, QType.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, QType.Q8_0)}
 # the converter's vocabulary per architecture: (tokenizer.ggml.model, tokenizer.ggml.pre)
-TOKENIZERS = {"qwen3_moe": ("gpt2", "qwen2"), "glm4_moe": ("gpt2", "glm4"), "mixtral": ("llama", "default")}
+TOKENIZERS = {"qwen3_moe": ("gpt2", "qwen2"), "glm4_moe": ("gpt2", "glm4"), "mixtral": ("llama", "default"),
+              "qwen3_next": ("gpt2", "qwen2")}
 SPECIAL_NAMES = {"gpt2": {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"},
                  "llama": {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}}
 
@@ -73,9 +82,10 @@ def _permute(values: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _tensor_type(name: str, ndim: int, row: int, qtype: QType) -> QType:
-    """ModelBase.prepare_tensors' choice: 1-D tensors, norms, routers and non-weights in F32; else the out type,
-    F16 where the rows do not split into its blocks (QuantError)."""
-    if ndim <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")) or not name.endswith(".weight"):
+    """ModelBase.prepare_tensors' choice: 1-D tensors, norms, routers, convolution taps and non-weights (ssm_a,
+    biases) in F32; else the out type, F16 where the rows do not split into its blocks (QuantError)."""
+    if ndim <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")) \
+            or not name.endswith(".weight"):
         return QType.F32
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     return qtype if row % block == 0 else QType.F16
@@ -101,12 +111,20 @@ def _plan(checkpoint: Checkpoint, arch: str, out_type: QType) -> list[_Planned]:
     last_expert = {expert_layer(arch, n): n for n in order if expert_layer(arch, n) is not None}  # layer -> its last
     for name in order:
         layer, target = expert_layer(arch, name), gguf_name(arch, name)
-        block = re.match(r"model\.layers\.(\d+)\.", name)
-        if (layer is None and target is None) or (block and int(block.group(1)) >= blocks):
+        block = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+        made = CONVERTED.get(block.group(2)) if block and arch == "qwen3_next" else None  # GGUF tensors made from it
+        if (layer is None and target is None and made is None) or (block and int(block.group(1)) >= blocks):
             raise CheckpointError(f"{folder}: tensor {name!r} has no GGUF name in {GGUF_ARCHITECTURES[arch]} "
                                   "(llama.cpp's converter refuses it too: 'Can not map tensor')")
-        if layer is None:
-            add(target, checkpoint.entry(name).shape, lambda name=name: _value(checkpoint, name))
+        if made is not None:
+            index = int(block.group(1))
+            for part in made:
+                add(f"blk.{index}.{part}", _made_shape(spec, part), lambda index=index, part=part: _made(checkpoint, index, part))
+        elif layer is None:
+            shape = checkpoint.entry(name).shape
+            if arch == "qwen3_next" and name.endswith(".conv1d.weight"):  # squeezed: [C, 1, K] -> [C, K]
+                shape = tuple(n for n in shape if n != 1)
+            add(target, shape, lambda name=name: _value(checkpoint, name))
         elif name == last_expert[layer]:
             E, D, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
             for part in ("gate", "down", "up") if arch == "mixtral" else ("down", "gate", "up"):
@@ -122,7 +140,10 @@ def _block_count(checkpoint: Checkpoint) -> int:
 
 
 def _value(checkpoint: Checkpoint, name: str) -> np.ndarray:
-    spec, values = checkpoint.spec, checkpoint.tensor(name).numpy()
+    spec = checkpoint.spec
+    if spec.arch == "qwen3_next" and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return _as_converted(checkpoint, name, lambda w: w + 1)  # Qwen3NextModel.modify_tensors: zero-centred norms + 1
+    values = checkpoint.tensor(name).numpy()
     if spec.arch == "mixtral" and ".self_attn.q_proj." in name:
         return _permute(values, spec.num_heads)
     if spec.arch == "mixtral" and ".self_attn.k_proj." in name:
@@ -130,8 +151,32 @@ def _value(checkpoint: Checkpoint, name: str) -> np.ndarray:
     return values
 
 
+def _as_converted(checkpoint: Checkpoint, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
+    """change(tensor) computed as the converter computes it: in float16 for a float16 tensor, else in float32
+    (ModelBase.prepare_tensors converts every other dtype to float32 first), by torch; float32 values."""
+    data, _ = checkpoint.stored(name)
+    data = data if data.dtype in (torch.float16, torch.float32) else data.float()
+    return change(data).float().numpy()
+
+
+def _made_shape(spec: ModelSpec, part: str) -> tuple[int, ...]:
+    g = spec.linear_attention
+    return {"attn_qkv.weight": (g.conv_channels, spec.hidden_size), "attn_gate.weight": (g.value_width, spec.hidden_size),
+            "ssm_a": (g.value_heads,)}[part]
+
+
+def _made(checkpoint: Checkpoint, layer: int, part: str) -> np.ndarray:
+    """A tensor Qwen3NextModel.modify_tensors makes: in_proj_qkvz's rows regrouped into attn_qkv (q of every key
+    head, k, v) and attn_gate (z) — the HF reader's own regrouping, Checkpoint.deltanet — or -exp(A_log)."""
+    if part == "ssm_a":
+        return _as_converted(checkpoint, f"model.layers.{layer}.linear_attn.A_log", lambda a: -torch.exp(a))
+    tensors = checkpoint.deltanet(layer)
+    data, _ = tensors.qkv if part == "attn_qkv.weight" else tensors.z
+    return data.float().numpy()
+
+
 def _stack(checkpoint: Checkpoint, layer: int, part: str) -> np.ndarray:
-    return np.stack([getattr(checkpoint.expert(layer, e), part).numpy() for e in range(checkpoint.spec.num_experts)])
+    return np.stack([getattr(checkpoint.expert(layer, e), part).float().numpy() for e in range(checkpoint.spec.num_experts)])
 
 
 def _check_convertible(checkpoint: Checkpoint) -> None:
@@ -139,15 +184,29 @@ def _check_convertible(checkpoint: Checkpoint) -> None:
     if spec.sliding_window is not None:
         raise SpecError(f"{source}: key 'sliding_window' is {spec.sliding_window}: llama.cpp runs {spec.arch} without one, "
                         "so no GGUF it reads computes this model (expected null)")
-    if spec.arch != "qwen3_moe":
+    if spec.arch not in ("qwen3_moe", "qwen3_next"):
         return
+    name = GGUF_ARCHITECTURES[spec.arch]
     if spec.moe_layers != tuple(range(spec.num_layers)):
         raise SpecError(f"{source}: keys 'mlp_only_layers' / 'decoder_sparse_step' make dense layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))}: "
-                        "llama.cpp's qwen3moe runs every layer as MoE (expected none)")
+                        f"llama.cpp's {name} runs every layer as MoE (expected none)")
     if not spec.norm_topk_prob:
-        raise SpecError(f"{source}: key 'norm_topk_prob' is false: llama.cpp's qwen3moe always renormalises the top-k weights (expected true)")
+        raise SpecError(f"{source}: key 'norm_topk_prob' is false: llama.cpp's {name} always renormalises the top-k weights (expected true)")
     if spec.output_bias:
-        raise SpecError(f"{source}: key 'attention_bias' is true: llama.cpp's qwen3moe has no o_proj bias (expected false)")
+        raise SpecError(f"{source}: key 'attention_bias' is true: llama.cpp's {name} has no o_proj bias (expected false)")
+    if spec.arch != "qwen3_next":
+        return
+    g = spec.linear_attention
+    if g is not None and g.key_dim != g.value_dim:
+        raise SpecError(f"{source}: keys 'linear_key_head_dim' = {g.key_dim} and 'linear_value_head_dim' = {g.value_dim}: llama.cpp's "
+                        "qwen3next sizes both by one key, ssm.state_size (expected equal)")
+    if spec.linear_layers and spec.rms_norm_eps != L2_NORM_EPS:
+        raise SpecError(f"{source}: key 'rms_norm_eps' is {spec.rms_norm_eps}: llama.cpp's qwen3next L2-normalises DeltaNet's q and k "
+                        f"with it, transformers with {L2_NORM_EPS} (expected {L2_NORM_EPS})")
+    mtp = next((n for n in checkpoint.names() if n.startswith(("mtp.", "model.mtp."))), None)
+    if mtp is not None:
+        raise CheckpointError(f"{checkpoint.folder}: tensor {mtp!r}: the MTP block is not written yet (llama.cpp's converter "
+                              "keeps it, or drops it with --no-mtp)")
 
 
 def _add_parameters(writer: gguf.GGUFWriter, checkpoint: Checkpoint, file_type: LlamaFileType) -> None:
@@ -171,12 +230,14 @@ def _add_parameters(writer: gguf.GGUFWriter, checkpoint: Checkpoint, file_type: 
         writer.add_expert_group_count(spec.n_group)
     if config.get("topk_group") is not None:
         writer.add_expert_group_used_count(spec.topk_group)
-    if config.get("head_dim") is not None:
+    if config.get("head_dim") is not None or spec.arch == "qwen3_next":  # Qwen3NextConfig always holds one (default 256)
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
     writer.add_file_type(file_type)
     if spec.arch == "qwen3_moe":
         writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+    elif spec.arch == "qwen3_next":
+        _add_qwen3_next(writer, checkpoint)
     elif spec.arch == "glm4_moe":
         # The converter writes each of these only when the config holds it, and llama.cpp's defaults for an absent
         # one (no renormalisation, no shared expert count: a load error) are not transformers': written always.
@@ -192,6 +253,26 @@ def _add_parameters(writer: gguf.GGUFWriter, checkpoint: Checkpoint, file_type: 
     else:
         writer.add_vocab_size(spec.vocab_size)
         writer.add_rope_dimension_count(spec.head_dim)
+
+
+def _add_qwen3_next(writer: gguf.GGUFWriter, checkpoint: Checkpoint) -> None:
+    """Qwen2MoeModel's expert widths, then Qwen3NextModel's keys: the DeltaNet geometry, the recurrent layers, the
+    interval, the rotary dims. The converter reads the config through transformers (AutoConfig.to_dict()), whose
+    Qwen3NextConfig holds the widths and layer_types whatever config.json says, so these are always written; its
+    to_dict (transformers 5) drops full_attention_interval, for which the converter then writes 4: written here from
+    the config (4 where it has none), which llama.cpp reads only without the recurrent_layers array."""
+    spec, config, g = checkpoint.spec, checkpoint.config, checkpoint.spec.linear_attention
+    writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(spec.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(g.conv_kernel)
+    writer.add_ssm_state_size(g.key_dim)
+    writer.add_ssm_group_count(g.key_heads)
+    writer.add_ssm_time_step_rank(g.value_heads)
+    writer.add_ssm_inner_size(g.value_width)
+    # gguf 0.19 has no add_recurrent_layers: its key, a bool array
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [spec.is_linear(l) for l in range(spec.num_layers)])
+    writer.add_full_attention_interval(config.get("full_attention_interval", 4))
+    writer.add_rope_dimension_count(spec.rotary_dim)
 
 
 def _pieces(alphabet: list[str]) -> Iterator[str]:
