@@ -84,7 +84,7 @@ def test_teacher_forced_logits_match_reference(case):
 def test_cached_decode_after_a_long_prompt_matches_reference(case):
     """A 70-token prompt (two prefill chunks) then 16 decode steps on the carried conv and recurrent states."""
     model, folder = case
-    prompt = torch.randint(0, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))  # no 0: pad
     with torch.no_grad():
         out = model.generate(prompt[None], max_new_tokens=17, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
@@ -142,32 +142,61 @@ def test_bad_configs_are_refused_in_one_line(changes, message):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("heads, dk, dv", [(4, 8, 12), (32, 128, 128), (3, 5, 7)])
-def test_the_native_delta_rule_step_is_the_reference_step(heads, dk, dv):
-    """cpu_deltanet.h against deltanet._recurrent_step (the transformers recurrence) on random states: float32
-    rounding apart, and bit for bit whatever the pool size (each head is one thread's)."""
+@pytest.mark.parametrize("key_heads, value_heads, dk, dv", [(2, 4, 8, 12), (16, 32, 128, 128), (3, 3, 5, 7)])
+def test_the_native_mixer_is_the_torch_mixer(key_heads, value_heads, dk, dv):
+    """One decoded token of a Gated DeltaNet layer between its projections: cpu_deltanet.h's mixer against the torch
+    path of deltanet_layer (transformers' recurrence), from the same random states: float32 rounding apart, states
+    too, and bit for bit whatever the pool size (each key head is one thread's)."""
     from moetier.backends import cpu_kernels
-    from moetier.engine.deltanet import DeltaNetState, _recurrent_step, l2norm
+    from moetier.engine.deltanet import DeltaNetState, DeltaNetWeights, deltanet_layer
     from moetier.model.spec import LinearAttention
 
     kernel = cpu_kernels.decode_kernel()
     if kernel is None:
         pytest.skip(f"no native kernels here: {cpu_kernels.status()}")
-    gen = torch.Generator().manual_seed(heads)
-    q, k = (l2norm(torch.randn(heads, 1, dk, generator=gen)) for _ in range(2))
-    v = torch.randn(heads, 1, dv, generator=gen)
-    decay, beta = -torch.rand(heads, 1, generator=gen), torch.rand(heads, 1, generator=gen)
-    state = DeltaNetState(LinearAttention(heads, heads, dk, dv, 4), torch.device("cpu"))
-    state.recurrent = torch.randn(heads, dk, dv, generator=gen)
-    start = state.recurrent.clone()
-    expected = _recurrent_step(q, k, v, decay, beta, state)[:, 0]
-    args = (q[:, 0].contiguous(), k[:, 0].contiguous(), v[:, 0].contiguous(), decay[:, 0].contiguous(), beta[:, 0].contiguous())
-    outs, states = [], []
-    for threads in (None, 1):
-        s = start.clone()
-        outs.append(cpu_kernels.decode_kernel(threads).deltanet_step(s, *args))
-        states.append(s)
-    assert (outs[0] - expected).abs().max() <= 1e-5 and (states[0] - state.recurrent).abs().max() <= 1e-5
-    assert torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
-    with pytest.raises(ValueError, match="deltanet_step: q must be float32"):
-        kernel.deltanet_step(start.clone(), q[:, 0].double(), *args[1:])
+    g = LinearAttention(key_heads, value_heads, dk, dv, 4)
+    gen = torch.Generator().manual_seed(dv)
+
+    class Identity:  # the projections left out: the mixer's input and output as they are
+        def __call__(self, x):
+            return x
+
+    w = DeltaNetWeights(Identity(), torch.randn(g.conv_channels, 4, generator=gen) * 0.5,
+                        torch.randn(value_heads, generator=gen), -torch.rand(value_heads, generator=gen),
+                        torch.randn(dv, generator=gen), Identity())
+    projected = torch.randn(1, g.conv_channels + g.value_width + 2 * value_heads, generator=gen)
+    start = DeltaNetState(g, torch.device("cpu"))
+    start.conv, start.recurrent = torch.randn(*start.conv.shape, generator=gen), torch.randn(*start.recurrent.shape, generator=gen)
+
+    def run(kernel):
+        state = DeltaNetState(g, torch.device("cpu"))
+        state.conv, state.recurrent = start.conv.clone(), start.recurrent.clone()
+        return deltanet_layer(w, g, projected.clone(), state, 1e-6, kernel), state
+
+    (expected, reference), (got, state), (again, other) = run(None), run(kernel), run(cpu_kernels.decode_kernel(1))
+    assert (got - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+    assert (state.recurrent - reference.recurrent).abs().max() <= 1e-5 and torch.equal(state.conv, reference.conv)
+    assert torch.equal(got, again) and torch.equal(state.recurrent, other.recurrent)
+    with pytest.raises(ValueError, match="deltanet_mix: projected must be float32"):
+        kernel.deltanet_mix(projected[0].double(), state.conv, state.recurrent, w.conv, w.dt_bias, w.decay_rate, w.norm,
+                            key_heads, 1e-6)
+
+
+def test_the_per_layer_decode_path_matches_reference(case):
+    """Decoding layer by layer from Python (as under a layout, or with the step timer on: the native mixer between
+    the projections) against transformers, and its breakdown names the linear layers' time."""
+    from moetier.engine.timing import StepTimes
+
+    model, folder = case
+    # no token 0 in the prompt: transformers' generate would take it for padding (pad_token_id=0) and mask it
+    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model.generate(prompt[None], max_new_tokens=9, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    expected = torch.stack(out.logits)[:, 0].numpy()
+    engine = Engine(open_checkpoint(folder))
+    engine.times = StepTimes()
+    result = generate(engine, prompt.tolist(), 9, keep_logits=True)
+    assert result.ids == out.sequences[0, 70:].tolist()
+    assert np.abs(result.logits - expected).max() <= TOLERANCE
+    assert engine.times.seconds["linear attention"] > 0

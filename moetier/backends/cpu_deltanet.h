@@ -10,12 +10,12 @@
  * The sums over dk run in row order, each of dv lanes accumulating on its own: the same products as
  * moetier.engine.deltanet._recurrent_step, summed in another order (float32 rounding apart).
  *
- * Two jobs run it: moe_deltanet_step (a granule per value head; q and k come L2-normalised, q scaled by dk^-1/2,
- * repeated to the value heads), and the decode step's token mixer (deltanet_mix_held, for cpu_step.h: a granule
- * per key head does all of what deltanet_layer computes between the in- and out-projections for its channels --
- * the causal conv step continuing the conv state, silu, the L2 norms, beta and g, the rule for each of its value
- * heads, the gated RMSNorm -- so a linear-attention layer hands the pool one job between its two products). Each
- * granule writes only its own heads' channels, state and outputs: the same bits for any thread count. Included by
+ * One job runs it, the token mixer (deltanet_mix_held: the decode step's, cpu_step.h, and the per-layer path's,
+ * moe_deltanet_mix): a granule per key head does all of what deltanet_layer computes between the in- and
+ * out-projections for its channels -- the causal conv step continuing the conv state, silu, the L2 norms, beta
+ * and g, the rule for each of its value heads, the gated RMSNorm -- so a linear-attention layer hands the pool one
+ * job between its two products. Each granule writes only its own heads' channels, state and outputs: the same bits
+ * for any thread count. Included by
  * cpu_kernels.c (v8f, load8, store8, exp8, pool_run).
  */
 
@@ -54,33 +54,6 @@ static void deltanet_head(float *S, const float *q, const float *k, const float 
             o[j] += row[j] * qi;
         }
     }
-}
-
-typedef struct {
-    float *state;           /* [H, dk, dv] */
-    const float *q, *k;     /* [H, dk] */
-    const float *v;         /* [H, dv] */
-    const float *decay;     /* [H]: g, the log of the step's decay */
-    const float *beta;      /* [H] */
-    float *out;             /* [H, dv] */
-    int64_t dk, dv;
-} deltanet_job;
-
-static void deltanet_granule(void *job, int64_t head) {
-    const deltanet_job *a = job;
-    const int64_t dk = a->dk, dv = a->dv;
-    deltanet_head(a->state + head * dk * dv, a->q + head * dk, a->k + head * dk, a->v + head * dv, expf(a->decay[head]),
-                  a->beta[head], a->out + head * dv, dk, dv);
-}
-
-/* One token's delta-rule step over H value heads (see the top of this file). -> 0. */
-int64_t moe_deltanet_step(moe_pool *pool, float *state, const float *q, const float *k, const float *v,
-                          const float *decay, const float *beta, int64_t H, int64_t dk, int64_t dv, float *out) {
-    deltanet_job a = {state, q, k, v, decay, beta, out, dk, dv};
-    pthread_mutex_lock(&pool->call);
-    pool_run(pool, deltanet_granule, &a, 1, &H);
-    pthread_mutex_unlock(&pool->call);
-    return 0;
 }
 
 /* x * sigmoid(x) for 8 lanes, from e^-|x| (exp8's domain): 1 / (1 + e) for x >= 0, e / (1 + e) below */
@@ -173,4 +146,18 @@ static void deltanet_mix_granule(void *job, int64_t head) {  /* key head `head` 
 static void deltanet_mix_held(moe_pool *pool, const deltanet_mix *a) {
     int64_t heads = a->Hk;
     pool_run(pool, deltanet_mix_granule, (void *)a, 1, &heads);
+}
+
+/* One token's mixer for the per-layer path (moetier.engine.deltanet): `projected` [C + Hv dv + 2 Hv] is the layer's
+ * in-projection (q|k|v, z, b|a), its first C values overwritten; states updated in place; out [Hv dv]. -> 0. */
+int64_t moe_deltanet_mix(moe_pool *pool, float *projected, float *conv_state, float *state, const float *conv,
+                         const float *dt_bias, const float *decay_rate, const float *norm, int64_t Hk, int64_t Hv,
+                         int64_t dk, int64_t dv, int64_t K, double eps, float *out) {
+    const int64_t C = 2 * Hk * dk + Hv * dv;
+    const deltanet_mix a = {projected, projected + C, projected + C + Hv * dv, conv_state, state, conv, dt_bias,
+                            decay_rate, norm, out, Hk, Hv, dk, dv, K, (float)eps, (float)pow((double)dk, -0.5)};
+    pthread_mutex_lock(&pool->call);
+    deltanet_mix_held(pool, &a);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
 }

@@ -298,24 +298,29 @@ class DecodeKernel:
         return out
 
 
-    def deltanet_step(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                      beta: torch.Tensor) -> torch.Tensor:
-        """One token of the gated delta rule (cpu_deltanet.h) over every value head on the pool: state [H, dk, dv]
-        updated in place, q, k [H, dk] (L2-normalised, q scaled), v [H, dv], decay (log) and beta [H] -> o [H, dv].
-        float32, contiguous, in host memory. Bad arguments: ValueError, one line."""
+    def deltanet_mix(self, projected: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, conv: torch.Tensor,
+                     dt_bias: torch.Tensor, decay_rate: torch.Tensor, norm: torch.Tensor, key_heads: int, eps: float) -> torch.Tensor:
+        """One token of a Gated DeltaNet layer between its two projections (cpu_deltanet.h's mixer, the decode step's
+        own): projected [C + Hv dv + 2 Hv] (q|k|v, z, b|a; its first C values overwritten), conv_state [C, K-1] and
+        state [Hv, dk, dv] updated in place, conv [C, K], dt_bias and decay_rate [Hv], norm [dv] -> [Hv dv]. float32,
+        contiguous, in host memory. Bad arguments: ValueError, one line."""
         heads, dk, dv = state.shape if state.dim() == 3 else (0, 0, 0)
-        shapes = {"q": (q, (heads, dk)), "k": (k, (heads, dk)), "v": (v, (heads, dv)), "decay": (decay, (heads,)),
-                  "beta": (beta, (heads,)), "state": (state, (heads, dk, dv))}
+        channels, taps = conv.shape if conv.dim() == 2 else (0, 0)
+        shapes = {"projected": (projected, (channels + heads * dv + 2 * heads,)), "conv_state": (conv_state, (channels, taps - 1)),
+                  "state": (state, (heads, dk, dv)), "conv": (conv, (channels, taps)), "dt_bias": (dt_bias, (heads,)),
+                  "decay_rate": (decay_rate, (heads,)), "norm": (norm, (dv,))}
         for name, (t, shape) in shapes.items():
             if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
-                raise ValueError(f"deltanet_step: {name} must be float32 {list(shape)} contiguous in host memory "
-                                 f"(state [H, dk, dv]), got {t.dtype} {list(t.shape)} on {t.device}")
-        if not (0 < dv <= 512 and heads > 0 and dk > 0):
-            raise ValueError(f"deltanet_step: state [H, dk, dv] = {list(state.shape)} (expected H, dk >= 1, 1 <= dv <= 512)")
-        out = torch.empty(heads, dv)
-        status_error("deltanet_step", self.library.moe_deltanet_step(
-            self.pool.handle, state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
-            beta.data_ptr(), heads, dk, dv, out.data_ptr()))
+                raise ValueError(f"deltanet_mix: {name} must be float32 {list(shape)} contiguous in host memory, got "
+                                 f"{t.dtype} {list(t.shape)} on {t.device}")
+        if not (key_heads > 0 and heads % key_heads == 0 and channels == 2 * key_heads * dk + heads * dv and 0 < dv <= 512 and taps >= 1):
+            raise ValueError(f"deltanet_mix: {key_heads} key heads, state {list(state.shape)}, conv {list(conv.shape)} "
+                             "(expected value heads a multiple of key heads, C = 2 Hk dk + Hv dv, dv <= 512)")
+        out = torch.empty(heads * dv)
+        status_error("deltanet_mix", self.library.moe_deltanet_mix(
+            self.pool.handle, projected.data_ptr(), conv_state.data_ptr(), state.data_ptr(), conv.data_ptr(),
+            dt_bias.data_ptr(), decay_rate.data_ptr(), norm.data_ptr(), key_heads, heads, dk, dv, taps, float(eps),
+            out.data_ptr()))
         return out
 
 
@@ -374,7 +379,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
-        "moe_deltanet_step": (i64, [p, p, p, p, p, p, p, i64, i64, i64, p]),
+        "moe_deltanet_mix": (i64, [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, dbl, p]),
         "pool_open": (p, [i64, dbl]),
         "pool_threads": (i64, [p]),
         "pool_close": (None, [p]),

@@ -15,7 +15,8 @@ g = -exp(A_log) * softplus(a + dt_bias):
     S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q       (S [dk, dv] per value head)
 
 -> RMSNorm(o) * silu(z) -> out-projection [T, D]. Decode (T = 1) runs that
-recurrence (on the CPU in one native pass over the state: cpu_deltanet.h); prefill (T > 1) runs the chunked form transformers uses (chunks
+recurrence (on the CPU, everything between the two projections in one native
+job: cpu_deltanet.h's mixer, the decode step's own); prefill (T > 1) runs the chunked form transformers uses (chunks
 of 64: the intra-chunk part by one triangular solve, the state carried
 between chunks), which is the same function up to float32 rounding. The
 arithmetic follows transformers' torch reference (modeling_qwen3_next:
@@ -67,10 +68,15 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def deltanet_layer(w: DeltaNetWeights, g: LinearAttention, x: torch.Tensor, state: DeltaNetState, eps: float,
                    kernel=None) -> torch.Tensor:
     """x [T, D] (normalised input) -> the layer's output [T, D]; `state` advances by T tokens. `kernel`: the native
-    kernels (x on the CPU), which run a decoded token's state update in one pass (DecodeKernel.deltanet_step)."""
+    kernels (x on the CPU), which run a decoded token's mixer in one job (DecodeKernel.deltanet_mix)."""
     new = x.shape[0]
     channels, width, heads = g.conv_channels, g.value_width, g.value_heads
     projected = w.in_proj(x)  # [T, C + Hv*dv + 2Hv]
+    if new == 1 and kernel is not None and g.value_dim <= 512 and state.conv.is_contiguous() and state.recurrent.is_contiguous():
+        # everything between the two projections in one native job (the decode step's mixer)
+        mixed = kernel.deltanet_mix(projected[0].contiguous(), state.conv, state.recurrent, w.conv, w.dt_bias,
+                                    w.decay_rate, w.norm, g.key_heads, eps)
+        return w.out_proj(mixed[None])  # [1, D]
     mixed, z, ba = projected.split([channels, width, 2 * heads], dim=-1)
     ba = ba.reshape(new, g.key_heads, 2, heads // g.key_heads)  # [T, Hk, 2, r]
     b, a = ba[:, :, 0].reshape(new, heads), ba[:, :, 1].reshape(new, heads)  # [T, Hv] each
@@ -94,10 +100,7 @@ def deltanet_layer(w: DeltaNetWeights, g: LinearAttention, x: torch.Tensor, stat
     q, k, v = l2norm(q.transpose(0, 1)), l2norm(k.transpose(0, 1)), v.transpose(0, 1).contiguous()
     q = q * g.key_dim**-0.5
     beta, decay = beta.t().contiguous(), decay.t().contiguous()  # [Hv, T]
-    if new == 1 and kernel is not None and g.value_dim <= 512:
-        out = kernel.deltanet_step(state.recurrent, q[:, 0].contiguous(), k[:, 0].contiguous(), v[:, 0].contiguous(),
-                                   decay[:, 0].contiguous(), beta[:, 0].contiguous())[:, None]  # [Hv, 1, dv]
-    elif new == 1:
+    if new == 1:
         out = _recurrent_step(q, k, v, decay, beta, state)
     else:
         out = _chunked(q, k, v, decay, beta, state)  # [Hv, T, dv]
