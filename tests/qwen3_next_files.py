@@ -22,7 +22,7 @@ from gguf import GGUFValueType
 Tensors = list[tuple[str, np.ndarray, QType]]  # (name, data as GGUFReader maps it: numpy order, type)
 
 
-def save_qwen3_next(folder: Path, config: dict[str, Any], seed: int, std: float = 0.1) -> Path:
+def save_qwen3_next(folder: Path, config: dict[str, Any], seed: int, std: float = 0.1, dtype: str = "float32") -> Path:
     import torch
     import transformers
 
@@ -31,7 +31,7 @@ def save_qwen3_next(folder: Path, config: dict[str, Any], seed: int, std: float 
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.5 if "norm" in name else std)
-    model.save_pretrained(folder)
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
     return folder
 
 

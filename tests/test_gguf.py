@@ -489,6 +489,22 @@ def test_qwen3_next_older_and_nextn_files_read_the_same(next_models, tmp_path):
     assert not any(n.startswith(f"blk.{s.num_layers}.") or f"layers.{s.num_layers}." in n for n in open_checkpoint(nextn).names())
 
 
+def test_qwen3_next_bfloat16_checkpoint_converts_as_the_converter_does(tmp_path):
+    """bfloat16 weights widen to float32 exactly, the norms' + 1 and -exp(A_log) computed on the widened values
+    (ModelBase.prepare_tensors' order): the F32 file's norms and DeltaNet tensors equal the HF reader's bit for bit."""
+    pytest.importorskip("transformers")
+    from qwen3_next_files import save_qwen3_next
+
+    folder = save_qwen3_next(tmp_path / "bf16", NEXT, seed=5, dtype="bfloat16")
+    g, hf = open_checkpoint(write_gguf(folder, tmp_path / "bf16.gguf")[0]), open_checkpoint(folder)
+    assert g.spec == hf.spec and hf.expert_format(0) == "BF16" and g.expert_format(0) == "F32"
+    assert np.array_equal(bits(g.norm("model.layers.0.input_layernorm.weight")), bits(hf.norm("model.layers.0.input_layernorm.weight")))
+    ours, theirs = g.deltanet(0), hf.deltanet(0)
+    assert np.array_equal(bits(ours.decay_rate), bits(theirs.decay_rate))
+    assert np.array_equal(bits(ours.qkv[0]), bits(theirs.qkv[0].float()))
+    assert np.array_equal(bits(g.expert(0, 1).gate_up), bits(hf.expert(0, 1).gate_up.float()))
+
+
 def _next_bad_files(path, tmp_path) -> dict:
     """label -> (a qwen3next file llama.cpp's loader refuses or would compute differently from transformers, words of
     its one error line)."""
