@@ -148,3 +148,8 @@ def test_bad_configs_are_refused_in_one_line(changes, message):
 def test_a_config_without_text_config_is_refused():
     with pytest.raises(SpecError, match="text_config"):
         ModelSpec.from_hf_config({"model_type": "glm5_next"}, source="config.json")
+
+
+def test_decode_goes_per_layer_and_says_why(case):
+    _, folder = case
+    assert "latent attention are computed per layer" in Engine(open_checkpoint(folder)).decode_path()

@@ -217,6 +217,8 @@ class NativeStep:
         spec = engine.spec
         if os.environ.get("MOETIER_NATIVE_STEP", "1") == "0":
             return "MOETIER_NATIVE_STEP=0"
+        if spec.hyper is not None or spec.latent_attention is not None:
+            return f"{spec.arch}'s hyper-connections, KDA and latent attention are computed per layer"
         if any(part.device.type != "cpu" for part in engine.parts):
             return "a layer is not on the CPU"
         if not isinstance(engine.executor, ResidentExperts) or engine.backend.decode_kernel() is None:
