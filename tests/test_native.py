@@ -245,3 +245,32 @@ def test_native_router_decides_as_the_torch_router(router, experts, k, n_group, 
         assert torch.allclose(fast.probs, slow.probs, atol=1e-6, rtol=1e-5)
         assert torch.allclose(fast.logits, slow.logits, atol=1e-5, rtol=1e-5)
         assert fast.picks.dtype == torch.int64 and fast.picks.shape == (1, k) and fast.weights.shape == (1, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_clamped_swiglu_is_the_references_on_the_kernel_and_the_lane(tokens):
+    """GLM-5.3's clamped SwiGLU (gate <= limit, up within [-limit, limit]): the limit rides in the expert record, and
+    the kernel (decode and grouped prefill) and the native lane compute what numpy and torch ops compute; a limit
+    small enough to clamp often, so the test could tell."""
+    import dataclasses
+
+    experts = [dataclasses.replace(w, swiglu_limit=0.3) for w in experts_of(40, 16, 3, seed=7)]
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 40, generator=g) * 3
+    rows = torch.arange(tokens)
+    work = lambda backend: [ExpertWork(backend.place(w), rows, torch.full((tokens,), s)) for w, s in zip(experts, (0.5, 0.3, 0.2))]  # noqa: E731
+    reference = NumpyBackend().run_experts(x, work(NumpyBackend()))
+    kernel = TorchBackend("cpu").run_experts(x, work(TorchBackend("cpu")))
+    ops = TorchBackend("cpu", native_kernel=False).run_experts(x, work(TorchBackend("cpu", native_kernel=False)))
+    plain = NumpyBackend().run_experts(x, [ExpertWork(NumpyBackend().place(dataclasses.replace(w, swiglu_limit=None)), rows,
+                                                      torch.full((tokens,), s)) for w, s in zip(experts, (0.5, 0.3, 0.2))])
+    assert (kernel - reference).abs().max() <= 1e-5 and (ops - reference).abs().max() <= 1e-5
+    assert (plain - reference).abs().max() > 1e-2  # the clamp bites
+    if tokens == 1:
+        lane = cpu_lane.NativeLane(cpu_kernels.decode_kernel(), 2)
+        try:
+            addresses, floats = lane_call(experts, [0.5, 0.3, 0.2])
+            assert torch.equal(lane.submit(x, addresses, floats, 16).result(), cpu_kernels.decode_kernel().run(x, experts, [0.5, 0.3, 0.2]))
+        finally:
+            lane.close()

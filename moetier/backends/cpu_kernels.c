@@ -161,7 +161,17 @@ void fallback_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int
 /* ---------------------------------------------------------------------------------------------------------
  * Jobs: experts over tokens (decode: one token) and a linear layer, cut into granules.
  * ------------------------------------------------------------------------------------------------------- */
-enum { FLAG_FLOAT_ACTS = 1 };  /* record word 4 */
+/* record word 4: flags in its low 32 bits; with FLAG_CLAMP, its high 32 bits are the float SwiGLU limit */
+enum { FLAG_FLOAT_ACTS = 1, FLAG_CLAMP = 2 };
+
+/* The SwiGLU clamp of a record: gate <= limit, up within [-limit, limit] (GLM-5.3's); 0 for none. */
+static inline float record_limit(const int64_t *r) {
+    if (!(r[4] & FLAG_CLAMP)) return 0.f;
+    const uint32_t bits = (uint32_t)((uint64_t)r[4] >> 32);
+    float limit;
+    memcpy(&limit, &bits, sizeof limit);
+    return limit;
+}
 
 typedef struct {
     const uint8_t *w;  /* rows of `cols` values of `type`, row_bytes apart */
@@ -193,6 +203,7 @@ typedef struct {  /* one expert and the tokens it serves */
     float *y;               /* [n, D] */
     int64_t up_left;        /* gate_up granules not yet finished */
     int64_t hidden_pending; /* 1 until hq is written */
+    float limit;            /* the SwiGLU clamp (record_limit); 0: none */
 } moe_group;
 
 enum { G_QUANT, G_UP, G_DOWN, G_SUM, G_LINEAR };
@@ -234,8 +245,14 @@ static int64_t add_granules(granule *out, int64_t at, int64_t kind, int64_t inde
 
 static void swiglu(const moe_job *j, moe_group *e) {
     const int64_t I = j->I;
+    const float limit = e->limit;
     for (int64_t t = 0; t < e->n; t++) {
         float *h = e->h + t * 2 * I;
+        if (limit > 0.f)  /* as transformers clamps: gate.clamp(max=limit), up.clamp(-limit, limit) */
+            for (int64_t i = 0; i < I; i++) {
+                h[i] = h[i] > limit ? limit : h[i];
+                h[I + i] = h[I + i] > limit ? limit : h[I + i] < -limit ? -limit : h[I + i];
+            }
         for (int64_t i = 0; i < I; i++) {
             const float g = h[i];
             h[i] = g / (1.f + expf(-g)) * h[I + i];
@@ -346,6 +363,7 @@ static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const in
         const int64_t *r = records + RECORD_WORDS * g, float_acts = r[4] & FLAG_FLOAT_ACTS;
         e->up = matrix_of(r[0], r[2], float_acts, D);
         e->down = matrix_of(r[1], r[3], float_acts, I);
+        e->limit = record_limit(r);
         e->n = offsets ? offsets[g + 1] - offsets[g] : 1;
         e->weights = offsets ? weights + offsets[g] : weights + g;
         e->unit = units;

@@ -46,9 +46,11 @@ from moetier.native import FAST_FLAGS, STRICT_FLAGS, library
 
 SOURCE = Path(__file__).with_suffix(".c")
 FORMATS_SOURCE = Path(__file__).with_name("cpu_formats.c")
-# one expert as the C reads it: gate_up address, down address, their GGML types, flags (FLOAT_ACTS)
+# one expert as the C reads it: gate_up address, down address, their GGML types, flags (FLOAT_ACTS, CLAMP; with CLAMP
+# the word's high 32 bits are the float32 SwiGLU limit)
 RECORD = struct.Struct("qqqqq")
 FLOAT_ACTS = 1  # flags: F16 / BF16 matrices multiply float32 activations (ExpertWeights.float_acts)
+CLAMP = 2  # flags: a clamped SwiGLU (ExpertWeights.swiglu_limit: GLM-5.3's)
 THREADS_MAX = 256  # POOL_THREADS_MAX in cpu_pool.h
 ACT_BLOCK = {activations.ACT_F32: 1, activations.ACT_F16: 1, activations.ACT_BF16: 1, activations.ACT_Q8_0: 32,
              activations.ACT_Q8_1: 32, activations.ACT_Q8_K: 256}  # values per block of each activation format
@@ -103,7 +105,11 @@ def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | N
     if not (_readable(gate_up, gate_up_type, 2 * inter, dim) and _readable(down, down_type, dim, inter)):
         raise ValueError(matrix_error("expert gate_up", gate_up, gate_up_type, 2 * inter, dim)
                          or matrix_error("expert down", down, down_type, dim, inter))
-    return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type, FLOAT_ACTS if weights.float_acts else 0)
+    flags = FLOAT_ACTS if weights.float_acts else 0
+    if weights.swiglu_limit is not None:
+        flags |= CLAMP | struct.unpack("<I", struct.pack("<f", weights.swiglu_limit))[0] << 32
+        flags -= 1 << 64 if flags >= 1 << 63 else 0  # the word is a signed int64
+    return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type, flags)
 
 
 def _float_input(what: str, x: torch.Tensor) -> torch.Tensor:
@@ -179,10 +185,11 @@ class DecodeKernel:
     @staticmethod
     def fits(weights: ExpertWeights) -> bool:
         """Whether an expert can be read in place: both matrices in a format of moetier.model.formats,
-        contiguous, in host memory (`expert_record` then checks their shapes), and a SwiGLU without clamps (the
-        kernels compute the plain one)."""
+        contiguous, in host memory (`expert_record` then checks their shapes), a clamped SwiGLU's limit a positive
+        float32."""
         gate_up, down = weights.gate_up, weights.down
-        return (weights.swiglu_limit is None and weights.gate_up_type in FORMATS and weights.down_type in FORMATS
+        limit = weights.swiglu_limit
+        return ((limit is None or 0 < limit < 3.4e38) and weights.gate_up_type in FORMATS and weights.down_type in FORMATS
                 and gate_up.is_cpu and down.is_cpu and gate_up.is_contiguous() and down.is_contiguous())
 
     def act_type(self, wtype: int, float_acts: bool = False) -> int:
