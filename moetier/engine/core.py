@@ -284,6 +284,8 @@ class Engine:
         return LatentWeights(in_proj=StoredLinear(parts, bias, self.float_acts, dev), q_norm=c.load(p + "q_a_layernorm.weight").to(dev),
                              q_up=linear("q_b_proj.weight"), kv_norm=c.load(p + "kv_a_layernorm.weight").to(dev),
                              kv_up=linear("kv_b_proj.weight"),
+                             kv_weight=c.tensor(p + "kv_b_proj.weight").reshape(
+                                 spec.num_heads, spec.latent_attention.key_dim + spec.latent_attention.value_dim, -1).to(dev, copy=True),
                              out_proj=linear("o_proj.weight", c.load(p + "o_proj.bias") if spec.attention_bias else None),
                              indexer=indexer)
 

@@ -7,7 +7,11 @@ of a head, Hi indexer heads of di dims, pools of `pool` positions.
 One layer: x [T, D] -> (one stored projection) q's bottleneck, the kv latent,
 the indexer's key, head weights and pool-gate logits. q = q_b(RMSNorm(q_a x))
 [H, T, dn]; the latent RMSNorm(kv_a x) [T, kv_rank] is what the cache keeps;
-keys and values are expanded per head from every cached latent by kv_b. The
+keys and values are expanded per head from every cached latent by kv_b (a
+forward of a few tokens -- decode -- instead folds kv_b into q and into the
+output: q kv_b_k . latent scores, and kv_b_v of the weighted latents, the same
+products in another order, O(P kv_rank H) rather than O(P kv_rank H (dn + dv));
+kv_b is held once as float32 for it). The
 indexer scores the complete pools of the cache: a pool's key is the softmax
 (gate logits + a learned per-slot bias) weighted sum of its positions' indexer
 keys (LayerNorm(wk x)); a query's score of a pool is sum over heads of
@@ -34,6 +38,7 @@ from moetier.engine.linear import StoredLinear
 from moetier.model.spec import ModelSpec
 
 INDEX_NORM_EPS = 1e-6  # the indexer key's LayerNorm
+ABSORB_MAX = 16  # forwards of up to this many tokens attend in the latent space instead of expanding every position
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class LatentWeights:
     q_up: StoredLinear  # q_rank -> H dn
     kv_norm: torch.Tensor  # [kv_rank]
     kv_up: StoredLinear  # kv_rank -> H (dn + dv)
+    kv_weight: torch.Tensor  # [H, dn + dv, kv_rank] float32: kv_up's matrix, for the absorbed form of short forwards
     out_proj: StoredLinear  # H dv -> D
     indexer: IndexerWeights | None  # None: a layer that reuses the previous layer's selection
 
@@ -100,9 +106,16 @@ def latent_layer(w: LatentWeights, spec: ModelSpec, x: torch.Tensor, state: Late
     elif selection is None:
         raise ValueError("a shared latent-attention layer needs the previous layer's selection")
     q = w.q_up(q_resid).view(new, heads, mla.key_dim).transpose(0, 1)  # [H, T, dn]
-    kv = w.kv_up(latents).view(-1, heads, mla.key_dim + mla.value_dim).transpose(0, 1)  # [H, P, dn + dv]
-    keys, values = kv.split([mla.key_dim, mla.value_dim], dim=-1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=selection, scale=mla.key_dim**-0.5)  # [H, T, dv]
+    if new <= ABSORB_MAX:  # decode: scores and values in the latent space, O(P kv_rank H) rather than O(P kv_rank H (dn + dv))
+        key_up, value_up = w.kv_weight.split([mla.key_dim, mla.value_dim], dim=1)  # [H, dn, r], [H, dv, r]
+        scores = torch.matmul(torch.matmul(q, key_up), latents.t()) * mla.key_dim**-0.5  # [H, T, P]
+        # a query that selected nothing (no complete pool, no tail) attends to nothing: zeros, as SDPA gives it
+        weights = scores.masked_fill(~selection, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        out = torch.matmul(torch.matmul(weights, latents), value_up.transpose(1, 2))  # [H, T, dv]
+    else:  # prefill: keys and values expanded per head from every latent, as transformers does
+        kv = w.kv_up(latents).view(-1, heads, mla.key_dim + mla.value_dim).transpose(0, 1)  # [H, P, dn + dv]
+        keys, values = kv.split([mla.key_dim, mla.value_dim], dim=-1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=selection, scale=mla.key_dim**-0.5)  # [H, T, dv]
     return w.out_proj(out.transpose(0, 1).reshape(new, heads * mla.value_dim)), selection
 
 
