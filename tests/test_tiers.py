@@ -217,6 +217,15 @@ REMOTE = REMOTE_TIER
 
 
 def test_a_remote_worker_layout_is_lossless(model, tmp_path):
+    remote_worker_is_lossless(model, tmp_path)
+
+
+def test_a_remote_worker_layout_is_lossless_on_hybrid_models(hybrid, tmp_path):
+    remote_worker_is_lossless(hybrid, tmp_path)
+
+
+def remote_worker_is_lossless(model, tmp_path):
+    """A worker process holding the model's experts, over a real socket, beside a VRAM cache and a CPU lane."""
     from moetier.transport.launch import start_worker, worker_command
 
     worker = start_worker("w", worker_command(model.folder, "tcp://127.0.0.1:0", threads=1), log=tmp_path / "worker.log")
@@ -266,6 +275,14 @@ def test_launch_starts_the_layouts_workers_and_stops_them(model, tmp_path):
 
 
 def test_calibrate_times_the_layouts_own_decode(model, tmp_path):
+    calibrate_times_the_layouts_own_decode(model, tmp_path)
+
+
+def test_calibrate_times_a_hybrid_models_decode(hybrid, tmp_path):
+    calibrate_times_the_layouts_own_decode(hybrid, tmp_path)
+
+
+def calibrate_times_the_layouts_own_decode(model, tmp_path):
     """`moetier calibrate --layout` measures the trunk, head, GPU rate and dispatch in the layout's decode."""
     import json
     import subprocess
