@@ -37,11 +37,17 @@ from moetier.model.synth import write_synthetic
 
 @contextlib.contextmanager
 def python_path(engine: Engine):
+    """The per-layer Python path, its linear-attention mixer in torch ops (a decoded token's would otherwise run the
+    step's own native mixer, cpu_deltanet.h, and the comparison would not test it)."""
+    from moetier.engine import core
+
     step, engine.native_step = engine.native_step, None
+    layer = core.deltanet_layer
+    core.deltanet_layer = lambda w, g, x, state, eps, kernel=None: layer(w, g, x, state, eps, None)
     try:
         yield
     finally:
-        engine.native_step = step
+        engine.native_step, core.deltanet_layer = step, layer
 
 
 def decode_both(engine: Engine, ids: list[int], prefix: int) -> tuple[np.ndarray, np.ndarray]:
@@ -253,7 +259,7 @@ def test_qwen3_next_decodes_natively_to_the_python_paths_logits(next_case):
     engine = Engine(open_checkpoint(next_case[1]))
     assert engine.decode_path().startswith("native step")
     native, python = decode_both(engine, NEXT_IDS, 70)
-    assert np.abs(native - python).max() <= 1e-5
+    assert np.abs(native - python).max() <= 1e-5 * np.abs(python).max()  # 8.5e-6 at a logit scale of 3.2 at most here
     assert (native.argmax(1) == python.argmax(1)).all()
 
 
@@ -282,7 +288,7 @@ def test_qwen3_next_states_pass_between_the_step_and_the_python_path(next_case):
         cache = engine.new_cache()
         with contextlib.nullcontext() if native else python_path(engine):
             logits[native] = torch.cat([engine.forward(torch.tensor(NEXT_IDS[a:b]), cache)[-1:] for a, b in pieces])
-    assert (logits[True] - logits[False]).abs().max() <= 1e-5
+    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * logits[False].abs().max()
 
 
 def test_qwen3_next_the_same_bits_whatever_the_pool_size(next_case):
