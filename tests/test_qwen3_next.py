@@ -200,3 +200,16 @@ def test_the_per_layer_decode_path_matches_reference(case):
     assert result.ids == out.sequences[0, 70:].tolist()
     assert np.abs(result.logits - expected).max() <= TOLERANCE
     assert engine.times.seconds["linear attention"] > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_matches_reference(case):
+    """Every layer on the GPU (the torch path of the DeltaNet layers, the stored trunk dequantized on the device)."""
+    model, folder = case
+    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model.generate(prompt[None], max_new_tokens=9, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    result = generate(Engine(open_checkpoint(folder), device="cuda"), prompt.tolist(), 9, keep_logits=True)
+    assert result.ids == out.sequences[0, 70:].tolist()
+    assert np.abs(result.logits - torch.stack(out.logits)[:, 0].numpy()).max() <= TOLERANCE
