@@ -3,7 +3,7 @@
 `write_synthetic` writes config.json + safetensors (one file, or shards with
 model.safetensors.index.json) that transformers loads with the matching
 *ForCausalLM class, plus moetier_synth.json describing the token families that
-`sample_session` draws agent-like sessions from. The routing skew comes from
+`sample_session` (synth_sessions) draws agent-like sessions from. The routing skew comes from
 the weight design in synth_routing (qwen3_next's Gated DeltaNet layers follow
 it in synth_linear). Invariants: output bytes are a pure
 function of (arch, preset, seed, fused), whatever the BLAS or thread count;
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -26,18 +26,18 @@ from moetier.model import synth_linear as linear
 from moetier.model import synth_routing as design
 from moetier.model.output import new_folder
 from moetier.model.synth_linear import LinearDims
+from moetier.model.synth_sessions import (
+    SYNTH_FORMAT_VERSION,
+    SYNTH_META,
+    sample_session,
+    token_families,
+)
+
+__all__ = ["ARCHES", "PRESETS", "SYNTH_META", "SynthPreset", "arch_preset", "sample_session", "synth_version",
+           "token_families", "write_synthetic"]
 
 ARCHES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next")
-SYNTH_META = "moetier_synth.json"
-SYNTH_FORMAT_VERSION = 1
-DEFAULT_FAMILY_MIX = design.SESSION_MIX
-MEAN_RUN_TOKENS = 4.0     # mean length of a run of tokens from one family in a session
-ZIPF_TOKEN = 1.0          # token frequency inside a family
 ROUTED_SCALING = 2.5      # glm4_moe routed_scaling_factor (GLM-4.5's value)
-SILU_GLU_RMS = 0.6        # rms of silu(g) * u for g, u ~ N(0, 1)
-ATTN_MIX_RMS = 0.25       # rms of an attention-weighted mean of zero-mean value vectors (measured)
-GATE_LOGIT_RMS = 0.5      # qwen3_next's sigmoid gates (attention output, shared expert): rms of the logit
-GATE_SIGMOID_RMS = 0.514  # rms of sigmoid(x) for x ~ N(0, GATE_LOGIT_RMS^2)
 FULL_ATTENTION_INTERVAL = 4   # qwen3_next: every 4th layer full attention, the rest Gated DeltaNet (Qwen3-Next's)
 
 
@@ -190,11 +190,6 @@ class _Tensor:
         return 4 * int(np.prod(self.shape))
 
 
-def _normal(seed: int, key: str, shape: tuple[int, ...], std: float) -> np.ndarray:
-    """N(0, std^2) float32 values that depend only on (seed, key)."""
-    return design.rng_for(seed, key).standard_normal(shape, dtype=np.float32) * np.float32(std)
-
-
 def _one(fn: Callable[[], np.ndarray]) -> Chunks:
     return lambda: iter([np.ascontiguousarray(fn(), dtype=np.float32)])
 
@@ -223,7 +218,7 @@ class _Plan:
     def _norm(self, name: str, n: int, centre: float | None = None) -> None:
         # an effective weight near 1, not exactly 1, so that a loader which swaps two norms is caught by parity tests
         c = self.norm_centre if centre is None else centre
-        self._add(name, (n,), lambda: c + _normal(self.seed, name, (n,), 0.05))
+        self._add(name, (n,), lambda: c + design.normal(self.seed, name, (n,), 0.05))
 
     def _build(self) -> None:
         p, s = self.p, self.seed
@@ -254,14 +249,14 @@ class _Plan:
             self._mlp(moe + "shared_experts.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5)
         if self.arch == "qwen3_next":
             # sigmoid(gate) * shared expert writes ~0.5 * UPDATE_RMS, as GLM's ungated shared expert does
-            self._mlp(moe + "shared_expert.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5 / GATE_SIGMOID_RMS)
+            self._mlp(moe + "shared_expert.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5 / design.GATE_SIGMOID_RMS)
             self._add(moe + "shared_expert_gate.weight", (1, D), lambda: self._gate_rows(moe + "shared_expert_gate", 1, layer))
         self._experts(layer, moe + "experts.")
 
     def _gate_rows(self, key: str, rows: int, layer: int) -> np.ndarray:
         """[rows, D] logits of a sigmoid gate: identity reads of rms GATE_LOGIT_RMS (a gate near 0.5 that varies by token)."""
         read = design.reader(design.rng_for(self.seed, key), self.sub, rows, 2 * layer, identity_only=True)
-        return read * np.float32(GATE_LOGIT_RMS)
+        return read * np.float32(design.GATE_LOGIT_RMS)
 
     def _attention(self, layer: int, pre: str) -> None:
         p, s, D = self.p, self.seed, self.p.hidden_size
@@ -270,19 +265,19 @@ class _Plan:
         q_key = pre + "q_proj.weight"
         if gated:   # per head: hd query rows, then hd rows of the sigmoid gate on that head's output
             def q_rows() -> np.ndarray:
-                q = _normal(s, q_key, (H, D), D**-0.5).reshape(p.num_heads, 1, hd, D)
+                q = design.normal(s, q_key, (H, D), D**-0.5).reshape(p.num_heads, 1, hd, D)
                 g = self._gate_rows(q_key + ".gate", H, layer).reshape(p.num_heads, 1, hd, D)
                 return np.concatenate([q, g], axis=1).reshape(2 * H, D)                   # [2H, D]
             self._add(q_key, (2 * H, D), q_rows)
         else:
-            self._add(q_key, (H, D), lambda: _normal(s, q_key, (H, D), D**-0.5))
+            self._add(q_key, (H, D), lambda: design.normal(s, q_key, (H, D), D**-0.5))
         k_key = pre + "k_proj.weight"
-        self._add(k_key, (KV, D), lambda: _normal(s, k_key, (KV, D), D**-0.5))
+        self._add(k_key, (KV, D), lambda: design.normal(s, k_key, (KV, D), D**-0.5))
         v_key = pre + "v_proj.weight"
         self._add(v_key, (KV, D), lambda: design.reader(
             design.rng_for(s, v_key), self.sub, KV, 2 * layer, identity_only=True))
         o_key = pre + "o_proj.weight"
-        mix_rms = ATTN_MIX_RMS * (GATE_SIGMOID_RMS if gated else 1.0)
+        mix_rms = design.ATTN_MIX_RMS * (design.GATE_SIGMOID_RMS if gated else 1.0)
         self._add(o_key, (D, H), lambda: design.writer(design.rng_for(s, o_key), self.sub, H, mix_rms))
         if self.arch in ("qwen3_moe", "qwen3_next"):
             self._norm(pre + "q_norm.weight", hd)
@@ -300,7 +295,7 @@ class _Plan:
         self._norm(pre + "norm.weight", lin.value_head_dim, centre=1.0)
         out_key = pre + "out_proj.weight"
         self._add(out_key, (D, lin.value_width), lambda: design.writer(
-            design.rng_for(s, out_key), self.sub, lin.value_width, SILU_GLU_RMS))
+            design.rng_for(s, out_key), self.sub, lin.value_width, design.SILU_GLU_RMS))
 
     def roles(self, layer: int) -> dict[str, np.ndarray]:
         n_group = _glm_groups(self.p.num_experts)[0] if self.arch == "glm4_moe" else 1
@@ -318,7 +313,7 @@ class _Plan:
         """Part 0 gate [I, D], 1 up [I, D], 2 down [D, I] of a SwiGLU block writing rms ~scale * UPDATE_RMS."""
         s = self.seed
         if part == 2:
-            return design.writer(design.rng_for(s, key + ".down"), self.sub, inter, SILU_GLU_RMS, scale)
+            return design.writer(design.rng_for(s, key + ".down"), self.sub, inter, design.SILU_GLU_RMS, scale)
         return design.reader(design.rng_for(s, key + (".gate", ".up")[part]), self.sub, inter, 2 * layer + 1)
 
     def _mlp(self, pre: str, inter: int, key: str, layer: int, scale: float) -> None:
@@ -450,55 +445,4 @@ def write_synthetic(out_dir, arch: str = "qwen3_moe", preset: str = "tiny", seed
         config = _config(arch, dims) | {"moetier_synthetic": {"seed": seed, "version": synth_version(arch, preset)}}
         _write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         _write_text(tmp / SYNTH_META, json.dumps(_synth_meta(plan, arch, preset, dims)) + "\n")
-    return out
-
-
-# --- sessions -----------------------------------------------------------------
-
-def _read_meta(model_dir) -> dict:
-    path = pathlib.Path(model_dir) / SYNTH_META
-    meta = json.loads(path.read_text())
-    if meta.get("format") != "moetier-synth" or meta.get("version") != SYNTH_FORMAT_VERSION:
-        raise ValueError(f"{path}: not a moetier-synth v{SYNTH_FORMAT_VERSION} description")
-    return meta
-
-
-def token_families(model_dir) -> dict[str, np.ndarray]:
-    """Family name -> token ids of that family (frequency-rank order), from moetier_synth.json."""
-    return {k: np.asarray(v, dtype=np.int64) for k, v in _read_meta(model_dir)["families"].items()}
-
-
-def sample_session(model_dir, phases: Sequence[str] = design.PHASE_FAMILIES, tokens_per_phase: int = 64,
-                   seed: int = 0, family_mix: Mapping[str, float] = DEFAULT_FAMILY_MIX,
-                   ) -> list[tuple[str, np.ndarray]]:
-    """An agent-like session: per phase, runs of tokens from that phase's family mixed with others.
-
-    family_mix maps a family name, or "phase" for the current phase's own family,
-    to its share of the phase's tokens. Tokens inside a family follow a Zipf law
-    over the family's rank order.
-    """
-    if tokens_per_phase < 1:
-        raise ValueError(f"tokens_per_phase must be >= 1, got {tokens_per_phase}")
-    families = token_families(model_dir)
-    rng = np.random.default_rng([seed, 0x5E55])
-    out = []
-    for phase in phases:
-        if phase not in families:
-            raise ValueError(f"phase {phase!r} is not a token family; expected one of {tuple(families)}")
-        names = [phase if k == "phase" else k for k in family_mix]
-        unknown = [k for k in names if k not in families]
-        if unknown:
-            raise ValueError(f"family_mix names unknown families {unknown}; "
-                             f"expected {tuple(families)} or 'phase'")
-        weights = np.array(list(family_mix.values()), dtype=np.float64)
-        weights /= weights.sum()
-        ids: list[np.ndarray] = []
-        count = 0
-        while count < tokens_per_phase:
-            fam = families[names[rng.choice(len(names), p=weights)]]
-            run = int(rng.geometric(1.0 / MEAN_RUN_TOKENS))
-            zipf = 1.0 / np.arange(1, len(fam) + 1) ** ZIPF_TOKEN
-            ids.append(fam[rng.choice(len(fam), size=run, p=zipf / zipf.sum())])
-            count += run
-        out.append((phase, np.concatenate(ids)[:tokens_per_phase]))
     return out

@@ -44,11 +44,21 @@ ROUTER_CONTEXT = 0.15 # std of the router-logit noise read from context (computa
 UPDATE_RMS = 0.2      # rms of each attention / MLP write, relative to the embedding's rms
 LOGIT_SELF = 5.0      # logit of a token given its own embedding (same family: ~LOGIT_SELF * a^2)
 LOGIT_CONTEXT = 1.5   # std of the logits' part read from the computation subspace
+# what out-projections read, for writer's sizing:
+SILU_GLU_RMS = 0.6    # rms of silu(g) * u for g, u ~ N(0, 1)
+ATTN_MIX_RMS = 0.25   # rms of an attention-weighted mean of zero-mean value vectors (measured)
+GATE_LOGIT_RMS = 0.5  # sigmoid gates (on attention or linear-attention outputs, a shared expert): rms of the logit
+GATE_SIGMOID_RMS = 0.514  # rms of sigmoid(x) for x ~ N(0, GATE_LOGIT_RMS^2)
 
 
 def rng_for(seed: int, key: str) -> np.random.Generator:
     """An independent generator per (seed, key), so values do not depend on write order."""
     return np.random.default_rng([seed, zlib.crc32(key.encode())])
+
+
+def normal(seed: int, key: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """N(0, std^2) float32 values that depend only on (seed, key)."""
+    return rng_for(seed, key).standard_normal(shape, dtype=np.float32) * np.float32(std)
 
 
 def family_of_tokens(vocab: int, seed: int) -> np.ndarray:
