@@ -39,9 +39,11 @@ except ImportError:     # a dev extra; the numpy-only tests still run
     transformers = None
 needs_transformers = pytest.mark.skipif(transformers is None, reason="needs transformers (pip install -e '.[dev]')")
 MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                 "glm5_next": "Glm5NextForConditionalGeneration"}
 N_SESSIONS = 6
 TOKENS_PER_PHASE = 64
+VISION = "model.visual."    # glm5_next's vision tower: never written (moetier never reads it), transformers initialises it
 
 
 def load_reference(model_dir):
@@ -49,6 +51,17 @@ def load_reference(model_dir):
     cls = getattr(transformers, MODEL_CLASSES[config["model_type"]])
     model, info = cls.from_pretrained(model_dir, output_loading_info=True)
     return model.eval(), info
+
+
+def loading_problems(info) -> dict:
+    """transformers' loading info less what is expected: the missing keys of glm5_next's vision tower, and only those."""
+    info = dict(info, missing_keys={k for k in info["missing_keys"] if not k.startswith(VISION)})
+    return {k: info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs") if info[k]}
+
+
+def layer_prefix(arch: str, layer: int) -> str:
+    """Where a decoder layer's tensors are named in the file: glm5_next's text model is model.language_model."""
+    return f"model.{'language_model.' if arch == 'glm5_next' else ''}layers.{layer}."
 
 
 def route_sessions(model_dir, token_ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -214,9 +227,11 @@ def _header(path: pathlib.Path) -> dict:
 @pytest.mark.parametrize("arch", ARCHES)
 def test_transformers_loads_without_missing_or_unexpected_keys(models, arch, preset):
     model, info = load_reference(models(arch, preset))
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    assert not loading_problems(info), loading_problems(info)
+    if arch == "glm5_next":
+        assert info["missing_keys"] and all(k.startswith(VISION) for k in info["missing_keys"])
     dims = synth.arch_preset(arch, PRESETS[preset])
-    assert model.config.num_hidden_layers == dims.num_layers
+    assert model.config.get_text_config().num_hidden_layers == dims.num_layers
     ids = torch.randint(3, dims.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids).logits                                           # [2, 48, V]
@@ -228,17 +243,16 @@ def test_transformers_loads_without_missing_or_unexpected_keys(models, arch, pre
 @pytest.mark.parametrize("arch", ARCHES)
 def test_fused_layout_gives_the_same_logits(models, arch):
     fused = models(arch, fused=True)
-    prefix = "block_sparse_moe" if arch == "mixtral" else "mlp"
-    layer = 1                                                               # a MoE layer in every arch
+    moe = layer_prefix(arch, 1) + ("block_sparse_moe" if arch == "mixtral" else "mlp")   # a MoE layer in every arch
     header = _header(fused / "model.safetensors")
     dims = synth.arch_preset(arch, PRESETS["tiny"])
     E, I, D = dims.num_experts, dims.moe_intermediate_size, dims.hidden_size
-    assert header[f"model.layers.{layer}.{prefix}.experts.gate_up_proj"]["shape"] == [E, 2 * I, D]
-    assert header[f"model.layers.{layer}.{prefix}.experts.down_proj"]["shape"] == [E, D, I]
+    assert header[f"{moe}.experts.gate_up_proj"]["shape"] == [E, 2 * I, D]
+    assert header[f"{moe}.experts.down_proj"]["shape"] == [E, D, I]
     assert not any(".experts.0." in k for k in header)
     per_expert_model, fused_model = load_reference(models(arch))[0], load_reference(fused)[0]
     fused_state = fused_model.state_dict()
-    assert all(torch.equal(v, fused_state[k]) for k, v in per_expert_model.state_dict().items())
+    assert all(torch.equal(v, fused_state[k]) for k, v in per_expert_model.state_dict().items() if not k.startswith(VISION))
     # identical weights; two model instances may still differ in the last float bits
     ids = sample_session(fused, tokens_per_phase=16)[0][1][None]
     torch.testing.assert_close(_logits(per_expert_model, ids), _logits(fused_model, ids), rtol=0, atol=1e-5)
@@ -253,7 +267,7 @@ def test_one_experts_tensors_are_contiguous_in_the_file(models, arch):
     assert all(a[0][1] == b[0][0] for a, b in itertools.pairwise(spans))   # dense, no gaps
     for layer in (1, 2):
         for e in range(synth.arch_preset(arch, PRESETS["tiny"]).num_experts):
-            mine = [off for off, k in spans if f".{layer}.{prefix}.experts.{e}." in k]
+            mine = [off for off, k in spans if k.startswith(f"{layer_prefix(arch, layer)}{prefix}.experts.{e}.")]
             assert len(mine) == 3
             assert mine[0][1] == mine[1][0] and mine[1][1] == mine[2][0]
 
@@ -287,6 +301,17 @@ def test_configs_carry_the_arch_features():
     assert nxt["shared_expert_intermediate_size"] == nxt["moe_intermediate_size"] and nxt["mlp_only_layers"] == []
     assert nxt["linear_num_key_heads"] < nxt["linear_num_value_heads"]
     assert nxt["linear_key_head_dim"] != nxt["linear_value_head_dim"]              # a loader mixing them up fails
+    g5 = synth._config("glm5_next", synth.arch_preset("glm5_next", PRESETS["tiny"]))
+    text = g5["text_config"]
+    assert g5["architectures"] == ["Glm5NextForConditionalGeneration"] and g5["vision_config"]["depth"] == 1
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["indexed_attention"] and text["indexer_types"] == ["full"] * 4
+    assert text["mlp_layer_types"] == ["dense"] + ["sparse"] * 3
+    assert [text[k] for k in ("n_shared_experts", "n_group", "topk_group", "hc_mult", "qk_rope_head_dim")] == [1, 4, 2, 4, 0]
+    assert text["routed_scaling_factor"] == glm["routed_scaling_factor"] and text["norm_topk_prob"] is True
+    assert text["num_key_value_heads"] == text["num_attention_heads"] and text["q_lora_rank"] != text["kv_lora_rank"]
+    assert text["index_topk"] % text["index_kpool"] == 0 and text["index_topk"] < 3 * TOKENS_PER_PHASE   # the indexer picks
+    assert 0 <= text["pad_token_id"] < text["vocab_size"] and text["swiglu_limit"] >= 10.0
+    assert text["linear_lower_bound"] == -5.0 and text["linear_num_heads"] * text["linear_head_dim"] == text["hidden_size"]
 
 
 def test_every_preset_has_qwen3_next_dims_and_seed_has_the_real_routing_geometry():
@@ -301,6 +326,20 @@ def test_every_preset_has_qwen3_next_dims_and_seed_has_the_real_routing_geometry
         assert (seed.num_layers, seed.num_experts, seed.top_k) == (48, 512, 10), arch
     with pytest.raises(ValueError, match="linear-attention dims"):
         synth.arch_preset("qwen3_next", dataclasses.replace(PRESETS["tiny"], linear=None))
+
+
+def test_every_preset_has_glm5_next_dims_and_seed_has_glm5s_routing_geometry():
+    for name, preset in PRESETS.items():
+        dims = synth.arch_preset("glm5_next", preset)
+        if name != "seed":
+            assert dims.num_layers % 4 == 0 and dims.num_layers >= preset.num_layers and dims.glm5.dense_layers == 1, name
+        assert dims.num_kv_heads == dims.num_heads and dims.glm5.kv_rank % 2 == 0, name     # latent: key half, value half
+        assert dims.linear.key_heads == dims.linear.value_heads and dims.linear.key_head_dim == dims.linear.value_head_dim
+        for arch in ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next"):   # their versions do not see the glm5 fields
+            assert not {"glm5", "glm5_routing"} & set(synth._dims_dict(synth.arch_preset(arch, preset))), (name, arch)
+    seed = synth.arch_preset("glm5_next", PRESETS["seed"])
+    assert (seed.num_layers, seed.glm5.dense_layers, seed.num_experts, seed.top_k) == (45, 3, 288, 8)
+    assert synth.synth_version("glm5_next", "seed") != synth.synth_version("glm4_moe", "seed")
 
 
 def test_qwen3_next_tensors_carry_the_arch_features(models):
@@ -327,11 +366,39 @@ def test_qwen3_next_tensors_carry_the_arch_features(models):
             assert ((0.3 < decay) & (decay < 0.99)).all(), (layer, decay)
 
 
-def test_glm_correction_bias_is_nonzero(models):
+@pytest.mark.parametrize("arch", ["glm4_moe", "glm5_next"])
+def test_glm_correction_bias_is_nonzero(models, arch):
     from safetensors.numpy import load_file
-    tensors = load_file(models("glm4_moe") / "model.safetensors")
-    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]       # [E]
-    assert np.abs(bias).max() > 0.01 and "model.layers.0.mlp.gate_proj.weight" in tensors
+    tensors = load_file(models(arch) / "model.safetensors")
+    bias = tensors[layer_prefix(arch, 1) + "mlp.gate.e_score_correction_bias"]       # [E]
+    assert np.abs(bias).max() > 0.01 and layer_prefix(arch, 0) + "mlp.gate_proj.weight" in tensors
+    assert layer_prefix(arch, 1) + "mlp.shared_experts.down_proj.weight" in tensors
+
+
+def test_glm5_next_tensors_carry_the_arch_features(models):
+    from safetensors.numpy import load_file
+    tensors = load_file(models("glm5_next") / "model.safetensors")
+    dims = synth.arch_preset("glm5_next", PRESETS["tiny"])
+    n, heads, hd, half = dims.glm5.streams, dims.num_heads, dims.head_dim, dims.glm5.kv_rank // 2
+    assert "lm_head.weight" in tensors and not any(k.startswith(("model.layers.", VISION)) for k in tensors)
+    for layer in range(dims.num_layers):
+        pre = layer_prefix("glm5_next", layer)
+        for block in ("attn", "ffn"):         # near a plain residual: collapse = mean, expand by 1, comb symmetric
+            base = tensors[f"{pre}hc_{block}_base"]                                  # [(2 + N) N]
+            np.testing.assert_allclose(1 / (1 + np.exp(-base[:n])), 1 / n, rtol=1e-6)
+            comb = base[2 * n:].reshape(n, n)
+            assert not base[n:2 * n].any() and (comb == comb.T).all()
+            assert tensors[f"{pre}hc_{block}_fn"].shape == ((2 + n) * n, n * dims.hidden_size)
+        attn = pre + "self_attn."
+        if layer % 4 == 3:                    # latent attention: keys from one half of the latent, values from the other
+            kv_b = tensors[attn + "kv_b_proj.weight"].reshape(heads, 2 * hd, 2 * half)
+            assert not kv_b[:, :hd, half:].any() and not kv_b[:, hd:, :half].any() and kv_b[:, :hd, :half].all()
+            assert attn + "indexer.wq_b.weight" in tensors and attn + "q_proj.weight" not in tensors
+            continue
+        assert {f"{attn}{c}_conv1d.weight" for c in "qkv"} <= tensors.keys() and attn + "q_a_proj.weight" not in tensors
+        rate = np.exp(tensors[attn + "A_log"].astype(np.float64))[:, None]               # [H, 1]
+        decay = np.exp(-5.0 / (1 + np.exp(-rate * tensors[attn + "dt_bias"].reshape(heads, -1))))   # [H, d] at f = 0
+        assert ((0.3 < decay) & (decay < 0.995)).all() and decay.std(1).min() > 0, (layer, decay)   # per key channel
 
 
 @needs_transformers
@@ -345,7 +412,7 @@ def test_logits_depend_on_context(models):
 
 # --- determinism and atomic writes ----------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_next", "glm5_next"])
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, arch):
     one = _tree_digest(write_synthetic(tmp_path / "a", arch, "tiny", seed=3))
     two = _tree_digest(write_synthetic(tmp_path / "b", arch, "tiny", seed=3))
@@ -363,7 +430,7 @@ def test_fingerprint_tells_seeds_apart(tmp_path):
     assert a != b
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_next", "glm5_next"])
 def test_bytes_do_not_depend_on_the_blas_thread_count(tmp_path, arch):
     here = _tree_digest(write_synthetic(tmp_path / "here", arch, "tiny", seed=1, fused=True))
     repo = pathlib.Path(synth.__file__).resolve().parents[2]
@@ -442,6 +509,45 @@ def test_transformers_routes_qwen3_next_as_the_engine_does(models):
 
 
 @needs_transformers
+def test_glm5_next_streams_act_as_a_plain_residual_no_swiglu_clamps_and_the_engine_agrees(models):
+    """The hyper-connections stay near a plain residual (streams within 5% of their mean, the collapse a multiple
+    of their mean within 5% -- the multiple, sum(pre), 1 +- 0.08 (rms), which the block's RMSNorm divides out --
+    the expansion 1 +- 0.05 (rms); worst tokens within 0.5 and 0.3), swiglu_limit never binds, and route_sessions'
+    engine gives transformers' logits on this designed model (test_glm5_next checks it on random ones)."""
+    from moetier.engine import Engine, score
+    from moetier.model import open_checkpoint
+
+    model_dir = models("glm5_next")
+    model, _ = load_reference(model_dir)
+    ids = torch.as_tensor(sessions_batch(model_dir, n=1)[0])                      # [1, L]
+    seen = []
+
+    def observe(module, inputs, output):
+        post, _, collapsed = output                                             # [1, L, N], _, [1, L, D]
+        streams = inputs[0]                                                     # [1, L, N, D]
+        mean = streams.mean(2)                                                  # [1, L, D]
+        scale = (collapsed * mean).sum(-1, keepdim=True) / mean.square().sum(-1, keepdim=True)   # sum of pre, per token
+        seen.append(((streams - mean[:, :, None]).norm() / (mean.norm() * streams.shape[2] ** 0.5),
+                     (collapsed - scale * mean).norm() / collapsed.norm(), (scale - 1).abs().max(), (post - 1).abs().max()))
+    language = model.model.language_model
+    hooks = [hc.register_forward_hook(observe) for layer in language.layers for hc in (layer.attn_hc, layer.ffn_hc)]
+    try:
+        logits = _logits(model, ids)                                            # [1, L, V]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    spread, collapse, collapse_scale, expand = (max(float(s[i]) for s in seen) for i in range(4))
+    assert len(seen) == 2 * len(language.layers), seen
+    assert spread < 0.05 and collapse < 0.05 and collapse_scale < 0.5 and expand < 0.3, seen   # scale: the norm's
+    for module in model.modules():
+        if hasattr(module, "swiglu_limit"):
+            module.swiglu_limit = float("inf")
+    assert torch.equal(_logits(model, ids), logits)
+    engine = score(Engine(open_checkpoint(model_dir)), ids[0].numpy())
+    assert np.abs(engine - logits[0].numpy()).max() < 1e-4
+
+
+@needs_transformers
 @pytest.mark.parametrize("arch", ARCHES)
 def test_routing_is_skewed_phase_specific_and_local_tiny(models, arch):
     check_properties(measure(models(arch, "tiny")))
@@ -480,25 +586,30 @@ def test_medium_is_about_1gb_sharded_lazy_and_routes_realistically(tmp_path, arc
     assert sum(t.numel() * 4 for t in expert) < 20e6
     assert _rss_bytes() - before < 150e6                                       # not the whole shard
     model, info = load_reference(out)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not loading_problems(info), loading_problems(info)
     del model
     check_properties(measure(out))
 
 
-# --- seed (Qwen3-Next's routing geometry, about 0.6 GB) ------------------------------------
+# --- seed (Qwen3-Next's routing geometry, about 0.6 GB; GLM-5.3-Flash's for glm5_next, about 0.33 GB) -------
+
+SEED_GEOMETRY = {"glm4_moe": (48, 47, 0.5e9, 0.8e9), "glm5_next": (45, 42, 0.3e9, 0.4e9)}   # layers, MoE layers, bytes
+
 
 @needs_transformers
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHES)
-def test_seed_has_the_routing_geometry_of_qwen3_next_and_routes_realistically(tmp_path, arch):
+def test_seed_has_the_real_routing_geometry_and_routes_realistically(tmp_path, arch):
+    layers, moe_layers, low, high = SEED_GEOMETRY.get(arch, (48, 48, 0.5e9, 0.8e9))
     out = write_synthetic(tmp_path / "seed", arch, "seed")
     total = sum(f.stat().st_size for f in out.glob("model-*.safetensors"))
-    assert 0.5e9 <= total <= 0.8e9
+    assert low <= total <= high
     dims = synth.arch_preset(arch, PRESETS["seed"])
     model, info = load_reference(out)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert (model.config.num_hidden_layers, model.config.num_experts_per_tok) == (48, dims.top_k)
+    assert not loading_problems(info), loading_problems(info)
+    config = model.config.get_text_config()
+    assert (config.num_hidden_layers, config.num_experts_per_tok) == (layers, dims.top_k)
     del model
     props = measure(out)
-    assert len(props) == (47 if arch == "glm4_moe" else 48)
+    assert len(props) == moe_layers
     check_properties(props)

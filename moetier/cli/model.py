@@ -180,7 +180,7 @@ def _linear_attention(s) -> dict[str, str]:
 @errors_to_exit
 def synth(
     out: Path = typer.Option(..., help="folder to write the checkpoint into (a .gguf file with --format gguf)"),
-    arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral | qwen3_next"),
+    arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral | qwen3_next | glm5_next"),
     preset: str = typer.Option("tiny", help="tiny | small | blocks | medium | wide | seed"),
     seed: int = typer.Option(0),
     fused: bool = typer.Option(False, help="fused expert tensors (experts.gate_up_proj) instead of per-expert names"),

@@ -1,11 +1,13 @@
-"""Synthetic Hugging Face MoE checkpoints (qwen3_moe, glm4_moe, mixtral, qwen3_next) with realistic routing.
+"""Synthetic Hugging Face MoE checkpoints (qwen3_moe, glm4_moe, mixtral, qwen3_next, glm5_next) with realistic routing.
 
 `write_synthetic` writes config.json + safetensors (one file, or shards with
 model.safetensors.index.json) that transformers loads with the matching
-*ForCausalLM class, plus moetier_synth.json describing the token families that
+*ForCausalLM class (glm5_next: Glm5NextForConditionalGeneration, its text model
+only, no vision tower), plus moetier_synth.json describing the token families that
 `sample_session` (synth_sessions) draws agent-like sessions from. The routing skew comes from
 the weight design in synth_routing (qwen3_next's Gated DeltaNet layers follow
-it in synth_linear). Invariants: output bytes are a pure
+it in synth_linear, glm5_next's KDA, latent attention and hyper-connections in
+synth_glm5). Invariants: output bytes are a pure
 function of (arch, preset, seed, fused), whatever the BLAS or thread count;
 tensors are streamed one at a time, expert-major, so one expert's tensors are
 contiguous in the file and memory stays at one tensor (plus the embedding);
@@ -22,9 +24,11 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from moetier.model import synth_glm5 as glm5
 from moetier.model import synth_linear as linear
 from moetier.model import synth_routing as design
 from moetier.model.output import new_folder
+from moetier.model.synth_glm5 import Glm5Dims, Glm5Routing
 from moetier.model.synth_linear import LinearDims
 from moetier.model.synth_sessions import (
     SYNTH_FORMAT_VERSION,
@@ -36,8 +40,8 @@ from moetier.model.synth_sessions import (
 __all__ = ["ARCHES", "PRESETS", "SYNTH_META", "SynthPreset", "arch_preset", "sample_session", "synth_version",
            "token_families", "write_synthetic"]
 
-ARCHES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next")
-ROUTED_SCALING = 2.5      # glm4_moe routed_scaling_factor (GLM-4.5's value)
+ARCHES = ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next", "glm5_next")
+ROUTED_SCALING = 2.5      # glm4_moe / glm5_next routed_scaling_factor (GLM-4.5's and GLM-5.3's value)
 FULL_ATTENTION_INTERVAL = 4   # qwen3_next: every 4th layer full attention, the rest Gated DeltaNet (Qwen3-Next's)
 
 
@@ -54,7 +58,9 @@ class SynthPreset:
     dense_intermediate_size: int
     vocab_size: int
     shard_bytes: int | None = None     # None: one model.safetensors; else shards of about this size
-    linear: LinearDims | None = None   # qwen3_next's linear-attention layers (the other arches have none)
+    linear: LinearDims | None = None   # qwen3_next's linear-attention layers (glm5_next's KDA: value heads x key width)
+    glm5: Glm5Dims | None = None       # glm5_next's latent attention, indexer, streams (arch_preset derives them)
+    glm5_routing: Glm5Routing | None = None   # glm5_next's routing geometry where it is not the preset's
 
 
 PRESETS: dict[str, SynthPreset] = {
@@ -74,22 +80,33 @@ PRESETS: dict[str, SynthPreset] = {
     "wide": SynthPreset(2048, 4, 16, 2, 128, 32, 8, 512, 2048, 16384, shard_bytes=500_000_000,
                         linear=LinearDims(16, 32, 128, 128)),
     # Qwen3-Next's routing geometry (48 MoE layers of 512 experts, top-10) on small matrices: routing and
-    # placement at the real expert count; ~0.6 GB for every arch (mixtral: 8 experts 1024 wide, the same bytes)
+    # placement at the real expert count; ~0.6 GB for every arch (mixtral: 8 experts 1024 wide, the same bytes);
+    # glm5_next GLM-5.3-Flash's (45 layers, 3 dense then 42 MoE of 288 experts, top-8): ~0.3 GB
     "seed": SynthPreset(128, 48, 4, 2, 32, 512, 10, 16, 256, 4096, shard_bytes=300_000_000,
-                        linear=LinearDims(2, 4, 32, 32)),
+                        linear=LinearDims(2, 4, 32, 32), glm5_routing=Glm5Routing(45, 3, 288, 8)),
 }
 
 
 def arch_preset(arch: str, preset: SynthPreset) -> SynthPreset:
     """Per-arch dims: mixtral has 8 experts top-2 with the same expert bytes per layer; qwen3_next a whole
-    number of FULL_ATTENTION_INTERVAL layers (so its last layer is full attention) and linear-attention dims."""
+    number of FULL_ATTENTION_INTERVAL layers (so its last layer is full attention) and linear-attention dims;
+    glm5_next as many layers (every 4th latent attention), the first dense, KDA heads as wide as qwen3_next's
+    key heads, latent dims in GLM-5.3's proportions, or the preset's glm5_routing where it has one."""
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
-    if arch == "qwen3_next":
+    routing, preset = preset.glm5_routing, replace(preset, glm5_routing=None, glm5=None)
+    if arch in ("qwen3_next", "glm5_next"):
         if preset.linear is None:
-            raise ValueError("qwen3_next needs a preset with linear-attention dims (SynthPreset.linear)")
+            raise ValueError(f"{arch} needs a preset with linear-attention dims (SynthPreset.linear)")
         layers = -(-preset.num_layers // FULL_ATTENTION_INTERVAL) * FULL_ATTENTION_INTERVAL
-        return replace(preset, num_layers=layers)
+        if arch == "qwen3_next":
+            return replace(preset, num_layers=layers)
+        lin, p = preset.linear, preset
+        routing = routing or Glm5Routing(layers, 1, p.num_experts, p.top_k)
+        return replace(p, num_layers=routing.num_layers, num_experts=routing.num_experts, top_k=routing.top_k,
+                       num_kv_heads=p.num_heads,       # GLM-5.3's latent attention: a key and a value per head
+                       linear=LinearDims(lin.value_heads, lin.value_heads, lin.key_head_dim, lin.key_head_dim, lin.conv_kernel),
+                       glm5=glm5.glm5_dims(p.hidden_size, p.num_heads, p.head_dim, routing.dense_layers))
     preset = replace(preset, linear=None)
     if arch == "mixtral":
         inter = preset.moe_intermediate_size * preset.num_experts // 8
@@ -98,11 +115,12 @@ def arch_preset(arch: str, preset: SynthPreset) -> SynthPreset:
 
 
 def _dims_dict(dims: SynthPreset) -> dict:
-    """The dims as the version hash and moetier_synth.json hold them: without `linear` where an arch has none,
-    so the other arches' versions (and the built-in model's cache) do not depend on a field they do not use."""
+    """The dims as the version hash and moetier_synth.json hold them: without `linear` or the glm5 fields where an
+    arch has none, so the other arches' versions (and the built-in model's cache) do not depend on fields they do not use."""
     out = asdict(dims)
-    if out["linear"] is None:
-        del out["linear"]
+    for key in ("linear", "glm5", "glm5_routing"):
+        if out[key] is None:
+            del out[key]
     return out
 
 
@@ -125,6 +143,8 @@ def synth_version(arch: str, preset: str) -> str:
 
 
 def _config(arch: str, p: SynthPreset) -> dict:
+    if arch == "glm5_next":
+        return _glm5_config(p)
     common = {
         "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                            "mixtral": "MixtralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}[arch]],
@@ -173,6 +193,38 @@ def _config(arch: str, p: SynthPreset) -> dict:
         "router_aux_loss_coef": 0.001, "output_router_logits": False}
 
 
+def _glm5_config(p: SynthPreset) -> dict:
+    """A Glm5NextConfig: the text model's keys in text_config, a vision tower small enough to build in milliseconds
+    (none is written: transformers initialises it, moetier never reads it)."""
+    g, lin, n_layers = p.glm5, p.linear, p.num_layers
+    n_group, topk_group = _glm_groups(p.num_experts)
+    text = {
+        "model_type": "glm5_next_text", "vocab_size": p.vocab_size, "hidden_size": p.hidden_size,
+        "num_hidden_layers": n_layers, "num_attention_heads": p.num_heads, "num_key_value_heads": p.num_kv_heads,
+        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "use_cache": True,
+        "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "dtype": "float32",
+        "bos_token_id": design.SPECIAL_TOKENS["bos"], "eos_token_id": design.SPECIAL_TOKENS["eos"],
+        "pad_token_id": design.SPECIAL_TOKENS["pad"],
+        # the MoE: GLM's grouped sigmoid router over routed experts, one shared expert, dense first layers
+        "intermediate_size": p.dense_intermediate_size, "moe_intermediate_size": p.moe_intermediate_size,
+        "n_routed_experts": p.num_experts, "num_experts_per_tok": p.top_k, "n_shared_experts": 1,
+        "n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": ROUTED_SCALING, "norm_topk_prob": True,
+        "mlp_layer_types": ["dense"] * g.dense_layers + ["sparse"] * (n_layers - g.dense_layers),
+        "swiglu_limit": glm5.SWIGLU_LIMIT, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+        # the token mixers: KDA, and NoPE latent attention over the positions a DSA indexer picks
+        "layer_types": glm5.layer_types(n_layers), "indexer_types": ["full"] * n_layers,
+        "q_lora_rank": g.q_rank, "kv_lora_rank": g.kv_rank, "qk_nope_head_dim": p.head_dim, "v_head_dim": p.head_dim,
+        "qk_rope_head_dim": 0, "index_topk": g.index_topk, "index_kpool": g.index_pool,
+        "index_kpool_always_select_tail": True, "index_n_heads": g.index_heads, "index_head_dim": g.index_head_dim,
+        "linear_num_heads": lin.value_heads, "linear_head_dim": lin.key_head_dim, "linear_conv_kernel_dim": lin.conv_kernel,
+        "linear_lower_bound": glm5.LOWER_BOUND,
+        "hc_mult": g.streams, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20,
+    }
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+            "vision_config": glm5.VISION_CONFIG | {"out_hidden_size": p.hidden_size}, "tie_word_embeddings": False,
+            "dtype": "float32"}
+
+
 # --- tensor plan -------------------------------------------------------------
 
 Chunks = Callable[[], Iterator[np.ndarray]]
@@ -201,11 +253,14 @@ class _Plan:
         self.arch, self.p, self.seed, self.fused = arch, p, seed, fused
         self.family = design.family_of_tokens(p.vocab_size, seed)          # [V]
         self.sub = design.subspaces(p.hidden_size, seed)
-        self.router_kind = "sigmoid" if arch == "glm4_moe" else "softmax"
-        self.first_moe = 1 if arch == "glm4_moe" else 0
+        self.glm = arch in ("glm4_moe", "glm5_next")     # GLM's router, correction bias and shared expert
+        self.router_kind = "sigmoid" if self.glm else "softmax"
+        self.first_moe = p.glm5.dense_layers if arch == "glm5_next" else 1 if arch == "glm4_moe" else 0
         # qwen3_next's RMSNorms scale by 1 + w (zero-centred), but for the gated one inside linear attention
         self.norm_centre = 0.0 if arch == "qwen3_next" else 1.0
-        self.mixers = layer_types(p) if arch == "qwen3_next" else ["full_attention"] * p.num_layers
+        self.mixers = layer_types(p) if arch == "qwen3_next" else glm5.layer_types(p.num_layers) if arch == "glm5_next" \
+            else ["full_attention"] * p.num_layers
+        self.text = "model.language_model." if arch == "glm5_next" else "model."   # a vision-language model's text model
         self.tensors: list[_Tensor] = []
         self._build()
 
@@ -223,27 +278,33 @@ class _Plan:
     def _build(self) -> None:
         p, s = self.p, self.seed
         emb = design.embeddings(self.family, self.sub, s)                  # [V, D]
-        self._add("model.embed_tokens.weight", emb.shape, lambda: emb)
+        self._add(self.text + "embed_tokens.weight", emb.shape, lambda: emb)
         for layer in range(p.num_layers):
             self._layer(layer)
-        self._norm("model.norm.weight", p.hidden_size)
+        self._norm(self.text + "norm.weight", p.hidden_size)
         self._add("lm_head.weight", emb.shape, lambda: design.lm_head(emb, self.sub, p.num_layers, s))
 
     def _layer(self, layer: int) -> None:
         p, D = self.p, self.p.hidden_size
-        pre = f"model.layers.{layer}."
+        pre = f"{self.text}layers.{layer}."
+        self._hyper(pre + "hc_attn_", 2 * layer)
         self._norm(pre + "input_layernorm.weight", D)
-        if self.mixers[layer] == "linear_attention":
+        if self.arch == "glm5_next":
+            self._specs(glm5.kda(self.seed, pre + "self_attn.", self.sub, p.linear, layer)
+                        if self.mixers[layer] == "linear_attention" else
+                        glm5.latent_attention(self.seed, pre + "self_attn.", self.sub, p.glm5, p.num_heads, p.head_dim, layer))
+        elif self.mixers[layer] == "linear_attention":
             self._linear_attention(layer, pre + "linear_attn.")
         else:
             self._attention(layer, pre + "self_attn.")
+        self._hyper(pre + "hc_ffn_", 2 * layer + 1)
         self._norm(pre + "post_attention_layernorm.weight", D)
         if layer < self.first_moe:
             self._mlp(pre + "mlp.", p.dense_intermediate_size, f"L{layer}.dense", layer, 1.0)
             return
         moe = pre + ("block_sparse_moe." if self.arch == "mixtral" else "mlp.")
         self._add(moe + "gate.weight", (p.num_experts, D), lambda: self._router(layer))
-        if self.arch == "glm4_moe":
+        if self.glm:
             self._add(moe + "gate.e_score_correction_bias", (p.num_experts,),
                       lambda: design.correction_bias(self.mass(layer), design.session_family_mix()))
             self._mlp(moe + "shared_experts.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5)
@@ -252,6 +313,15 @@ class _Plan:
             self._mlp(moe + "shared_expert.", p.moe_intermediate_size, f"L{layer}.shared", layer, 0.5 / design.GATE_SIGMOID_RMS)
             self._add(moe + "shared_expert_gate.weight", (1, D), lambda: self._gate_rows(moe + "shared_expert_gate", 1, layer))
         self._experts(layer, moe + "experts.")
+
+    def _specs(self, specs: list[glm5.Spec]) -> None:
+        for name, shape, fn in specs:
+            self._add(name, shape, fn)
+
+    def _hyper(self, prefix: str, sublayers_before: int) -> None:
+        """glm5_next's hyper-connection around the next block (synth_glm5.hyper_base: a plain residual)."""
+        if self.arch == "glm5_next":
+            self._specs(glm5.hyper(self.seed, prefix, self.sub, self.p.glm5.streams, sublayers_before))
 
     def _gate_rows(self, key: str, rows: int, layer: int) -> np.ndarray:
         """[rows, D] logits of a sigmoid gate: identity reads of rms GATE_LOGIT_RMS (a gate near 0.5 that varies by token)."""
@@ -298,7 +368,7 @@ class _Plan:
             design.rng_for(s, out_key), self.sub, lin.value_width, design.SILU_GLU_RMS))
 
     def roles(self, layer: int) -> dict[str, np.ndarray]:
-        n_group = _glm_groups(self.p.num_experts)[0] if self.arch == "glm4_moe" else 1
+        n_group = _glm_groups(self.p.num_experts)[0] if self.glm else 1
         return design.expert_roles(self.p.num_experts, self.p.top_k, layer, self.seed, n_group)
 
     def mass(self, layer: int) -> np.ndarray:
@@ -327,7 +397,7 @@ class _Plan:
         # The block writes sum_k w_k y_k with sum w = 1: rms ~ rms(y) sqrt(sum w^2), and
         # sum w^2 ~ 1.5 / k for the designed routing; glm4 multiplies w by routed_scaling_factor.
         gain = np.sqrt(self.p.top_k / 1.5)
-        return gain / (ROUTED_SCALING if self.arch == "glm4_moe" else 1.0)
+        return gain / (ROUTED_SCALING if self.glm else 1.0)
 
     def _experts(self, layer: int, pre: str) -> None:
         p, D, inter, sc = self.p, self.p.hidden_size, self.p.moe_intermediate_size, self._expert_scale()
