@@ -264,6 +264,32 @@ def test_bias_write_round_trip_matches_transformers(glm, tmp_path):
     assert again.exit_code == 2 and "not empty" in again.stderr
 
 
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    return _built(tmp_path_factory, "glm5_next")
+
+
+def test_bias_write_round_trip_matches_transformers_on_glm5_next(glm5, tmp_path):
+    """GLM-5.3-Flash keeps its text model under model.language_model.: the copy's correction biases are rewritten
+    under those names, and transformers' Glm5NextForConditionalGeneration routes with them as moetier with the table."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    checkpoint, profile, _ = glm5
+    table_path = build_table(profile, 8, "graded", -0.05).save(tmp_path / "t.safetensors")
+    out = tmp_path / "written"
+    result = CliRunner().invoke(app, ["bias", "write", "--model", str(checkpoint.folder), "--table", str(table_path),
+                                      "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    engine = Engine(checkpoint)
+    apply_router_options(engine, table_path)
+    ours = score(engine, IDS)
+    model = Glm5NextForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(IDS)[None]).logits[0].numpy()
+    assert np.abs(ours - theirs).max() < 1e-4
+    assert np.abs(score(Engine(checkpoint), IDS) - theirs).max() > 1e-2  # the table matters
+
+
 def test_bias_write_refuses_models_without_a_correction_bias(qwen, tmp_path):
     checkpoint, profile, _ = qwen
     table_path = build_table(profile, 6, "graded", -0.5).save(tmp_path / "t.safetensors")

@@ -391,9 +391,10 @@ def test_a_failed_upload_raises_where_its_experts_are_needed(model, tmp_path):
         runtime.close()
 
 
-@pytest.fixture(scope="module", params=["qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_next", "glm5_next"])
 def hybrid(request, tmp_path_factory):
-    """A synthetic hybrid model: linear-attention layers whose recurrent states a layout must carry like the KV cache."""
+    """A synthetic hybrid model: linear-attention layers whose recurrent states a layout must carry like the KV cache
+    (glm5_next: hyper-connected streams and latent attention too)."""
     return open_checkpoint(write_synthetic(tmp_path_factory.mktemp(request.param) / "m", arch=request.param, preset="tiny", seed=4))
 
 
@@ -442,3 +443,25 @@ def test_nothing_deferred_crosses_a_state_update(tmp_path):
         results[kind] = [score(Engine(model, executor=LaneOnly(model), defer_cpu=mode), IDS) for mode in (0, 2)]
     assert np.array_equal(results["linear"][0], results["linear"][1])
     assert not np.array_equal(results["last-full"][0], results["last-full"][1])
+
+
+def test_defer_cpu_2_over_two_parts_runs_glm5_next(tmp_path_factory, tmp_path):
+    """GLM-5.3's seed layout: two parts with a VRAM cache each and a CPU lane, DEFER_CPU = 2. The lane's partials land
+    a layer late (expanded into the hyper-connected streams by their own block's post weights): it runs, every tier
+    serves, and it differs from the lossless DEFER_CPU = 0 run, which equals the all-resident engine."""
+    folder = write_synthetic(tmp_path_factory.mktemp("glm5") / "m", arch="glm5_next", preset="tiny", seed=4)
+    model = open_checkpoint(folder)
+    assert model.spec.linear_layers == (0, 1, 2) and model.spec.moe_layers == (1, 2, 3)
+    body = TWO_PARTS  # layers 0-1 | 2-3: layer 2's lane partial is deferred past layer 3's latent attention
+    body += vram("v0", "gpu0", 3, "lru") + vram("v1", "gpu1", 3, "lfu") + CPU
+    results = {}
+    for defer in (0, 2):
+        runtime = runtime_for(tmp_path, model, body + scheduler(defer))
+        try:
+            results[defer] = score(runtime.engine, IDS)
+            served = {n: c.served for n, c in runtime.executor.counters.items()}
+        finally:
+            runtime.close()
+        assert all(v > 0 for v in served.values()), served
+    assert np.abs(results[0] - score(Engine(model), IDS)).max() <= 1e-5
+    assert np.abs(results[2] - results[0]).max() > 1e-4 and np.isfinite(results[2]).all()
