@@ -13,6 +13,10 @@ Qwen3-Next (qwen3next) comes from transformers-saved checkpoints
 folder's), the file against what llama.cpp's converter wrote for one of them,
 the older fused ssm_in layout and a NextN block, and the files llama.cpp would
 refuse or compute differently, each refused in one line, reading or writing.
+GLM-5.3-Flash (glm5-next) likewise (tests/glm5_next_files): the round trip, the
+HF tensors back by their names (kv_b_proj from k_b and v_b; A_log whose exp is
+the file's), the file against what the converter wrote, kv_b in half and Q8_0
+files, and the refusals.
 """
 
 from __future__ import annotations
@@ -564,4 +568,208 @@ def test_write_refuses_qwen3_next_that_llama_cpp_computes_differently(next_model
     save_file(weights | {"mtp.fc.weight": torch.zeros(64, 128)}, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="tensor 'mtp.fc.weight': the MTP block is not written yet"):
         write_gguf(folder, tmp_path / "mtp.gguf")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+# transformers-saved GLM-5.3-Flash checkpoints (tests/glm5_next_files, in the geometry llama.cpp's glm5-next loads):
+# two dense layers, a shared indexer layer, 2 expert groups, 2 shared experts, a clamp that bites; and the softplus
+# forget gate with index_topk above the length (pools of 8)
+GLM5_CASES = {
+    "grouped": dict(num_hidden_layers=6, n_group=2, topk_group=1, n_shared_experts=2, swiglu_limit=0.5,
+                    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
+                                 "indexed_attention", "linear_attention"],
+                    indexer_types=["full", "full", "shared", "full", "full", "full"], mlp_layer_types=["dense"] * 2 + ["sparse"] * 4),
+    "softplus-topk-above-length": dict(linear_lower_bound=None, index_topk=512, index_kpool=8),
+}
+# what llama.cpp's converter wrote for "grouped" (convert_hf_to_gguf.py --outtype f32 through scripts/gguf_vs_converter.py,
+# once on this machine's llama.cpp sources): the keys and types, the tensors of a KDA / latent-attention layer
+GLM5_CONVERTER_KEYS = [
+    ("block_count", "UINT32"), ("context_length", "UINT32"), ("embedding_length", "UINT32"), ("feed_forward_length", "UINT32"),
+    ("attention.head_count", "UINT32"), ("attention.head_count_kv", "ARRAY"), ("attention.layer_norm_rms_epsilon", "FLOAT32"),
+    ("expert_count", "UINT32"), ("expert_used_count", "UINT32"), ("expert_group_count", "UINT32"),
+    ("expert_group_used_count", "UINT32"), ("vocab_size", "UINT32"), ("attention.layer_norm_epsilon", "FLOAT32"),
+    ("ssm.conv_kernel", "UINT32"), ("kda.head_dim", "UINT32"), ("kda.gate_lower_bound", "FLOAT32"), ("attention.q_lora_rank", "UINT32"),
+    ("attention.kv_lora_rank", "UINT32"), ("rope.dimension_count", "UINT32"), ("attention.key_length", "UINT32"),
+    ("attention.value_length", "UINT32"), ("attention.key_length_mla", "UINT32"), ("attention.value_length_mla", "UINT32"),
+    ("attention.indexer.head_count", "UINT32"), ("attention.indexer.key_length", "UINT32"), ("attention.indexer.top_k", "UINT32"),
+    ("attention.indexer.kpool", "UINT32"), ("attention.indexer.kpool_select_tail", "BOOL"), ("attention.indexer.types", "ARRAY"),
+    ("hyper_connection.count", "UINT32"), ("hyper_connection.sinkhorn_iterations", "UINT32"), ("hyper_connection.epsilon", "FLOAT32"),
+    ("leading_dense_block_count", "UINT32"), ("expert_feed_forward_length", "UINT32"), ("expert_shared_count", "UINT32"),
+    ("expert_weights_scale", "FLOAT32"), ("expert_weights_norm", "BOOL"), ("swiglu_clamp_exp", "ARRAY"), ("swiglu_clamp_shexp", "ARRAY")]
+GLM5_BLOCK = {f"hc_{b}_{n}.weight" for b in ("attn", "ffn") for n in ("fn", "base", "scale")} | {"attn_norm.weight", "ffn_norm.weight"}
+GLM5_KDA = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ssm_a", "ssm_beta.weight", "ssm_dt.bias",
+            "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight", "ssm_g_b.weight", "ssm_norm.weight"} | {
+            f"ssm_conv1d_{n}.weight" for n in "qkv"}
+GLM5_LATENT = {"attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight",
+               "attn_k_b.weight", "attn_v_b.weight", "attn_output.weight"}
+GLM5_INDEXER = {"indexer.attn_k.weight", "indexer.attn_q_b.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
+                "indexer.proj.weight", "indexer_compressor_ape.weight", "indexer_compressor_gate.weight"}
+GLM5_MOE = {f"ffn_{p}_{kind}.weight" for p in ("gate", "up", "down") for kind in ("exps", "shexp")} | {"ffn_gate_inp.weight", "exp_probs_b.bias"}
+
+
+@pytest.fixture(scope="module")
+def glm5_models(tmp_path_factory):
+    """case -> (HF folder, its F32 GGUF)."""
+    pytest.importorskip("transformers")
+    from glm5_next_files import BASE, save_glm5_next
+
+    root, out = tmp_path_factory.mktemp("gguf-glm5"), {}
+    for i, (case, overrides) in enumerate(GLM5_CASES.items()):
+        folder = save_glm5_next(root / case, BASE | overrides, seed=i)
+        out[case] = folder, write_gguf(folder, root / f"{case}.gguf")[0]
+    return out
+
+
+@pytest.mark.parametrize("case", GLM5_CASES)
+def test_glm5_next_round_trip_spec_and_logits(glm5_models, case):
+    """The spec is the HF config's; teacher-forced logits over 80 positions (two KDA chunks) and 8 cached decode
+    steps after a 70-token prompt equal the HF checkpoint's within 1e-5 (measured: equal)."""
+    folder, path = glm5_models[case]
+    g, hf = open_checkpoint(path), open_checkpoint(folder)
+    assert isinstance(g, GgufCheckpoint) and g.spec == hf.spec and g.spec.arch == "glm5_next"
+    ids = np.arange(80) * 37 % g.spec.vocab_size
+    assert np.abs(score(Engine(g), ids) - score(Engine(hf), ids)).max() <= 1e-5
+    ours, theirs = (generate(Engine(c), ids[:70].tolist(), 8, keep_logits=True) for c in (g, hf))
+    assert ours.ids == theirs.ids and np.abs(ours.logits - theirs.logits).max() <= 1e-5
+
+
+@pytest.mark.parametrize("case", GLM5_CASES)
+def test_glm5_next_tensors_are_what_the_engine_reads_from_hf(glm5_models, case):
+    """Every HF tensor by its HF name, bit for bit: kv_b_proj put back together from k_b (transposed) and v_b, in
+    F32 bytes; conv taps back to [C, 1, K]; A_log a float32 whose exp is the file's -ssm_a, which is the HF A_log's
+    exp (the engine takes nothing else of it); experts and shared experts with the clamp."""
+    folder, path = glm5_models[case]
+    g, hf = open_checkpoint(path), open_checkpoint(folder)
+    s, stored_a = hf.spec, {t.name: -np.asarray(t.data) for t in gguf.GGUFReader(path).tensors if t.name.endswith(".ssm_a")}
+    assert set(g.names()) == set(hf.names())
+    for name in hf.names():
+        if name.endswith(".A_log"):
+            exp = bits(g.tensor(name).exp())
+            assert np.array_equal(exp, bits(hf.tensor(name).exp())), name
+            assert np.array_equal(exp, stored_a[f"blk.{name.split('.')[2]}.ssm_a"].view(np.int32)), name
+        elif expert_layer(s.arch, name) is None:
+            assert np.array_equal(bits(g.tensor(name)), bits(hf.tensor(name))), name
+    for layer in s.attention_layers:
+        stored, qtype = g.stored(f"model.layers.{layer}.self_attn.kv_b_proj.weight")
+        assert qtype == QType.F32 and np.array_equal(bits(stored), bits(hf.tensor(f"model.layers.{layer}.self_attn.kv_b_proj.weight")))
+    for layer in s.moe_layers:
+        for ours, theirs in ((g.expert(layer, 1), hf.expert(layer, 1)), (g.shared_experts(layer), hf.shared_experts(layer))):
+            assert ours.swiglu_limit == theirs.swiglu_limit == s.swiglu_limit
+            assert np.array_equal(bits(ours.gate_up), bits(theirs.gate_up)) and np.array_equal(bits(ours.down), bits(theirs.down))
+
+
+def test_glm5_next_file_is_the_converters(glm5_models, tmp_path):
+    """Keys in the converter's order and types (head_count_kv an INT32 array: 0 for KDA, 1 for latent attention),
+    each layer's tensors as it names them (kv_b_proj -> attn_k_b + attn_v_b, A_log -> ssm_a, the hyper-connections
+    and the indexer's pooling with .weight), shapes (conv taps {K, 1, C, 1}, k_b {dn, r, H}) and types: F32 for 1-D
+    tensors, norms, routers, conv taps, the hyper-connections, the indexer's pooling and head weights, ssm_a and the
+    biases; the out type for the other matrices (F16 where rows are no whole Q8_0 blocks: k_b's 16, f_b's 16)."""
+    folder, path = glm5_models["grouped"]
+    s, reader = open_checkpoint(folder).spec, gguf.GGUFReader(path)
+    keys = [(k.removeprefix("glm5-next."), f.types[0].name) for k, f in reader.fields.items() if k.startswith("glm5-next.")]
+    assert keys == GLM5_CONVERTER_KEYS
+    assert reader.fields["glm5-next.attention.head_count_kv"].types[1] == gguf.GGUFValueType.INT32
+    assert reader.fields["glm5-next.attention.head_count_kv"].contents() == [0, 1, 1, 0, 1, 0]
+    assert reader.fields["glm5-next.attention.indexer.types"].contents() == [True, True, False, True, True, True]
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "glm4"
+    tensors = {t.name: t for t in reader.tensors}
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    for layer in range(s.num_layers):
+        inner = GLM5_BLOCK | (GLM5_KDA if s.is_linear(layer) else GLM5_LATENT) | (GLM5_MOE if s.is_moe(layer) else
+                                                                                   {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"})
+        inner |= GLM5_INDEXER if not s.is_linear(layer) and layer not in s.indexer.shared_layers else set()
+        expected |= {f"blk.{layer}.{n}" for n in inner}
+    assert set(tensors) == expected
+    mla, g = s.latent_attention, s.linear_attention
+    assert [int(n) for n in tensors["blk.0.ssm_conv1d_q.weight"].shape] == [g.conv_kernel, 1, g.value_width, 1]
+    assert [int(n) for n in tensors["blk.1.attn_k_b.weight"].shape] == [mla.key_dim, mla.kv_rank, s.num_heads]
+    assert [int(n) for n in tensors["blk.1.attn_v_b.weight"].shape] == [mla.kv_rank, mla.value_dim, s.num_heads]
+    q8 = {t.name: t.tensor_type for t in gguf.GGUFReader(write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")[0]).tensors}
+    exact = ("hc_attn_", "hc_ffn_", "indexer_compressor_", "ssm_a", "ssm_dt", "exp_probs_b", "ssm_conv1d_", "indexer.proj.")
+    floats = {n for n in q8 if tensors[n].data.ndim == 1 or n.endswith(("_norm.weight", "gate_inp.weight", ".bias"))
+              or any(part in n for part in exact)}
+    assert {n for n, t in q8.items() if t == QType.F32} == floats
+    assert all(t == (QType.Q8_0 if int(tensors[n].shape[0]) % 32 == 0 else QType.F16) for n, t in q8.items() if n not in floats)
+    assert q8["blk.1.attn_k_b.weight"] == QType.F16 and q8["blk.1.attn_v_b.weight"] == QType.Q8_0
+
+
+def test_glm5_next_kv_b_of_quantized_and_half_files(glm5_models, tmp_path):
+    """kv_b_proj in its bytes where k_b and v_b share a float type (F16, BF16: the transposition moves whole elements),
+    else as float32 values (Q8_0's v_b with F16's k_b: blocks run along the other axis); the logits of both files
+    as the engine computes them from the file's own values."""
+    folder, _ = glm5_models["softplus-topk-above-length"]
+    name = "model.layers.3.self_attn.kv_b_proj.weight"
+    halves = []
+    for dtype, qtype, torch_dtype in (("F16", QType.F16, torch.float16), ("BF16", QType.BF16, torch.bfloat16)):
+        halves.append(open_checkpoint(write_gguf(folder, tmp_path / f"{dtype}.gguf", dtype)[0]))
+        stored, stored_type = halves[-1].stored(name)
+        assert stored_type == qtype and stored.dtype == torch_dtype
+        assert np.array_equal(bits(stored.float()), bits(halves[-1].tensor(name)))
+    q8 = open_checkpoint(write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")[0])
+    stored, qtype = q8.stored(name)
+    assert qtype == QType.F32 and np.array_equal(bits(stored), bits(q8.tensor(name)))
+    assert np.abs(q8.tensor(name).numpy() - open_checkpoint(folder).tensor(name).numpy()).max() < 1e-2
+    for checkpoint in (*halves, q8):
+        assert np.isfinite(score(Engine(checkpoint), np.arange(40) % checkpoint.spec.vocab_size)).all()
+
+
+def _glm5_bad_files(path, tmp_path) -> dict:
+    """label -> (a glm5-next file llama.cpp's loader refuses, or computes differently from transformers, words of its
+    one error line)."""
+    from gguf import GGUFValueType as T
+    from qwen3_next_files import rewritten
+
+    def drop(name):
+        return lambda listed: [t for t in listed if t[0] != name]
+
+    def conv(listed):
+        return [(n, d[..., :3].copy() if n == "blk.0.ssm_conv1d_k.weight" else d, q) for n, d, q in listed]
+    key = "glm5-next."
+    cases = {
+        "three streams": ({key + "hyper_connection.count": (3, T.UINT32, None)}, None,
+                          "key 'glm5-next.hyper_connection.count' is 3 (expected 4: llama.cpp's glm5-next asserts it)"),
+        "pools of one": ({key + "attention.indexer.kpool": (1, T.UINT32, None)}, None, "key 'glm5-next.attention.indexer.kpool' is 1"),
+        "no tail": ({key + "attention.indexer.kpool_select_tail": (False, T.BOOL, None)}, None, "are NaN (transformers: zeros)"),
+        "kv heads short": ({key + "attention.head_count_kv": ([0, 1], T.ARRAY, T.INT32)}, None,
+                           "key 'glm5-next.attention.head_count_kv' is [0, 1] (expected 6 counts, one per block"),
+        "index norm epsilon": ({key + "attention.layer_norm_epsilon": (1e-5, T.FLOAT32, None)}, None,
+                               "transformers' indexer LayerNorm"),
+        "softmax router": ({key + "expert_gating_func": (1, T.UINT32, None)}, None, "key 'glm5-next.expert_gating_func' is 1"),
+        "two clamps": ({key + "swiglu_clamp_shexp": ([7.0] * 6, T.ARRAY, T.FLOAT32)}, None, "moetier clamps every SwiGLU alike"),
+        "rope": ({key + "rope.dimension_count": (8, T.UINT32, None)}, None, "NoPE"),
+        "latent size": ({key + "attention.key_length": (16, T.UINT32, None)}, None, "the cache holds the latent"),
+        "no k_b": ({}, drop("blk.1.attn_k_b.weight"), "tensor 'blk.1.attn_k_b.weight' is missing (expected shape {16, 32, 4}"),
+        "no output": ({}, drop("output.weight"), "tensor 'output.weight' is missing"),
+        "conv taps": ({}, conv, "tensor 'blk.0.ssm_conv1d_k.weight' has shape {3, 1, 64, 1} (expected {4, 1, 64} from the "
+                                "metadata, ggml order: dim 0 is glm5-next.ssm.conv_kernel = 4)"),
+    }
+    return {label: (rewritten(path, tmp_path / f"{i}.gguf", keys, edit), words) for i, (label, (keys, edit, words)) in enumerate(cases.items())}
+
+
+def test_bad_glm5_next_files_are_refused_in_one_line(glm5_models, tmp_path):
+    for label, (path, words) in _glm5_bad_files(glm5_models["grouped"][1], tmp_path).items():
+        with pytest.raises((CheckpointError, SpecError)) as error:
+            open_checkpoint(path)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(str(path)) and words in message, (label, message)
+
+
+def test_write_refuses_glm5_next_that_llama_cpp_cannot_load_or_computes_differently(tmp_path):
+    """Refused, nothing written: hyper-connections of other than 4 streams, pools of one position (llama.cpp's asserts),
+    the incomplete pool not attended (NaN there in llama.cpp), tied embeddings (no output.weight, which its loader
+    requires), attention biases (it loads none), KDA heads other than the attention heads, a dense layer after a
+    sparse one (it runs leading_dense_block_count dense layers), every group kept (its loader asserts fewer)."""
+    pytest.importorskip("transformers")
+    from glm5_next_files import BASE, save_glm5_next
+
+    cases = {"hc_mult": dict(hc_mult=2), "index_kpool": dict(index_kpool=1, index_topk=4),
+             "index_kpool_always_select_tail": dict(index_kpool_always_select_tail=False),
+             "tie_word_embeddings": dict(tie_word_embeddings=True), "attention_bias": dict(attention_bias=True),
+             "linear_num_heads": dict(linear_num_heads=2), "mlp_layer_types": dict(mlp_layer_types=["sparse", "dense"] + ["sparse"] * 3),
+             "topk_group": dict(n_group=2, topk_group=2)}
+    for word, change in cases.items():
+        folder = save_glm5_next(tmp_path / word, BASE | change, seed=0)
+        with pytest.raises(SpecError, match=word) as error:
+            write_gguf(folder, tmp_path / f"{word}.gguf")
+        assert "\n" not in str(error.value)
     assert not list(tmp_path.glob("*.gguf"))

@@ -13,6 +13,12 @@ undone: its norms hold 1 + w (`norm_offset` False says so), and the tensors
 the converter made that no HF tensor holds (attn_qkv and attn_gate, split from
 in_proj_qkvz; ssm_a = -exp(A_log)) keep their GGUF names; `deltanet(layer)`
 serves a linear-attention layer in the engine's layout, the converter's own.
+GLM-5.3's (glm5-next) are undone by HF name: kv_b_proj from k_b (transposed
+back) and v_b, in their bytes when both are F32 / F16 / BF16 (a block format
+is dequantized: its rows run along the other axis); A_log as the float32 whose
+exp is -ssm_a, the value llama.cpp computes with, bit for bit (-exp cannot be
+undone exactly, but the engine only ever takes the exp of A_log); conv taps
+{K, 1, C, 1} as [C, 1, K].
 Routed experts come out in their
 stored bytes (`expert`, `stored`: uint8 GGML blocks, or F32/F16/BF16 values),
 which every tier holds and computes from, and so do the trunk's matrices
@@ -43,9 +49,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
 from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
-from moetier.model.formats import BF16, F32, FORMATS
+from moetier.model.formats import BF16, F16, F32, FORMATS
 from moetier.model.gguf_shapes import required_tensors
 from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
+from moetier.model.gguf_undo import exp_preimage, kv_b_proj, unpermute
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.untrusted import open_regular
 
@@ -57,7 +64,7 @@ DEQUANTIZED = EXPERT_TYPES + (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ
                               QType.TQ2_0, QType.MXFP4)
 SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-_CONVERTED = {name for names in CONVERTED.values() for name in names}
+_KEPT = {name for names in CONVERTED["qwen3_next"].values() for name in names}  # by GGUF name: no HF tensor holds these
 # tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
 _NOT_YET = {"attn_qkv.weight": "fused Q/K/V (convert_hf_to_gguf.py --fuse-qkv)",
             "ffn_gate_up_exps.weight": "fused gate/up experts (--fuse-gate-up-exps)",
@@ -178,22 +185,20 @@ def _metadata(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, Any], dict
 
 @dataclass(frozen=True, eq=False)
 class _Source:
-    """Where one HF-named tensor lives: a GGUF tensor, one expert's slice of it, and the Q/K permutation to undo."""
+    """Where one HF-named tensor lives: a GGUF tensor, one expert's slice of it, and what to undo: the Q/K
+    permutation, a reshape to the HF shape, or glm5-next's kv_b (`partner`: v_b) and A_log."""
 
     tensor: gguf.ReaderTensor
     expert: int | None = None
     permuted_heads: int | None = None
+    shape: tuple[int, ...] | None = None
+    undo: str | None = None  # "kv_b" or "exp"
+    partner: gguf.ReaderTensor | None = None
 
     @property
     def mapped(self) -> bool:
-        """Whether the float32 values alias the file mapping (stored as F32, nothing undone)."""
-        return self.tensor.tensor_type == QType.F32 and self.permuted_heads is None
-
-
-def _unpermute(values: np.ndarray, heads: int) -> np.ndarray:
-    """Undo LlamaModel.permute (conversion/llama.py): per head, rows [pairs..., 2] back to [2, pairs...]."""
-    rows = values.shape[0]
-    return values.reshape(heads, rows // heads // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+        """Whether the float32 values alias the file mapping (stored as F32, nothing undone but a reshape)."""
+        return self.tensor.tensor_type == QType.F32 and self.permuted_heads is None and self.undo is None
 
 
 def _ne(shape) -> str:
@@ -246,16 +251,25 @@ class GgufCheckpoint(NamedWeights):
         source = self._sources.get(name)
         if source is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
-        raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
-        values = dequantize(raw, source.tensor.tensor_type)
-        if source.permuted_heads is not None:
-            values = _unpermute(values, source.permuted_heads)
+        values = self._values(source)
         if not values.flags.aligned:  # a file with an odd alignment: kernels read whole elements
             values = values.copy()
         with warnings.catch_warnings():
             # weights are read-only by contract; torch warns that the mapping is not writable
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(values)
+
+    def _values(self, source: _Source) -> np.ndarray:
+        """A source's float32 values in numpy order (HF's), what the converter changed undone."""
+        raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
+        values = dequantize(raw, source.tensor.tensor_type)
+        if source.permuted_heads is not None:
+            values = unpermute(values, source.permuted_heads)
+        if source.undo == "kv_b":
+            values = kv_b_proj(values, dequantize(source.partner.data, source.partner.tensor_type))
+        elif source.undo == "exp":
+            values = exp_preimage(-values, f"{self.folder}: tensor {source.tensor.name!r}")
+        return values if source.shape is None else values.reshape(source.shape)
 
     def drop_pages(self) -> None:
         """Release the file pages read so far from this process's resident set (they stay in the page cache; a later
@@ -276,11 +290,19 @@ class GgufCheckpoint(NamedWeights):
         source = self._sources.get(name)
         if source is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
-        if int(source.tensor.tensor_type) not in FORMATS:  # a trunk-only type (IQ2_S, ...): float32 values, once
+        if int(source.tensor.tensor_type) not in FORMATS or source.undo == "exp":  # IQ2_S, ... or A_log: float32 values
             return self.load(name), F32
+        if source.undo == "kv_b":  # rows of either kind: in their bytes for a float type, else float32 values
+            types = {int(source.tensor.tensor_type), int(source.partner.tensor_type)}
+            if len(types) > 1 or types - {F32, F16, BF16}:
+                return self.load(name), F32
+            # the reader maps BF16 as bytes: as 2-byte elements, so the transposition moves whole values
+            data = (np.asarray(t.data).view(np.uint16) if types == {BF16} else np.asarray(t.data) for t in (source.tensor, source.partner))
+            tensor = torch.from_numpy(kv_b_proj(*data))
+            return (tensor.view(torch.bfloat16) if types == {BF16} else tensor), types.pop()
         raw = source.tensor.data if source.expert is None else source.tensor.data[source.expert]
         if source.permuted_heads is not None:  # whole rows move: a row's blocks stay as they are (a copy)
-            raw = _unpermute(raw, source.permuted_heads).copy()
+            raw = unpermute(raw, source.permuted_heads).copy()
         qtype = int(source.tensor.tensor_type)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # weights are read-only by contract
@@ -306,7 +328,8 @@ class GgufCheckpoint(NamedWeights):
         """One routed expert in its stored bytes (gate and up stacked: a copy; down copied beside it)."""
         (gate, gate_type), (up, _), (down, down_type) = (self.stored(expert_hf_name(self.spec.arch, layer, expert, part))
                                                          for part in ("gate", "up", "down"))
-        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type, float_acts=False)  # [2I, D], [D, I]
+        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type, float_acts=False,
+                             swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]
 
     def deltanet(self, layer: int) -> DeltaNetTensors:
         """A Qwen3-Next linear-attention layer in the engine's layout, which is the converter's: attn_qkv (every key
@@ -363,8 +386,16 @@ class GgufCheckpoint(NamedWeights):
                     heads = s.num_heads
                 elif s.arch == "mixtral" and ".self_attn.k_proj." in hf:
                     heads = s.num_kv_heads
-                sources[hf] = _Source(tensor, permuted_heads=heads)
-            elif match and match.group(2) in _CONVERTED:  # qwen3next's attn_qkv, attn_gate, ssm_a: no HF tensor holds these
+                shape = None
+                if s.arch == "glm5_next" and "_conv1d." in hf:  # {K, 1, C, 1} (or {K, 1, C}) -> [C, 1, K]
+                    shape = (s.linear_attention.value_width, 1, s.linear_attention.conv_kernel)
+                sources[hf] = _Source(tensor, permuted_heads=heads, shape=shape)
+            elif match and s.arch == "glm5_next" and match.group(2) == "ssm_a":  # -exp(A_log)
+                sources[f"model.layers.{match.group(1)}.self_attn.A_log"] = _Source(tensor, undo="exp")
+            elif match and s.arch == "glm5_next" and match.group(2) == "attn_k_b.weight":  # and attn_v_b: kv_b_proj
+                sources[f"model.layers.{match.group(1)}.self_attn.kv_b_proj.weight"] = _Source(
+                    tensor, undo="kv_b", partner=self._tensors[f"blk.{match.group(1)}.attn_v_b.weight"])
+            elif match and s.arch == "qwen3_next" and match.group(2) in _KEPT:  # attn_qkv, attn_gate, ssm_a
                 sources[name] = _Source(tensor)
             elif match and match.group(2) in stacks:
                 for e in range(s.num_experts):

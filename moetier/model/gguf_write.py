@@ -2,18 +2,23 @@
 
 `write_gguf(folder, out, dtype)` writes what `convert_hf_to_gguf.py --outtype
 f32|f16|bf16|q8_0` writes for a Qwen3MoeForCausalLM, Glm4MoeForCausalLM,
-MixtralForCausalLM or Qwen3NextForCausalLM folder (conversion/{qwen,glm,llama}.py
+MixtralForCausalLM, Qwen3NextForCausalLM or Glm5NextForConditionalGeneration
+folder (its text model; conversion/{qwen,glm,llama}.py
 on conversion/base.py; Qwen3-Next as with --no-mtp, a checkpoint with MTP
 tensors is refused): the same architecture name, metadata keys in the same
 order and types (TextModel.set_gguf_parameters, then each class's own), tensor
 names (gguf's TensorNameMap, spelled out in moetier.model.gguf_spec), value
 transforms (routed experts stacked [E, ...]; Mixtral's Q/K rows permuted for
 llama.cpp's interleaved RoPE; Qwen3-Next's norms + 1, A_log -> -exp(A_log),
-in_proj_qkvz's rows regrouped into attn_qkv and attn_gate, conv taps squeezed)
-and tensor types (1-D tensors, norms, routers and conv taps in F32; a Q8_0
+in_proj_qkvz's rows regrouped into attn_qkv and attn_gate, conv taps squeezed;
+GLM-5.3's kv_b_proj split per head into k_b, transposed, and v_b, A_log ->
+-exp(A_log), conv taps as {K, 1, C, 1})
+and tensor types (1-D tensors, norms, routers and conv taps in F32, and GLM-5.3's
+hyper-connections, indexer pooling and weights, dt bias; a Q8_0
 tensor whose rows are not whole blocks falls back to F16, as there); for
-Qwen3-Next, measured against the converter, the same bytes but for the
-vocabulary (docs/gguf-qwen3next.md). The vocabulary is a stand-in, since a
+Qwen3-Next and GLM-5.3, measured against the converter, the same bytes but for
+the vocabulary (docs/gguf-qwen3next.md, docs/gguf-glm5-next.md). The
+vocabulary is a stand-in, since a
 synthetic checkpoint has no tokenizer: one
 token per id, the config's bos/eos/pad ids as control tokens, the 256 byte
 tokens, then pieces with a BPE merge (gpt2) or a score (llama) each, so
@@ -21,7 +26,10 @@ llama.cpp can load the file and tokenize any text. A checkpoint llama.cpp would
 compute differently from transformers (a sliding window; Qwen3-MoE's and
 Qwen3-Next's dense layers, unrenormalised top-k or an o_proj bias; Qwen3-Next's
 DeltaNet key and value heads of two sizes, or an rms_norm_eps other than the
-L2 norm's 1e-6) is refused, not written.
+L2 norm's 1e-6; GLM-5.3 without the incomplete pool attended, NaN there), or
+that llama.cpp would not load (GLM-5.3 with other than 4 hyper-connection
+streams, pools of one position, tied embeddings, biases, KDA heads other than
+the attention heads, dense layers after a MoE layer), is refused, not written.
 Tensors stream one at a time; the file, or every file of a split set, appears
 whole or not at all (moetier.model.output.new_file).
 """
@@ -35,6 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import gguf
 import numpy as np
@@ -44,7 +53,8 @@ from gguf import LlamaFileType, TokenType
 from gguf.vocab import bytes_to_unicode
 
 from moetier.model.checkpoint import Checkpoint, open_checkpoint
-from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, L2_NORM_EPS, expert_layer, gguf_name
+from moetier.model.gguf_spec import (CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, HYPER_STREAMS, INDEX_NORM_EPS, L2_NORM_EPS,
+                                     expert_layer, gguf_name)
 from moetier.model.output import check_output, new_file
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.spec import ModelSpec, SpecError
@@ -54,7 +64,9 @@ OUT_TYPES = {"F32": (LlamaFileType.ALL_F32, QType.F32), "F16": (LlamaFileType.MO
              "BF16": (LlamaFileType.MOSTLY_BF16, QType.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, QType.Q8_0)}
 # the converter's vocabulary per architecture: (tokenizer.ggml.model, tokenizer.ggml.pre)
 TOKENIZERS = {"qwen3_moe": ("gpt2", "qwen2"), "glm4_moe": ("gpt2", "glm4"), "mixtral": ("llama", "default"),
-              "qwen3_next": ("gpt2", "qwen2")}
+              "qwen3_next": ("gpt2", "qwen2"), "glm5_next": ("gpt2", "glm4")}
+# Glm5NextModel.tensor_force_quant: the small mHC / gating tensors kept F32 (and ModelBase's SSM_CONV1D_Q/K/V, INDEXER_PROJ)
+EXACT = ("hc_attn_", "hc_ffn_", "indexer_compressor_", "ssm_a", "ssm_dt", "exp_probs_b", "ssm_conv1d_", "indexer.proj.")
 SPECIAL_NAMES = {"gpt2": {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"},
                  "llama": {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}}
 
@@ -85,7 +97,7 @@ def _tensor_type(name: str, ndim: int, row: int, qtype: QType) -> QType:
     """ModelBase.prepare_tensors' choice: 1-D tensors, norms, routers, convolution taps and non-weights (ssm_a,
     biases) in F32; else the out type, F16 where the rows do not split into its blocks (QuantError)."""
     if ndim <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")) \
-            or not name.endswith(".weight"):
+            or not name.endswith(".weight") or any(part in name for part in EXACT):
         return QType.F32
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     return qtype if row % block == 0 else QType.F16
@@ -112,7 +124,7 @@ def _plan(checkpoint: Checkpoint, arch: str, out_type: QType) -> list[_Planned]:
     for name in order:
         layer, target = expert_layer(arch, name), gguf_name(arch, name)
         block = re.match(r"model\.layers\.(\d+)\.(.+)", name)
-        made = CONVERTED.get(block.group(2)) if block and arch == "qwen3_next" else None  # GGUF tensors made from it
+        made = CONVERTED.get(arch, {}).get(block.group(2)) if block else None  # GGUF tensors made from it
         if (layer is None and target is None and made is None) or (block and int(block.group(1)) >= blocks):
             raise CheckpointError(f"{folder}: tensor {name!r} has no GGUF name in {GGUF_ARCHITECTURES[arch]} "
                                   "(llama.cpp's converter refuses it too: 'Can not map tensor')")
@@ -124,6 +136,8 @@ def _plan(checkpoint: Checkpoint, arch: str, out_type: QType) -> list[_Planned]:
             shape = checkpoint.entry(name).shape
             if arch == "qwen3_next" and name.endswith(".conv1d.weight"):  # squeezed: [C, 1, K] -> [C, K]
                 shape = tuple(n for n in shape if n != 1)
+            elif arch == "glm5_next" and name.endswith("_conv1d.weight"):  # Glm5NextModel: [C, 1, K] -> [1, C, 1, K]
+                shape = (1, shape[0], 1, shape[-1])
             add(target, shape, lambda name=name: _value(checkpoint, name))
         elif name == last_expert[layer]:
             E, D, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
@@ -144,6 +158,8 @@ def _value(checkpoint: Checkpoint, name: str) -> np.ndarray:
     if spec.arch == "qwen3_next" and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return _as_converted(checkpoint, name, lambda w: w + 1)  # Qwen3NextModel.modify_tensors: zero-centred norms + 1
     values = checkpoint.tensor(name).numpy()
+    if spec.arch == "glm5_next" and name.endswith("_conv1d.weight"):
+        return values.reshape(1, values.shape[0], 1, values.shape[-1])
     if spec.arch == "mixtral" and ".self_attn.q_proj." in name:
         return _permute(values, spec.num_heads)
     if spec.arch == "mixtral" and ".self_attn.k_proj." in name:
@@ -160,14 +176,27 @@ def _as_converted(checkpoint: Checkpoint, name: str, change: Callable[[torch.Ten
 
 
 def _made_shape(spec: ModelSpec, part: str) -> tuple[int, ...]:
-    g = spec.linear_attention
+    g, mla, heads = spec.linear_attention, spec.latent_attention, spec.num_heads
+    if spec.arch == "glm5_next":  # k_b [H, r, dn], v_b [H, dv, r]; ssm_a one per head
+        return {"attn_k_b.weight": (heads, mla.kv_rank, mla.key_dim), "attn_v_b.weight": (heads, mla.value_dim, mla.kv_rank),
+                "ssm_a": (g.key_heads,)}[part]
     return {"attn_qkv.weight": (g.conv_channels, spec.hidden_size), "attn_gate.weight": (g.value_width, spec.hidden_size),
             "ssm_a": (g.value_heads,)}[part]
 
 
 def _made(checkpoint: Checkpoint, layer: int, part: str) -> np.ndarray:
     """A tensor Qwen3NextModel.modify_tensors makes: in_proj_qkvz's rows regrouped into attn_qkv (q of every key
-    head, k, v) and attn_gate (z) — the HF reader's own regrouping, Checkpoint.deltanet — or -exp(A_log)."""
+    head, k, v) and attn_gate (z) — the HF reader's own regrouping, Checkpoint.deltanet — or -exp(A_log); or one
+    Glm5NextModel.modify_tensors makes: kv_b_proj's rows per head split into k_b (transposed) and v_b, or
+    -exp(A_log) computed in float32 (it takes .float() first, for a float16 tensor too)."""
+    spec, p = checkpoint.spec, f"model.layers.{layer}.self_attn."
+    if spec.arch == "glm5_next" and part == "ssm_a":
+        return (-torch.exp(checkpoint.tensor(p + "A_log").flatten()[: spec.num_heads])).numpy()
+    if spec.arch == "glm5_next":
+        mla = spec.latent_attention
+        kv_b = checkpoint.tensor(p + "kv_b_proj.weight").numpy().reshape(spec.num_heads, mla.key_dim + mla.value_dim, -1)
+        k_b, v_b = np.split(kv_b, [mla.key_dim], axis=1)
+        return k_b.transpose(0, 2, 1) if part == "attn_k_b.weight" else v_b
     if part == "ssm_a":
         return _as_converted(checkpoint, f"model.layers.{layer}.linear_attn.A_log", lambda a: -torch.exp(a))
     tensors = checkpoint.deltanet(layer)
@@ -184,6 +213,8 @@ def _check_convertible(checkpoint: Checkpoint) -> None:
     if spec.sliding_window is not None:
         raise SpecError(f"{source}: key 'sliding_window' is {spec.sliding_window}: llama.cpp runs {spec.arch} without one, "
                         "so no GGUF it reads computes this model (expected null)")
+    if spec.arch == "glm5_next":
+        return _check_glm5_next(checkpoint)
     if spec.arch not in ("qwen3_moe", "qwen3_next"):
         return
     name = GGUF_ARCHITECTURES[spec.arch]
@@ -209,9 +240,97 @@ def _check_convertible(checkpoint: Checkpoint) -> None:
                               "keeps it, or drops it with --no-mtp)")
 
 
+def _check_glm5_next(checkpoint: Checkpoint) -> None:
+    """What llama.cpp's glm5-next would not load (its loader's and converter's asserts, tensors it does not create),
+    or would compute differently from transformers."""
+    spec, source = checkpoint.spec, checkpoint.folder / "config.json"
+
+    def refuse(what: str, expected: str) -> NoReturn:
+        raise SpecError(f"{source}: {what}: llama.cpp's glm5-next {expected}")
+
+    if spec.hyper.streams != HYPER_STREAMS:
+        refuse(f"key 'hc_mult' is {spec.hyper.streams}", f"runs {HYPER_STREAMS} hyper-connection streams only (expected {HYPER_STREAMS})")
+    if spec.indexer.pool < 2:
+        refuse(f"key 'index_kpool' is {spec.indexer.pool}", "asserts pools of more than one position (expected >= 2)")
+    if not spec.indexer.select_tail:
+        refuse("key 'index_kpool_always_select_tail' is false", "attends to nothing before the first pool completes and computes "
+               "NaN there, transformers zeros (expected true)")
+    if spec.tie_word_embeddings:
+        refuse("key 'tie_word_embeddings' is true", "requires output.weight, which the converter drops for a tied model (expected false)")
+    if spec.attention_bias:
+        refuse("key 'attention_bias' is true", "loads no attention biases (expected false)")
+    if spec.linear_attention.key_heads != spec.num_heads:
+        refuse(f"keys 'linear_num_heads' = {spec.linear_attention.key_heads} and 'num_attention_heads' = {spec.num_heads}",
+               "runs KDA with the attention heads (expected equal)")
+    if spec.moe_layers != tuple(range(spec.moe_layers[0], spec.num_layers)):
+        refuse(f"key 'mlp_layer_types' makes layers {list(spec.moe_layers)} sparse",
+               "runs its leading_dense_block_count first layers dense and the rest MoE (expected dense layers first)")
+    if spec.n_group > 1 and spec.topk_group >= spec.n_group:
+        refuse(f"keys 'n_group' = {spec.n_group} and 'topk_group' = {spec.topk_group}", "asserts fewer groups kept than there are")
+    if spec.swiglu_limit is not None and spec.swiglu_limit <= 1e-6:
+        refuse(f"key 'swiglu_limit' is {spec.swiglu_limit}", "clamps only with a limit above 1e-6 (expected none or larger)")
+
+
+def _add_glm5_next(writer: gguf.GGUFWriter, checkpoint: Checkpoint, file_type: LlamaFileType) -> None:
+    """TextModel.set_gguf_parameters on a Glm5NextConfig's text_config (no head_dim: Glm5NextModel pops it; no rope
+    keys: it has none), with head_count_kv where it writes it but as Glm5NextModel overwrites it (per layer: 0 for
+    KDA, 1 for latent attention); then Glm5NextModel's own keys, in its order. gguf 0.19 has no add_* for KDA's gate
+    bound, the indexer's pooling and types or the hyper-connections: their keys spelled out."""
+    spec, text, arch = checkpoint.spec, checkpoint.config.get("text_config", {}), writer.arch
+    g, mla, index, hyper = spec.linear_attention, spec.latent_attention, spec.indexer, spec.hyper
+    writer.add_block_count(spec.num_layers)
+    if spec.max_position_embeddings is not None:
+        writer.add_context_length(spec.max_position_embeddings)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(spec.dense_intermediate_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv([0 if spec.is_linear(l) else 1 for l in range(spec.num_layers)])
+    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    writer.add_expert_count(spec.num_experts)
+    writer.add_expert_used_count(spec.top_k)
+    if text.get("n_group") is not None:
+        writer.add_expert_group_count(spec.n_group)
+    if text.get("topk_group") is not None:
+        writer.add_expert_group_used_count(spec.topk_group)
+    writer.add_file_type(file_type)
+    writer.add_vocab_size(spec.vocab_size)
+    writer.add_layer_norm_eps(INDEX_NORM_EPS)
+    writer.add_ssm_conv_kernel(g.conv_kernel)
+    writer.add_kda_head_dim(g.key_dim)
+    if g.lower_bound is not None:
+        writer.add_float32(f"{arch}.kda.gate_lower_bound", g.lower_bound)
+    writer.add_q_lora_rank(mla.q_rank)
+    writer.add_kv_lora_rank(mla.kv_rank)
+    writer.add_rope_dimension_count(0)
+    writer.add_key_length(mla.kv_rank)
+    writer.add_value_length(mla.kv_rank)
+    writer.add_key_length_mla(mla.key_dim)
+    writer.add_value_length_mla(mla.value_dim)
+    writer.add_indexer_head_count(index.heads)
+    writer.add_indexer_key_length(index.head_dim)
+    writer.add_indexer_top_k(index.topk)
+    writer.add_uint32(f"{arch}.attention.indexer.kpool", index.pool)
+    writer.add_bool(f"{arch}.attention.indexer.kpool_select_tail", index.select_tail)
+    if text.get("indexer_types") is not None:
+        writer.add_array(f"{arch}.attention.indexer.types", [l not in index.shared_layers for l in range(spec.num_layers)])
+    writer.add_uint32(f"{arch}.hyper_connection.count", hyper.streams)
+    writer.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", hyper.sinkhorn_iters)
+    writer.add_float32(f"{arch}.hyper_connection.epsilon", hyper.eps)
+    writer.add_leading_dense_block_count(spec.moe_layers[0])
+    writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+    writer.add_expert_shared_count(spec.n_shared_experts)
+    writer.add_expert_weights_scale(spec.routed_scaling_factor)
+    writer.add_expert_weights_norm(spec.norm_topk_prob)
+    if spec.swiglu_limit is not None:
+        writer.add_swiglu_clamp_exp([spec.swiglu_limit] * spec.num_layers)
+        writer.add_swiglu_clamp_shexp([spec.swiglu_limit] * spec.num_layers)
+
+
 def _add_parameters(writer: gguf.GGUFWriter, checkpoint: Checkpoint, file_type: LlamaFileType) -> None:
     """TextModel.set_gguf_parameters, then Qwen2MoeModel's / Glm4MoeModel's / LlamaModel's own keys."""
     spec, config = checkpoint.spec, checkpoint.config
+    if spec.arch == "glm5_next":
+        return _add_glm5_next(writer, checkpoint, file_type)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     nextn = config.get("num_nextn_predict_layers") if spec.arch == "glm4_moe" else None
     writer.add_block_count(_block_count(checkpoint))
@@ -287,7 +406,10 @@ def _add_vocabulary(writer: gguf.GGUFWriter, checkpoint: Checkpoint, arch: str) 
     write theirs: model, pre, tokens, (scores,) token types, (merges,) then SpecialVocab's ids."""
     model, pre = TOKENIZERS[arch]
     size, config = checkpoint.spec.vocab_size, checkpoint.config
-    special = {role: config.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    # SpecialVocab: the root's id, else text_config's (a vision-language config's)
+    special = {role: next((c[f"{role}_token_id"] for c in (config, text) if c.get(f"{role}_token_id") is not None), None)
+               for role in ("bos", "eos", "pad")}
     special = {role: i for role, i in special.items() if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size}
     table = bytes_to_unicode()
     byte_chars = [table[b] for b in range(256)]  # GPT-2's byte-level characters, in byte order
