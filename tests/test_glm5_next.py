@@ -47,9 +47,15 @@ CASES = {
 }
 
 
+# a vision tower of a few thousand weights: written by save_pretrained, never read (the default one is ~1.8 GB)
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, projection_intermediate_size=16, patch_size=2,
+              temporal_patch_size=1, spatial_merge_size=1, image_size=4)
+
+
 def reference(overrides: dict, seed: int):
     text = BASE | {k: v for k, v in overrides.items() if k != "tie_word_embeddings"}
-    config = transformers.Glm5NextConfig(text_config=text, tie_word_embeddings=overrides.get("tie_word_embeddings", False))
+    config = transformers.Glm5NextConfig(text_config=text, vision_config=VISION | {"out_hidden_size": BASE["hidden_size"]},
+                                         tie_word_embeddings=overrides.get("tie_word_embeddings", False))
     torch.manual_seed(seed)
     model = transformers.Glm5NextForConditionalGeneration(config).eval()
     with torch.no_grad():

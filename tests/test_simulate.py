@@ -218,6 +218,7 @@ def test_the_seeds_qwen_geometry_is_a_named_shape(tmp_path):
     (["--shape", "qwen3-next-80b-a3b-iq3_s"], "expected 48 x 512"),
     (["--expert-bytes", 1000, "--sweep", "threads=2"], "--sweep"),
     (["--shape", "glm-4.5-air-q4k"], "expected 42 x 128"),
+    (["--shape", "glm-5.3-flash-ud-iq3_xxs"], "expected 42 x 288"),
     ([], "no model shape"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
@@ -230,9 +231,17 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 
 
 def test_the_seed_example_loads():
+    """GLM-5.3-Flash's geometry: 45 layers (3 dense), 42 MoE of 288 experts, UD-IQ3_XXS experts of 10.9 MB."""
+    from moetier.sched.placement import place
+    from moetier.sim.layout_sim import SHAPES
+
     layout = load_layout(REPO / "examples" / "i7-i5.toml")
     calibration = Calibration.load(layout.relative(layout.scheduler.calibration))
-    assert calibration.expert_bytes == 9_732_096 and [p.name for p in layout.parts] == ["first", "second"]
+    shape = SHAPES["glm-5.3-flash-ud-iq3_xxs"]
+    assert calibration.expert_bytes == shape.expert_bytes == 10_878_976 and [p.name for p in layout.parts] == ["first", "second"]
+    assert (shape.num_layers, len(shape.moe_layers), shape.num_experts, shape.top_k) == (45, 42, 288, 8)
+    placed = place(layout, shape)
+    assert len(placed["vram0"].layers) + len(placed["vram1"].layers) == 42
 
 
 def reproduce_seed() -> dict:
