@@ -15,13 +15,13 @@ steps after a 70-token prompt within 1e-4 in float32, identical greedy tokens;
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from moetier.engine import Engine, generate, score
+from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.spec import ModelSpec, SpecError
+from reference_checks import cached_decode, teacher_forced_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,23 +89,13 @@ def test_spec_reads_the_layers_as_transformers_builds_them(case):
 
 def test_teacher_forced_logits_match_reference(case):
     model, folder = case
-    ids = torch.randint(1, BASE["vocab_size"], (POSITIONS,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(ids[None]).logits[0].numpy()  # [T, V]
-    got = score(Engine(open_checkpoint(folder)), ids.numpy())
-    assert np.abs(got - expected).max() <= TOLERANCE
+    assert teacher_forced_error(model, folder, BASE["vocab_size"], POSITIONS) <= TOLERANCE
 
 
 def test_cached_decode_after_a_long_prompt_matches_reference(case):
     model, folder = case
-    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        out = model.generate(prompt[None], max_new_tokens=17, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    expected = torch.stack(out.logits)[:, 0].numpy()  # [17, V]: prefill, then 16 cached decode steps
-    result = generate(Engine(open_checkpoint(folder)), prompt.tolist(), 17, keep_logits=True)
-    assert result.ids == out.sequences[0, 70:].tolist()
-    assert np.abs(result.logits - expected).max() <= TOLERANCE
+    same, error = cached_decode(model, Engine(open_checkpoint(folder)), BASE["vocab_size"], 70, 17)
+    assert same and error <= TOLERANCE
 
 
 @pytest.mark.parametrize("cut", [1, 37, 64])
@@ -165,10 +155,5 @@ def test_decode_goes_per_layer_and_says_why(case):
 def test_on_cuda_the_engine_matches_reference(case):
     """Every layer on the GPU: KDA, latent attention and its indexer, the streams, the clamped experts in torch."""
     model, folder = case
-    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        out = model.generate(prompt[None], max_new_tokens=9, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    result = generate(Engine(open_checkpoint(folder), device="cuda"), prompt.tolist(), 9, keep_logits=True)
-    assert result.ids == out.sequences[0, 70:].tolist()
-    assert np.abs(result.logits - torch.stack(out.logits)[:, 0].numpy()).max() <= TOLERANCE
+    same, error = cached_decode(model, Engine(open_checkpoint(folder), device="cuda"), BASE["vocab_size"], 70, 9)
+    assert same and error <= TOLERANCE

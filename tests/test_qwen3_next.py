@@ -14,13 +14,13 @@ norms: see tests/test_engine.reference_model for why.)
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from moetier.engine import Engine, generate, score
+from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.spec import ModelSpec, SpecError
+from reference_checks import cached_decode, teacher_forced_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,24 +74,14 @@ def test_spec_reads_the_layer_kinds_as_transformers_builds_them(case):
 
 def test_teacher_forced_logits_match_reference(case):
     model, folder = case
-    ids = torch.randint(0, BASE["vocab_size"], (POSITIONS,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(ids[None]).logits[0].numpy()  # [T, V]
-    got = score(Engine(open_checkpoint(folder)), ids.numpy())
-    assert np.abs(got - expected).max() <= TOLERANCE
+    assert teacher_forced_error(model, folder, BASE["vocab_size"], POSITIONS) <= TOLERANCE
 
 
 def test_cached_decode_after_a_long_prompt_matches_reference(case):
     """A 70-token prompt (two prefill chunks) then 16 decode steps on the carried conv and recurrent states."""
     model, folder = case
-    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))  # no 0: pad
-    with torch.no_grad():
-        out = model.generate(prompt[None], max_new_tokens=17, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    expected = torch.stack(out.logits)[:, 0].numpy()  # [17, V]
-    result = generate(Engine(open_checkpoint(folder)), prompt.tolist(), 17, keep_logits=True)
-    assert result.ids == out.sequences[0, 70:].tolist()
-    assert np.abs(result.logits - expected).max() <= TOLERANCE
+    same, error = cached_decode(model, Engine(open_checkpoint(folder)), BASE["vocab_size"], 70, 17)
+    assert same and error <= TOLERANCE
 
 
 @pytest.mark.parametrize("cut", [1, 37, 64, 79])
@@ -188,17 +178,10 @@ def test_the_per_layer_decode_path_matches_reference(case):
     from moetier.engine.timing import StepTimes
 
     model, folder = case
-    # no token 0 in the prompt: transformers' generate would take it for padding (pad_token_id=0) and mask it
-    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = model.generate(prompt[None], max_new_tokens=9, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    expected = torch.stack(out.logits)[:, 0].numpy()
     engine = Engine(open_checkpoint(folder))
     engine.times = StepTimes()
-    result = generate(engine, prompt.tolist(), 9, keep_logits=True)
-    assert result.ids == out.sequences[0, 70:].tolist()
-    assert np.abs(result.logits - expected).max() <= TOLERANCE
+    same, error = cached_decode(model, engine, BASE["vocab_size"], 70, 9, seed=3)
+    assert same and error <= TOLERANCE
     assert engine.times.seconds["linear attention"] > 0
 
 
@@ -206,10 +189,5 @@ def test_the_per_layer_decode_path_matches_reference(case):
 def test_on_cuda_the_engine_matches_reference(case):
     """Every layer on the GPU (the torch path of the DeltaNet layers, the stored trunk dequantized on the device)."""
     model, folder = case
-    prompt = torch.randint(1, BASE["vocab_size"], (70,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        out = model.generate(prompt[None], max_new_tokens=9, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    result = generate(Engine(open_checkpoint(folder), device="cuda"), prompt.tolist(), 9, keep_logits=True)
-    assert result.ids == out.sequences[0, 70:].tolist()
-    assert np.abs(result.logits - torch.stack(out.logits)[:, 0].numpy()).max() <= TOLERANCE
+    same, error = cached_decode(model, Engine(open_checkpoint(folder), device="cuda"), BASE["vocab_size"], 70, 9)
+    assert same and error <= TOLERANCE

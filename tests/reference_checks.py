@@ -1,0 +1,40 @@
+"""The comparisons every architecture's tests make against transformers, written once.
+
+`teacher_forced_error` and `cached_decode` run moetier and a transformers model (already built, its folder saved)
+on the same random ids and return the max |dlogit| (and whether the greedy tokens agree); each test file asserts
+them against its bar. Prompts draw no token 0: transformers' generate takes it for padding with pad_token_id=0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetier.engine import Engine, generate, score
+from moetier.model import open_checkpoint
+
+
+def random_ids(vocab: int, length: int, seed: int) -> torch.Tensor:
+    """[length] int64 token ids in 1..vocab-1 (no 0: see the module docstring)."""
+    return torch.randint(1, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def teacher_forced_error(model, folder, vocab: int, positions: int, seed: int = 1) -> float:
+    """max |dlogit| of moetier against `model` over `positions` teacher-forced positions."""
+    ids = random_ids(vocab, positions, seed)
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0].numpy()  # [T, V]
+    got = score(Engine(open_checkpoint(folder)), ids.numpy())
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    return float(np.abs(got - expected).max())
+
+
+def cached_decode(model, engine: Engine, vocab: int, prompt: int, steps: int, seed: int = 2) -> tuple[bool, float]:
+    """(greedy tokens equal, max |dlogit|) over a `prompt`-token prefill and `steps` - 1 cached decode steps."""
+    ids = random_ids(vocab, prompt, seed)
+    with torch.no_grad():
+        out = model.generate(ids[None], max_new_tokens=steps, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    expected = torch.stack(out.logits)[:, 0].numpy()  # [steps, V]: prefill, then the cached decode steps
+    result = generate(engine, ids.tolist(), steps, keep_logits=True)
+    return result.ids == out.sequences[0, prompt:].tolist(), float(np.abs(result.logits - expected).max())
