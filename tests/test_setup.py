@@ -19,7 +19,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_env.sh"
-RUNTIME_DEPS = {"numpy", "torch", "pyzmq", "msgpack", "typer", "rich", "safetensors", "gguf", "matplotlib"}  # matplotlib: sweep and simulate plots
+RUNTIME_DEPS = {"numpy", "torch", "pyzmq", "msgpack", "typer", "rich", "safetensors", "gguf", "matplotlib",  # matplotlib: sweep and simulate plots
+                "tokenizers", "jinja2", "fastapi", "uvicorn", "pydantic"}  # text: tokenizers, chat templates, `moetier serve`
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -37,7 +38,7 @@ def test_pyproject_entry_point_and_dependencies():
     assert _names(project["dependencies"]) == RUNTIME_DEPS
     extras = project["optional-dependencies"]
     assert {n.split("-")[0] for n in _names(extras["cuda"])} == {"cupy"}
-    assert _names(extras["dev"]) == {"pytest", "pytest-timeout", "hypothesis", "transformers"}
+    assert _names(extras["dev"]) == {"pytest", "pytest-timeout", "hypothesis", "transformers", "openai"}
     assert extras["peer"] == ["llama-cpp-python==0.3.36"]  # pinned: the oracle's numbers must not move under the tests
 
 
