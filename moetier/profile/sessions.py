@@ -6,8 +6,9 @@ JSONL, one record per request (blank lines skipped):
     {"phase": "second_language", "ids": [...], "profile": false}
 `phase` is any label (explore / edit / verify in the examples; each phase gets
 an equal vote in a profile). `ids` are token ids; `text` is tokenized with the
-model folder's own tokenizer (transformers' AutoTokenizer), only when the folder
-has one. `profile: false` holds a record out of profiles (it is still measured
+model's own tokenizer (moetier.model.tokenizer: a folder's tokenizer.json or a
+GGUF's vocabulary; special tokens' text parsed, no BOS added), only when it has
+one. `moetier serve --record` writes these files (moetier.serve.record). `profile: false` holds a record out of profiles (it is still measured
 by `kl` and `sweep`); `session` groups records; `meta` is free-form and ignored.
 Invariant: every error is one line naming the file, the line and what was expected.
 """
@@ -22,7 +23,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 KEYS = {"phase", "ids", "text", "profile", "session", "meta"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class SessionError(ValueError):
@@ -40,12 +40,8 @@ class Request:
     where: str = ""  # "file:line", for messages
 
 
-def has_tokenizer(model_dir: Path) -> bool:
-    return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
-
-
 class _Tokenizer:
-    """The model folder's tokenizer, loaded on the first `text` record."""
+    """The model's tokenizer, loaded on the first `text` record."""
 
     def __init__(self, model_dir: Path | None):
         self.model_dir = model_dir
@@ -53,18 +49,18 @@ class _Tokenizer:
 
     def encode(self, text: str, where: str) -> list[int]:
         if self._tokenizer is None:
+            from moetier.model.tokenizer import TokenizerError, has_tokenizer, load_tokenizer
+
             folder = self.model_dir
             if folder is None or not has_tokenizer(folder):
                 raise SessionError(
                     f"{where}: the record has 'text' but {folder or 'the model'} has no tokenizer "
-                    f"(none of {', '.join(TOKENIZER_FILES)}); give token ids as \"ids\" instead")
+                    f"(no tokenizer.json, nor a GGUF vocabulary); give token ids as \"ids\" instead")
             try:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
-            except Exception as err:  # transformers raises many kinds; one line is what the user needs
-                raise SessionError(f"{where}: cannot load the tokenizer of {folder} ({type(err).__name__}: {err})") from None
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+                self._tokenizer = load_tokenizer(folder)
+            except TokenizerError as err:
+                raise SessionError(f"{where}: cannot load the tokenizer of {folder} ({err})") from None
+        return self._tokenizer.encode(text, add_special=False)
 
 
 def _parse(record: object, where: str, tokenizer: _Tokenizer, vocab_size: int | None) -> Request:
