@@ -1,0 +1,87 @@
+"""Token streaming: `generate` one token at a time, over a kept prefix cache, stoppable between any two tokens.
+
+`stream_tokens` yields each new token id as soon as it is picked (the stop id
+that ends a generation too); the caller stops it by not asking for more. It
+prefills through a `PrefixCache` (moetier.engine.prefix), a new one unless
+given, so a server's next request recomputes only what follows the common
+prefix. Sampling is `generate`'s (the same seeded generator, the same
+pick_token), so greedy and seeded outputs equal `generate`'s for a prompt.
+`StreamStats` counts what ran: prompt tokens, those reused, seconds of
+prefill and of decode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from moetier.engine.core import Engine
+from moetier.engine.generate import Sampling, _check_ids, pick_token
+from moetier.engine.prefix import PrefixCache
+
+
+@dataclass
+class StreamStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # the decode steps (tokens after the first)
+    new_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def to_dict(self) -> dict:
+        steps = max(self.new_tokens - 1, 0)
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "prefill_tokens": self.prefill_tokens, "prefill_ms": 1000 * self.prefill_s,
+                "prefill_tok_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0,
+                "decode_tokens": self.new_tokens, "decode_ms": 1000 * self.decode_s,
+                "decode_tok_per_s": steps / self.decode_s if steps and self.decode_s > 0 else 0.0}
+
+
+def check_request(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """generate's checks, as ValueErrors: a non-empty prompt, max_new_tokens >= 1, within the context, ids in range."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty (expected at least one token)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_tokens is {max_new_tokens} (expected >= 1)")
+    context = engine.spec.max_position_embeddings
+    if context is not None and len(prompt_ids) + max_new_tokens > context:
+        raise ValueError(f"a {len(prompt_ids)}-token prompt + {max_new_tokens} new tokens is past the model's context "
+                         f"(expected at most {context} tokens in all)")
+    _check_ids(engine, prompt_ids)
+
+
+def stream_tokens(engine: Engine, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+                  stop_ids: frozenset[int] | tuple[int, ...] = (), prefix: PrefixCache | None = None,
+                  stats: StreamStats | None = None, before_decode: Callable[[], None] | None = None) -> Iterator[int]:
+    """Each new token id, as it is picked (see the module docstring)."""
+    prompt = [int(i) for i in prompt_ids]
+    check_request(engine, prompt, max_new_tokens)
+    prefix = prefix if prefix is not None else PrefixCache(engine)
+    stats = stats if stats is not None else StreamStats()
+    stats.prompt_tokens = len(prompt)
+    generator = None
+    if sampling.temperature > 0:
+        generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+    begin = time.perf_counter()
+    logits, stats.cached_tokens = prefix.prefill(prompt)
+    token = pick_token(logits, sampling, generator)
+    stats.prefill_s = time.perf_counter() - begin
+    stats.new_tokens = 1
+    if before_decode is not None:
+        before_decode()
+    yield token
+    decoded = 0.0
+    while stats.new_tokens < max_new_tokens and token not in stop_ids:
+        begin = time.perf_counter()
+        token = pick_token(prefix.step(token), sampling, generator)
+        decoded += time.perf_counter() - begin
+        stats.decode_s = decoded
+        stats.new_tokens += 1
+        yield token
