@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "moetier"
 
 # part of moetier -> its layer; a part imports only parts of strictly lower layers
 LAYERS = {
-    "cli": 7,
+    "cli": 8,
+    "serve": 7,
     "profile": 6, "sim": 6, "calibrate": 6,
     "engine": 5,
     "tiers": 4, "sched": 4,

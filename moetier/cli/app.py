@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import typer
 
-from moetier.cli import layout, model, profile, sim, worker
+from moetier.cli import layout, model, profile, serve, sim, worker
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Run Mixture-of-Experts models whose experts do not fit in GPU memory.")
@@ -30,6 +30,8 @@ app.add_typer(worker.keys_app, name="keys")
 app.command()(worker.ping)
 app.command()(worker.launch)
 app.command()(sim.simulate)
+app.command()(serve.serve)
+app.command()(serve.chat)
 
 
 def main() -> None:

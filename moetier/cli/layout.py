@@ -53,7 +53,8 @@ def layout_report(runtime, result, times) -> dict:
     }
 
 
-def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optional[Path], as_json: bool, out: Console) -> dict:
+def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optional[Path], as_json: bool, out: Console,
+                    tokenizer=None, stop_ids: tuple[int, ...] = ()) -> dict:
     from moetier.engine import generate
     from moetier.engine.tier_executor import TraceRows
     from moetier.engine.timing import StepTimes
@@ -68,11 +69,14 @@ def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optio
             executor.trace = TraceRows(layers=list(engine.spec.moe_layers), tier_index=dict(executor.index))
 
     try:
-        result = generate(engine, prompt, max_new_tokens, sampling, before_decode=start_decode)
+        result = generate(engine, prompt, max_new_tokens, sampling, stop_ids=stop_ids, before_decode=start_decode)
     finally:
         engine.times = executor.times = None
         runtime.close()
     report = layout_report(runtime, result, times)
+    if tokenizer is not None:
+        ids = result.ids[:-1] if result.ids[-1] in stop_ids else result.ids
+        report["text"] = tokenizer.decode(ids, skip_special=True)
     if trace_path is not None:
         write_trace(trace_path, executor.trace, runtime)
         report["trace"] = str(trace_path)
@@ -103,6 +107,8 @@ def write_trace(path: Path, rows, runtime) -> None:
 def print_report(report: dict, out: Console) -> None:
     out.print(f"layout {report['layout']}  model {report['model']} ({report['fingerprint']})  "
               f"DEFER_CPU={report['defer_cpu']}  tail_skip={report['tail_skip']}", highlight=False)
+    if "text" in report:
+        out.print(report["text"], highlight=False, markup=False)
     table = Table("tier", "kind", "device", "experts/token", "hit rate")
     for tier in report["tiers"]:
         device = tier["device"] + (" (emulated)" if tier["emulated"] else "")

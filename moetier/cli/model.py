@@ -23,7 +23,10 @@ from moetier.cli.common import UsageError, console, default_prompt, errors_to_ex
 def run(
     model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
     max_new_tokens: int = typer.Option(32, help="tokens to generate"),
+    prompt: Optional[str] = typer.Option(None, help="prompt text, tokenized by the model's tokenizer (BOS where it asks); "
+                                                    "the completion streams as text"),
     prompt_ids: Optional[str] = typer.Option(None, help="prompt token ids, e.g. 1,2,3"),
+    ignore_eos: bool = typer.Option(False, help="run past the model's end-of-generation tokens"),
     seed: Optional[int] = typer.Option(None, help="sample with this seed (greedy when omitted and temperature is 0)"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0),
@@ -38,13 +41,18 @@ def run(
     bias_mode: Optional[str] = typer.Option(None, help="selection | damped (weights from the biased scores too)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
-    """Generate tokens and report prefill and decode speed."""
+    """Generate tokens and report prefill and decode speed (as text, streamed, where the model has a tokenizer)."""
     from moetier.engine import Sampling, generate
     from moetier.engine.router_bias import apply_router_options
     from moetier.model.output import check_output
+    from moetier.model.tokenizer import has_tokenizer, load_tokenizer
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens is {max_new_tokens} (expected >= 1)")
+    if prompt is not None and prompt_ids:
+        raise UsageError("give --prompt (text) or --prompt-ids (token ids), not both")
+    if prompt is not None and not prompt:
+        raise UsageError("--prompt is empty (expected some text)")
     if trace is not None and layout is None:
         raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
     if trace is not None:
@@ -54,14 +62,22 @@ def run(
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # refuses bad flags before any loading
     engine, runtime = open_engine(model, backend, device, threads, layout)
     apply_router_options(engine, bias, affinity, bias_mode)
-    prompt = parse_list(prompt_ids, "--prompt-ids") if prompt_ids else default_prompt(engine)
+    tokenizer = load_tokenizer(engine.checkpoint) if prompt is not None or has_tokenizer(engine.checkpoint) else None
+    if prompt is not None:
+        ids = tokenizer.encode(prompt, add_special=True)
+    else:
+        ids = parse_list(prompt_ids, "--prompt-ids") if prompt_ids else default_prompt(engine)
+    stop_ids = tuple(sorted(tokenizer.stop_ids)) if tokenizer is not None and not ignore_eos else ()
     engine.warm_up()
     if runtime is not None:
         from moetier.cli.layout import run_over_layout
 
-        run_over_layout(runtime, prompt, max_new_tokens, sampling, trace, as_json, console)
+        run_over_layout(runtime, ids, max_new_tokens, sampling, trace, as_json, console, tokenizer, stop_ids)
         return
-    result = generate(engine, prompt, max_new_tokens, sampling)
+    if tokenizer is not None and not as_json:
+        _stream_text(engine, tokenizer, ids, max_new_tokens, sampling, stop_ids)
+        return
+    result = generate(engine, ids, max_new_tokens, sampling, stop_ids=stop_ids)
     report = {
         "model": str(engine.checkpoint.folder),
         "fingerprint": engine.checkpoint.fingerprint,
@@ -77,6 +93,9 @@ def run(
         "decode_s": result.decode_s,
         "decode_tok_per_s": result.decode_tok_per_s,
     }
+    if tokenizer is not None:
+        report |= {"prompt": tokenizer.decode(ids), "text": _completion_text(tokenizer, result.ids, stop_ids),
+                   "finish_reason": "stop" if result.ids[-1] in stop_ids else "length"}
     if as_json:
         print(json.dumps(report))
         return
@@ -89,6 +108,35 @@ def run(
     table.add_row("prefill", str(report["prefill_tokens"]), f"{result.prefill_s:.3f}", f"{result.prefill_tok_per_s:.1f}")
     table.add_row("decode", str(report["decode_tokens"]), f"{result.decode_s:.3f}", f"{result.decode_tok_per_s:.1f}")
     console.print(table)
+
+
+def _completion_text(tokenizer, ids: list[int], stop_ids) -> str:
+    """The generated text, a final stop token left out (special tokens are skipped in any case)."""
+    return tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids, skip_special=True)
+
+
+def _stream_text(engine, tokenizer, ids: list[int], max_new_tokens: int, sampling, stop_ids) -> None:
+    """`run` with a tokenizer: the prompt to stderr, the completion streamed to stdout, the speeds to stderr."""
+    import sys
+
+    from moetier.cli.common import status
+    from moetier.serve.textgen import TextParams, generate_text
+
+    sys.stderr.write(tokenizer.decode(ids))  # the prompt as the model reads it (its specials included)
+    sys.stderr.flush()
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    params = TextParams(max_new_tokens, sampling, ignore_eos=not stop_ids)
+    result = generate_text(engine, tokenizer, ids, params, on_text=write)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    s = result.stats.to_dict()
+    status.print(f"[dim]prefill {s['prefill_tokens']} tokens, {s['prefill_tok_per_s']:.1f} tok/s; decode "
+                 f"{s['decode_tokens']} tokens, {s['decode_tok_per_s']:.1f} tok/s; {result.finish_reason}; "
+                 f"{engine.decode_path()}[/dim]", highlight=False)
 
 
 @errors_to_exit

@@ -1,0 +1,293 @@
+"""`moetier serve`'s HTTP app: OpenAI's /v1/models, /v1/chat/completions and /v1/completions (FastAPI).
+
+A chat is rendered with the model's own template (moetier.model.chat_template)
+and tokenized with its tokenizer; a completion's prompt is text (BOS added
+where the model asks for it) or token ids. Every request is checked before it
+queues (types, limits, the context: 400 with OpenAI's error body), then runs
+on the engine's one thread (moetier.serve.worker). Streaming answers are
+server-sent events ending in `data: [DONE]`; when the client goes away its
+generation is cancelled, streaming or not. With an API key, every /v1 request
+must carry `Authorization: Bearer KEY` (else 401). Responses carry OpenAI's
+`usage` (prompt_tokens_details.cached_tokens: the prompt tokens the prefix
+cache reused) and, like llama-server, `timings` (prefill_tokens: those
+computed). /health answers without a key. (No `from __future__ import annotations`: FastAPI reads the
+handlers' annotations, Request among them, as objects.)
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+
+from moetier.engine.generate import Sampling
+from moetier.model.chat_template import ChatTemplateError, render_chat
+from moetier.serve import api
+from moetier.serve.api import ApiError, ChatRequest, CompletionRequest
+from moetier.serve.tools import ToolCallGate, split_tool_calls
+from moetier.serve.textgen import TextParams
+from moetier.serve.worker import Busy, Job, Worker
+
+log = logging.getLogger("moetier.serve")
+POLL_S = 0.25  # how often a waiting non-streaming request looks for its client
+
+
+@dataclass
+class ServerState:
+    worker: Worker
+    tokenizer: object
+    model_name: str
+    fingerprint: str
+    context: int
+    api_key: str | None = None
+    created: int = 0
+
+
+def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None) -> TextParams:
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens is {max_tokens} (expected >= 1)", "max_tokens")
+    if prompt_len >= state.context:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens: the model's context is {state.context} tokens "
+                            "(expected a shorter prompt)", "messages" if isinstance(request, ChatRequest) else "prompt",
+                       "context_length_exceeded")
+    max_tokens = max_tokens if max_tokens is not None else state.context - prompt_len
+    if prompt_len + max_tokens > state.context:
+        raise ApiError(400, f"a {prompt_len}-token prompt + max_tokens {max_tokens} is past the model's context of "
+                            f"{state.context} tokens (expected max_tokens <= {state.context - prompt_len})",
+                       "max_tokens", "context_length_exceeded")
+    seed = request.seed if request.seed is not None else secrets.randbits(63)
+    temperature = 1.0 if request.temperature is None else request.temperature
+    try:
+        sampling = Sampling(temperature=temperature, top_k=request.top_k or 0,
+                            top_p=1.0 if request.top_p is None else request.top_p, seed=seed)
+    except ValueError as err:
+        raise ApiError(400, str(err).replace("--", "").replace("-", "_")) from None
+    return TextParams(max_tokens, sampling, tuple(request.stop or ()), bool(request.ignore_eos))
+
+
+def _chat_prompt(state: ServerState, request: ChatRequest) -> list[int]:
+    tokenizer = state.tokenizer
+    template = tokenizer.chat_template(tools=bool(request.tools))
+    if template is None:
+        raise ApiError(400, "the model has no chat template (tokenizer_config.json, chat_template.jinja or GGUF "
+                            "tokenizer.chat_template); use /v1/completions", "messages")
+    try:
+        text = render_chat(template, api.message_dicts(request.messages), tools=request.tools, add_generation_prompt=True,
+                           special_tokens=tokenizer.specials.template_tokens, **(request.chat_template_kwargs or {}))
+    except ChatTemplateError as err:
+        raise ApiError(400, str(err), "messages") from None
+    return tokenizer.encode(text, add_special=False, parse_special=True)
+
+
+def _completion_prompt(state: ServerState, request: CompletionRequest) -> list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt is a list of {len(prompt)} strings (expected one: one choice per request)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return state.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    bad = [i for i in prompt if not 0 <= i < state.tokenizer.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary (expected 0 <= id < "
+                            f"{state.tokenizer.vocab_size})", "prompt")
+    return list(prompt)
+
+
+async def _parse(request, model):
+    """The body as `model`: any content type, JSON inside; 400 naming the first bad field."""
+    from pydantic import ValidationError
+
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON ({err})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body is a JSON {type(data).__name__} (expected an object)")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise api.validation_error(err.errors()) from None
+
+
+def _submit(state: ServerState, job: Job) -> None:
+    job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+    try:
+        state.worker.submit(job)
+    except Busy as err:
+        raise ApiError(503, f"the server is busy: {err}", code="server_busy", kind="server_error") from None
+
+
+async def _wait(job: Job, request) -> object:
+    """The job's TextResult once done; cancels it (and raises ApiError 499) when the client leaves first."""
+    while True:
+        try:
+            event = await asyncio.wait_for(job.events.get(), timeout=POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise ApiError(499, "the client closed the request") from None
+            continue
+        if event[0] == "done":
+            return event[1]
+        if event[0] == "error":
+            raise ApiError(event[1], event[2], kind="invalid_request_error" if event[1] < 500 else "server_error")
+
+
+def create_app(state: ServerState):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="moetier", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, err: RequestValidationError):
+        error = api.validation_error(err.errors())
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, err: HTTPException):
+        error = ApiError(err.status_code, str(err.detail), code="not_found" if err.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=err.status_code)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+                error = ApiError(401, "missing or wrong API key (expected the header Authorization: Bearer KEY)",
+                                 code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+        try:
+            return await call_next(request)
+        except Exception as err:  # noqa: BLE001 - one request's bug must not stop the server
+            log.exception("request failed")
+            error = ApiError(500, f"{type(err).__name__}: {err}", kind="server_error")
+            return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        worker = state.worker
+        return {"status": "ok", "model": state.model_name, "running": worker.running is not None,
+                "waiting": worker.waiting, "served": worker.served}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "moetier", "fingerprint": state.fingerprint,
+                                            "context_length": state.context}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _parse(request, ChatRequest)
+        api.check_unsupported(body)
+        prompt = await asyncio.to_thread(_chat_prompt, state, body)
+        params = _params(state, body, len(prompt), body.max_completion_tokens or body.max_tokens)
+        phase, session, profile = api.request_label(body.metadata, request.headers)
+        rid, created = api.new_id("chatcmpl"), api.now()
+        job = Job(rid, "chat", prompt, params, phase, session, profile)
+        _submit(state, job)
+        tools = bool(body.tools)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(state, job, created, tools, usage), media_type="text/event-stream")
+        result = await _wait(job, request)
+        content, calls = split_tool_calls(result.text) if tools else (result.text, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        finish = "tool_calls" if calls else result.finish_reason
+        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "system_fingerprint": state.fingerprint,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": api.usage(result.stats), "timings": result.stats.to_dict()}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        api.check_unsupported(body)
+        prompt = await asyncio.to_thread(_completion_prompt, state, body)
+        params = _params(state, body, len(prompt), body.max_tokens if body.max_tokens is not None else 16)
+        phase, session, profile = api.request_label(body.metadata, request.headers)
+        rid, created = api.new_id("cmpl"), api.now()
+        job = Job(rid, "completions", prompt, params, phase, session, profile)
+        _submit(state, job)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_text_stream(state, job, created, usage), media_type="text/event-stream")
+        result = await _wait(job, request)
+        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                "system_fingerprint": state.fingerprint,
+                "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+                "usage": api.usage(result.stats), "timings": result.stats.to_dict()}
+
+    return app
+
+
+async def _events(job: Job):
+    """The job's events until it ends; cancels it when the consumer stops early (a client that left)."""
+    try:
+        while True:
+            event = await job.events.get()
+            yield event
+            if event[0] in ("done", "error"):
+                return
+    finally:
+        job.cancel()
+
+
+async def _chat_stream(state: ServerState, job: Job, created: int, tools: bool, include_usage: bool):
+    rid, model = job.request_id, state.model_name
+    yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+    gate = ToolCallGate() if tools else None
+    async for event in _events(job):
+        if event[0] == "text":
+            piece = gate.feed(event[1]) if gate is not None else event[1]
+            if piece:
+                yield api.sse(api.chat_chunk(rid, model, created, {"content": piece}))
+        elif event[0] == "done":
+            result, finish = event[1], event[1].finish_reason
+            if gate is not None and gate.held:
+                content, calls = split_tool_calls(gate.held)
+                if content:
+                    yield api.sse(api.chat_chunk(rid, model, created, {"content": content}))
+                if calls:
+                    deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+                    yield api.sse(api.chat_chunk(rid, model, created, {"tool_calls": deltas}))
+                    finish = "tool_calls"
+            yield api.sse(api.chat_chunk(rid, model, created, {}, finish, timings=result.stats.to_dict()))
+            if include_usage:
+                yield api.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [], "usage": api.usage(result.stats)})
+        else:
+            yield api.sse(ApiError(event[1], event[2]).body())
+    yield api.sse("[DONE]")
+
+
+async def _text_stream(state: ServerState, job: Job, created: int, include_usage: bool):
+    rid, model = job.request_id, state.model_name
+    async for event in _events(job):
+        if event[0] == "text":
+            yield api.sse(api.text_chunk(rid, model, created, event[1]))
+        elif event[0] == "done":
+            result = event[1]
+            yield api.sse(api.text_chunk(rid, model, created, "", result.finish_reason, timings=result.stats.to_dict()))
+            if include_usage:
+                yield api.sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": api.usage(result.stats)})
+        else:
+            yield api.sse(ApiError(event[1], event[2]).body())
+    yield api.sse("[DONE]")
