@@ -35,7 +35,7 @@ PRE_TOKENIZER = "qwen2"  # tokenizer.ggml.pre of the synthetic vocabulary
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
                  r"\s+(?!\S)|\s+")
 SPECIAL_NAMES = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
-MAX_PIECE_CHARS = 12  # no synthetic piece is longer (in byte-level characters)
+MAX_PIECE_CHARS = 10  # no synthetic piece is longer (in characters)
 
 CHATML_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -177,15 +177,20 @@ def synthetic_vocabulary(vocab_size: int, families: dict[str, list[int]], specia
             if not queue:
                 continue
             piece = next(streams[name]) if stalled[name] < 64 else " " + _word(rng, "latin", (2, 4))
-            text = "".join(alphabet[b] for b in piece.encode("utf-8"))[:MAX_PIECE_CHARS]
+            # one unit a character, in the byte alphabet; a multi-byte character is merged from its bytes first,
+            # so that no token but the 256 byte tokens ends inside a character
+            units = ["".join(alphabet[b] for b in char.encode("utf-8")) for char in piece[:MAX_PIECE_CHARS]]
             before = len(queue)
-            for end in range(2, len(text) + 1):  # the chain of prefixes, one merge each
-                if not queue:
-                    break
-                if text[:end] not in known:
-                    known.add(text[:end])
-                    tokens[queue.pop(0)] = text[:end]
-                    merges.append((text[: end - 1], text[end - 1]))
+            chains = [list(unit) for unit in units if len(unit) > 1] + [units]
+            for chain in chains:
+                for end in range(2, len(chain) + 1):  # the chain of prefixes, one merge each
+                    text = "".join(chain[:end])
+                    if not queue:
+                        break
+                    if text not in known:
+                        known.add(text)
+                        tokens[queue.pop(0)] = text
+                        merges.append(("".join(chain[: end - 1]), chain[end - 1]))
             stalled[name] = 0 if len(queue) < before else stalled[name] + 1
     missing = [i for i, t in enumerate(tokens) if t is None]
     if missing:
