@@ -31,6 +31,7 @@ import numpy as np
 from moetier.model.synth_sessions import SYNTH_META
 from moetier.model.tokenizer import byte_alphabet
 
+TOKENIZER_VERSION = 1  # of this generator: part of synth_version's hash, so a cache without these files is rewritten
 PRE_TOKENIZER = "qwen2"  # tokenizer.ggml.pre of the synthetic vocabulary
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
                  r"\s+(?!\S)|\s+")
