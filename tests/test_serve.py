@@ -156,7 +156,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_queue(client, url, record):
     assert answer.usage.completion_tokens >= 1 and time.perf_counter() - begin < 3.0
     records = [json.loads(line) for line in (record / "sessions.jsonl").read_text().splitlines()]
     left = [r for r in records if r["phase"] == "cancelled"]
-    assert left and left[0]["meta"]["finish_reason"] == "cancelled" and left[0]["meta"]["completion_tokens"] < 3900
+    assert left and left[0]["meta"]["finish_reason"] == "cancelled" and left[0]["meta"]["completion_tokens"] < 1000
 
 
 def test_prefix_reuse_prefills_only_what_follows(client, model):

@@ -153,7 +153,8 @@ def chat(
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None),
 ):
-    """Chat with the model in the terminal (its own chat template; /reset starts over, /exit or Ctrl-D leaves)."""
+    """Chat with the model in the terminal (its own chat template; /reset starts over, Ctrl-C ends an answer, /exit or
+    Ctrl-D leaves)."""
     import secrets
 
     from moetier.engine import Sampling
@@ -178,7 +179,7 @@ def chat(
         while True:
             try:
                 line = input(">>> " if interactive else "")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
                 break
             if line.strip() in ("/exit", "/quit"):
                 break
@@ -197,7 +198,13 @@ def chat(
                 continue
             sampling = Sampling(temperature, top_k, top_p, seed if seed is not None else secrets.randbits(63))
             params = TextParams(min(max_tokens, context - len(ids)), sampling)
-            result = generate_text(engine, tokenizer, ids, params, prefix, on_text=_write)
+            try:
+                result = generate_text(engine, tokenizer, ids, params, prefix, on_text=_write)
+            except KeyboardInterrupt:  # Ctrl-C ends the answer, not the chat
+                _write("\n")
+                prefix.reset()  # a forward cut short leaves states the kept ids do not describe
+                messages.pop()
+                continue
             _write("\n")
             messages.append({"role": "assistant", "content": result.text})
             s = result.stats

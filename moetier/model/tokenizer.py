@@ -171,7 +171,8 @@ class HfBackend:
             return self.rust.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int], skip_special: bool) -> str:
-        text = self.rust.decode(ids, skip_special_tokens=skip_special)
+        with self.lock:  # not while another thread sets the mode (the binding would refuse the borrow)
+            text = self.rust.decode(ids, skip_special_tokens=skip_special)
         return clean_up_tokenization(text) if self.clean_up_spaces else text
 
 
