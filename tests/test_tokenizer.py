@@ -73,10 +73,17 @@ def test_special_tokens_parse_only_when_asked(small):
     assert tokenizer.decode(literal) == "a<|im_end|>b"
 
 
-def test_a_gguf_vocabulary_tokenizes_as_its_tokenizer_json(small, tmp_path):
-    """The synthetic tokenizer.json uses Qwen2's regex: the GGUF path with pre qwen2 must give the same ids."""
-    reference = load_tokenizer(small)
-    gguf = load_tokenizer(bpe_gguf(tmp_path / "v.gguf", small, "qwen2"))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_a_gguf_vocabulary_tokenizes_as_its_tokenizer_json(arch, small, tmp_path):
+    """A synthetic tokenizer.json splits with its family's regex (Qwen2's; GLM-4's, whole words first): the GGUF
+    path under the pre name the folder's vocabulary gets (qwen2, glm4) must give the same ids."""
+    from moetier.model.synth_tokenizer import gguf_vocabulary
+
+    folder = small if arch == "qwen3_moe" else text_model(tmp_path / "glm", arch=arch, preset="small")
+    pre = gguf_vocabulary(folder).pre
+    assert pre == {"qwen3_moe": "qwen2", "glm4_moe": "glm4"}[arch]
+    reference = load_tokenizer(folder)
+    gguf = load_tokenizer(bpe_gguf(tmp_path / "v.gguf", folder, pre))
     for parse_special in (False, True):
         ids = gguf.encode(SPECIAL_TEXT, parse_special=parse_special)
         assert ids == reference.encode(SPECIAL_TEXT, parse_special=parse_special)

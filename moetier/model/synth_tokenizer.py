@@ -1,10 +1,11 @@
 """A real tokenizer for a synthetic checkpoint: byte-level BPE over text in the style of each token family.
 
-`write_synthetic_tokenizer(folder)` reads the folder's config.json (vocab size,
-special ids) and moetier_synth.json (token families in frequency-rank order)
-and writes tokenizer.json (Qwen2's pre-tokenizer regex, the GPT-2 byte alphabet,
-a merge per multi-character token) and tokenizer_config.json (a ChatML chat
-template with Hermes-style tools). Ids 0, 1, 2 (pad, bos, eos) are
+`write_synthetic_tokenizer(folder)` reads the folder's config.json (arch, vocab
+size) and moetier_synth.json (special ids, token families in frequency-rank
+order) and writes tokenizer.json (the split regex of the arch family's real
+tokenizer, Qwen2's or GLM-4's; the GPT-2 byte alphabet; a merge per
+multi-character token) and tokenizer_config.json (a ChatML chat template with
+Hermes-style tools). Ids 0, 1, 2 (pad, bos, eos) are
 <|endoftext|>, <|im_start|>, <|im_end|>, as in Qwen's vocabulary; the 256
 byte tokens take the rarest ranks of the families, and every other id a piece
 of text in the style of its family (explore: English-like words, edit: code,
@@ -14,7 +15,7 @@ Generated text is gibberish, but real tokens through real code.
 `gguf_vocabulary(folder)` gives the vocabulary arrays a GGUF carries for any
 byte-level BPE tokenizer.json (what llama.cpp's converter writes), and
 `add_gguf_vocabulary(writer, vocabulary)` writes them.
-Invariant: the files are a pure function of (vocab size, families, seed).
+Invariant: the files are a pure function of (arch, vocab size, families, seed).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
+from moetier.model.gguf_vocab import PRE_TOKENIZERS
 from moetier.model.synth_sessions import SYNTH_META
 from moetier.model.tokenizer import byte_alphabet
 
 TOKENIZER_VERSION = 1  # of this generator: part of synth_version's hash, so a cache without these files is rewritten
-PRE_TOKENIZER = "qwen2"  # tokenizer.ggml.pre of the synthetic vocabulary
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-                 r"\s+(?!\S)|\s+")
+# tokenizer.ggml.pre of the synthetic vocabulary, by arch: the split regex of the family's real tokenizer (Qwen2's;
+# GLM-4's, with whole words first) in tokenizer.json, and the name llama.cpp runs it under in the GGUF
+PRE_BY_ARCH = {"glm4_moe": "glm4", "glm5_next": "glm4"}
+DEFAULT_PRE = "qwen2"
 SPECIAL_NAMES = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
 MAX_PIECE_CHARS = 10  # no synthetic piece is longer (in characters)
 
@@ -208,15 +211,23 @@ def _folder_inputs(folder: Path) -> tuple[int, dict[str, list[int]], dict[str, i
     return int(vocab_size), meta["families"], {k: int(v) for k, v in meta["special_tokens"].items()}, int(meta["seed"])
 
 
-def build_tokenizer_json(vocabulary: SynthVocabulary) -> str:
-    """tokenizer.json's text: a BPE model over the byte alphabet, Qwen2's split regex, the specials as added tokens."""
+def synthetic_pre(folder: str | Path) -> str:
+    """The tokenizer.ggml.pre name of a synthetic folder's tokenizer (by its config.json's model_type)."""
+    return PRE_BY_ARCH.get(json.loads((Path(folder) / "config.json").read_text()).get("model_type"), DEFAULT_PRE)
+
+
+def build_tokenizer_json(vocabulary: SynthVocabulary, pre: str = DEFAULT_PRE) -> str:
+    """tokenizer.json's text: a BPE model over the byte alphabet, the split regexes llama.cpp runs for `pre`, the
+    specials as added tokens."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    split = PRE_TOKENIZERS[pre]
     vocab = {text: i for i, text in enumerate(vocabulary.tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(vocabulary.merges), byte_fallback=False, ignore_merges=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(vocabulary.merges), byte_fallback=False,
+                                     ignore_merges=split.ignore_merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in split.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tokenizer.add_special_tokens([AddedToken(SPECIAL_NAMES[role], special=True, normalized=False)
                                   for role, _ in sorted(vocabulary.special.items(), key=lambda kv: kv[1])])
@@ -239,7 +250,7 @@ def write_synthetic_tokenizer(folder: str | Path) -> list[Path]:
     vocab_size, families, special, seed = _folder_inputs(folder)
     vocabulary = synthetic_vocabulary(vocab_size, families, special, seed)
     written = []
-    for name, text in (("tokenizer.json", build_tokenizer_json(vocabulary)),
+    for name, text in (("tokenizer.json", build_tokenizer_json(vocabulary, synthetic_pre(folder))),
                        ("tokenizer_config.json", json.dumps(tokenizer_config(vocabulary), indent=2) + "\n")):
         path = folder / name
         with open(path, "w", encoding="utf-8") as f:
@@ -274,7 +285,7 @@ def gguf_vocabulary(folder: str | Path, pre: str | None = None) -> GgufVocabular
     if pre is None:
         if not (folder / SYNTH_META).exists():
             raise ValueError(f"{folder}: not a synthetic model; name the tokenizer.ggml.pre of its tokenizer.json")
-        pre = PRE_TOKENIZER
+        pre = synthetic_pre(folder)
     data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     model = data.get("model", {})
     if model.get("type") != "BPE":
