@@ -141,7 +141,7 @@ def simulate(
     layout: Path = typer.Option(..., help="cluster.toml"),
     trace: Path = typer.Option(..., help="routing trace (.npz): RoutingTrace format or `run --layout --trace` output"),
     model: Optional[Path] = typer.Option(None, help="model folder or GGUF file for the shape (default: the layout's model)"),
-    shape: Optional[str] = typer.Option(None, help="a named shape instead of a model: glm-4.5-air-q4k | qwen3-next-80b-a3b-iq3_s"),
+    shape: Optional[str] = typer.Option(None, help="a named shape instead of a model: glm-5.3-flash-ud-iq3_xxs | glm-4.5-air-q4k | qwen3-next-80b-a3b-iq3_s"),
     expert_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one expert (the rest from the trace)"),
     hidden_bytes: Optional[int] = typer.Option(None, help="without a model: bytes of one hidden state on the wire"),
     calibration: Optional[Path] = typer.Option(None, help="calibration JSON (default: the one the layout names under scheduler)"),

@@ -34,7 +34,13 @@ GLM45_AIR_EXPERT_BYTES = 3 * 4096 * 1408 * 9 // 16  # 9,732,096
 # Qwen3-Next-80B-A3B (the seed's Qwen: 48 layers, every one MoE, 512 experts top-10, hidden 2048, expert width 512)
 # as the IQ3_S GGUF the seed ran: 256-value blocks of 110 bytes (3.44 bits/weight); bf16 hidden states.
 QWEN3_NEXT_EXPERT_BYTES = 3 * 2048 * 512 // 256 * 110  # 1,351,680
+# GLM-5.3-Flash (the seed's GLM: 45 layers, the first 3 dense, 42 MoE of 288 experts top-8, hidden 4096, expert width
+# 2048) as unsloth's UD-IQ3_XXS mix, assumed gate/up IQ3_XXS (98 bytes per 256 weights) and down IQ4_XS (136): a file's
+# own figure is `moetier info`'s bytes_per_expert; bf16 hidden states (the collapsed stream hyper-connections ship).
+GLM53_FLASH_EXPERT_BYTES = 2 * 4096 * 2048 // 256 * 98 + 4096 * 2048 // 256 * 136  # 10,878,976
 SHAPES = {"glm-4.5-air-q4k": ModelShape(42, tuple(range(42)), 128, 8, GLM45_AIR_EXPERT_BYTES, 4096 * 2, "glm-4.5-air-q4k"),
+          "glm-5.3-flash-ud-iq3_xxs": ModelShape(45, tuple(range(3, 45)), 288, 8, GLM53_FLASH_EXPERT_BYTES, 4096 * 2,
+                                                 "glm-5.3-flash-ud-iq3_xxs"),
           "qwen3-next-80b-a3b-iq3_s": ModelShape(48, tuple(range(48)), 512, 10, QWEN3_NEXT_EXPERT_BYTES, 2048 * 2,
                                                  "qwen3-next-80b-a3b-iq3_s")}
 
