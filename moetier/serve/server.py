@@ -61,8 +61,8 @@ def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None
     try:
         sampling = Sampling(temperature=temperature, top_k=request.top_k or 0,
                             top_p=1.0 if request.top_p is None else request.top_p, seed=seed)
-    except ValueError as err:
-        raise ApiError(400, str(err).replace("--", "").replace("-", "_")) from None
+    except ValueError as err:  # the field constraints catch these first; Sampling's own check, as a 400 all the same
+        raise ApiError(400, str(err)) from None
     return TextParams(max_tokens, sampling, tuple(request.stop or ()), bool(request.ignore_eos))
 
 
@@ -72,9 +72,13 @@ def _chat_prompt(state: ServerState, request: ChatRequest) -> list[int]:
     if template is None:
         raise ApiError(400, "the model has no chat template (tokenizer_config.json, chat_template.jinja or GGUF "
                             "tokenizer.chat_template); use /v1/completions", "messages")
+    variables = request.chat_template_kwargs or {}
+    taken = sorted(set(variables) & {"template", "messages", "tools", "documents", "add_generation_prompt", "special_tokens"})
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs may not set {taken[0]!r} (the request's own fields do)", "chat_template_kwargs")
     try:
         text = render_chat(template, api.message_dicts(request.messages), tools=request.tools, add_generation_prompt=True,
-                           special_tokens=tokenizer.specials.template_tokens, **(request.chat_template_kwargs or {}))
+                           special_tokens=tokenizer.specials.template_tokens, **variables)
     except ChatTemplateError as err:
         raise ApiError(400, str(err), "messages") from None
     return tokenizer.encode(text, add_special=False, parse_special=True)
@@ -195,7 +199,8 @@ def create_app(state: ServerState):
         body = await _parse(request, ChatRequest)
         api.check_unsupported(body)
         prompt = await asyncio.to_thread(_chat_prompt, state, body)
-        params = _params(state, body, len(prompt), body.max_completion_tokens or body.max_tokens)
+        params = _params(state, body, len(prompt),
+                         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
         phase, session, profile = api.request_label(body.metadata, request.headers)
         rid, created = api.new_id("chatcmpl"), api.now()
         job = Job(rid, "chat", prompt, params, phase, session, profile)
