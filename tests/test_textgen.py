@@ -81,6 +81,8 @@ def test_run_refuses_text_for_a_model_without_tokenizer(tmp_path):
     from moetier.model.synth import write_synthetic
 
     folder = write_synthetic(tmp_path / "bare", arch="qwen3_moe", preset="tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint without its tokenizer
+        (folder / name).unlink(missing_ok=True)
     result = moetier("run", "--model", folder, "--prompt", "hi", "--max-new-tokens", 2)
     assert result.returncode == 2 and result.stderr.startswith("moetier: error: ") and "tokenizer" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -126,6 +126,8 @@ def test_a_model_without_tokenizer_is_one_clear_error(tmp_path):
     from moetier.model.synth import write_synthetic
 
     folder = write_synthetic(tmp_path / "bare", arch="qwen3_moe", preset="tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint without its tokenizer
+        (folder / name).unlink(missing_ok=True)
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         load_tokenizer(folder)
     (folder / "tokenizer.json").write_text("{not json")

@@ -9,6 +9,7 @@ checkpoint with realistic routing.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +17,8 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from moetier.cli.common import UsageError, console, default_prompt, errors_to_exit, expert_formats, load_ids, open_engine, parse_list
+from moetier.cli.common import (UsageError, console, default_prompt, errors_to_exit, expert_formats, load_ids, open_engine,
+                                parse_list, status)
 
 
 @errors_to_exit
@@ -45,7 +47,7 @@ def run(
     from moetier.engine import Sampling, generate
     from moetier.engine.router_bias import apply_router_options
     from moetier.model.output import check_output
-    from moetier.model.tokenizer import has_tokenizer, load_tokenizer
+    from moetier.model.tokenizer import TokenizerError, has_tokenizer, load_tokenizer
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens is {max_new_tokens} (expected >= 1)")
@@ -62,7 +64,14 @@ def run(
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # refuses bad flags before any loading
     engine, runtime = open_engine(model, backend, device, threads, layout)
     apply_router_options(engine, bias, affinity, bias_mode)
-    tokenizer = load_tokenizer(engine.checkpoint) if prompt is not None or has_tokenizer(engine.checkpoint) else None
+    tokenizer = None
+    if prompt is not None:
+        tokenizer = load_tokenizer(engine.checkpoint)
+    elif has_tokenizer(engine.checkpoint):
+        try:  # ids in: the text and the stop tokens are a bonus, not a reason to fail
+            tokenizer = load_tokenizer(engine.checkpoint)
+        except TokenizerError as err:
+            print(f"moetier: note: no text ({err})", file=sys.stderr)
     if prompt is not None:
         ids = tokenizer.encode(prompt, add_special=True)
     else:
@@ -117,9 +126,6 @@ def _completion_text(tokenizer, ids: list[int], stop_ids) -> str:
 
 def _stream_text(engine, tokenizer, ids: list[int], max_new_tokens: int, sampling, stop_ids) -> None:
     """`run` with a tokenizer: the prompt to stderr, the completion streamed to stdout, the speeds to stderr."""
-    import sys
-
-    from moetier.cli.common import status
     from moetier.serve.textgen import TextParams, generate_text
 
     sys.stderr.write(tokenizer.decode(ids))  # the prompt as the model reads it (its specials included)
