@@ -215,16 +215,36 @@ def test_metadata_and_vocabulary_follow_llama_cpp(models):
     assert glm == {"leading_dense_block_count": 1, "expert_shared_count": 1, "expert_gating_func": 2, "expert_group_count": 4,
                    "expert_group_used_count": 2, "rope.dimension_count": 8, "expert_weights_norm": True, "expert_weights_scale": 2.5}
     assert value("mixtral", "llama.vocab_size") == 512 and value("qwen3_moe", "qwen3moe.expert_feed_forward_length") == 32
-    for arch, model in (("qwen3_moe", "gpt2"), ("glm4_moe", "gpt2"), ("mixtral", "llama")):
-        tokens = value(arch, "tokenizer.ggml.tokens")
-        assert value(arch, "tokenizer.ggml.model") == model and len(tokens) == 512 and len(set(tokens)) == 512
-        assert len(value(arch, "tokenizer.ggml.token_type")) == 512
-        assert (value(arch, "tokenizer.ggml.bos_token_id"), value(arch, "tokenizer.ggml.eos_token_id")) == (1, 2)
-        if model == "gpt2":  # every merge joins two tokens into a third
-            merges, known = value(arch, "tokenizer.ggml.merges"), set(tokens)
-            assert merges and all(a in known and b in known and a + b in known for a, b in (m.split(" ") for m in merges))
-        else:
-            assert len(value(arch, "tokenizer.ggml.scores")) == 512 and "<0x0A>" in tokens
+    for arch in ARCHES:  # a synthetic folder's own BPE tokenizer, as the converter writes a tokenizer.json's
+        check_vocabulary(value, arch, "gpt2")
+
+
+def check_vocabulary(value, arch: str, model: str) -> None:
+    tokens = value(arch, "tokenizer.ggml.tokens")
+    assert value(arch, "tokenizer.ggml.model") == model and len(tokens) == 512 and len(set(tokens)) == 512
+    assert len(value(arch, "tokenizer.ggml.token_type")) == 512
+    assert (value(arch, "tokenizer.ggml.bos_token_id"), value(arch, "tokenizer.ggml.eos_token_id")) == (1, 2)
+    if model == "gpt2":  # every merge joins two tokens into a third
+        merges, known = value(arch, "tokenizer.ggml.merges"), set(tokens)
+        assert merges and all(a in known and b in known and a + b in known for a, b in (m.split(" ") for m in merges))
+    else:
+        assert len(value(arch, "tokenizer.ggml.scores")) == 512 and "<0x0A>" in tokens
+
+
+def test_a_folder_without_a_tokenizer_gets_the_converters_stand_in_vocabulary(models, tmp_path):
+    """No tokenizer.json (a transformers-saved random checkpoint): the stand-in vocabulary, SentencePiece for a llama
+    GGUF and BPE for the others, as the converter's _set_vocab_sentencepiece / _set_vocab_gpt2 write them."""
+    import shutil
+
+    fields = {}
+    for arch in ("qwen3_moe", "mixtral"):
+        folder = tmp_path / arch
+        shutil.copytree(models[arch][0], folder)
+        (folder / "tokenizer.json").unlink()
+        fields[arch] = gguf.GGUFReader(write_gguf(folder, tmp_path / f"{arch}.gguf", "F32")[0]).fields
+    value = lambda arch, key: fields[arch][key].contents()  # noqa: E731
+    check_vocabulary(value, "qwen3_moe", "gpt2")
+    check_vocabulary(value, "mixtral", "llama")
 
 
 # -- writing is whole or nothing ---------------------------------------------------------

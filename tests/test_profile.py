@@ -53,8 +53,15 @@ def test_bad_records_are_refused_naming_file_and_line(tiny, tmp_path, name):
     line, message = BAD_RECORDS[name]
     path = tmp_path / "bad.jsonl"
     path.write_text('{"phase": "explore", "ids": [5, 6]}\n\n' + line + "\n")
+    model = tiny
+    if name == "text without tokenizer":  # a synthetic folder has one: a copy without it
+        import shutil
+
+        model = tmp_path / "untokenized"
+        shutil.copytree(tiny, model)
+        (model / "tokenizer.json").unlink()
     with pytest.raises(SessionError) as caught:
-        load_sessions(path, tiny, vocab_size=512)
+        load_sessions(path, model, vocab_size=512)
     text = str(caught.value)
     assert text.startswith(f"{path}:3: ") and message in text and "\n" not in text, text
 

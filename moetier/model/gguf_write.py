@@ -1,4 +1,4 @@
-"""Write a HF MoE checkpoint as the GGUF llama.cpp's own converter writes for it, with a stand-in vocabulary.
+"""Write a HF MoE checkpoint as the GGUF llama.cpp's own converter writes for it, vocabulary included.
 
 `write_gguf(folder, out, dtype)` writes what `convert_hf_to_gguf.py --outtype
 f32|f16|bf16|q8_0` writes for a Qwen3MoeForCausalLM, Glm4MoeForCausalLM,
@@ -18,11 +18,12 @@ hyper-connections, indexer pooling and weights, dt bias; a Q8_0
 tensor whose rows are not whole blocks falls back to F16, as there); for
 Qwen3-Next and GLM-5.3, measured against the converter, the same bytes but for
 the vocabulary (docs/gguf-qwen3next.md, docs/gguf-glm5-next.md). The
-vocabulary is a stand-in, since a
-synthetic checkpoint has no tokenizer: one
-token per id, the config's bos/eos/pad ids as control tokens, the 256 byte
-tokens, then pieces with a BPE merge (gpt2) or a score (llama) each, so
-llama.cpp can load the file and tokenize any text. A checkpoint llama.cpp would
+vocabulary is a synthetic folder's own tokenizer.json (moetier.model.synth_tokenizer:
+its byte-level BPE, as the converter writes one); a folder without one (a
+random transformers checkpoint) gets a stand-in: one token per id, the
+config's bos/eos/pad ids as control tokens, the 256 byte tokens, then pieces
+with a BPE merge (gpt2) or a score (llama) each, so llama.cpp can load the file
+and tokenize any text. A checkpoint llama.cpp would
 compute differently from transformers (a sliding window; Qwen3-MoE's and
 Qwen3-Next's dense layers, unrenormalised top-k or an o_proj bias; Qwen3-Next's
 DeltaNet key and value heads of two sizes, or an rms_norm_eps other than the
@@ -56,6 +57,8 @@ from moetier.model.checkpoint import Checkpoint, open_checkpoint
 from moetier.model.gguf_spec import (CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, HYPER_STREAMS, INDEX_NORM_EPS, L2_NORM_EPS,
                                      expert_layer, gguf_name)
 from moetier.model.output import check_output, new_file
+from moetier.model.synth_sessions import SYNTH_META
+from moetier.model.synth_tokenizer import add_gguf_vocabulary, gguf_vocabulary
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.spec import ModelSpec, SpecError
 
@@ -402,8 +405,12 @@ def _pieces(alphabet: list[str]) -> Iterator[str]:
 
 
 def _add_vocabulary(writer: gguf.GGUFWriter, checkpoint: Checkpoint, arch: str) -> None:
-    """The stand-in vocabulary (see the module docstring), written as _set_vocab_gpt2 / _set_vocab_sentencepiece
-    write theirs: model, pre, tokens, (scores,) token types, (merges,) then SpecialVocab's ids."""
+    """A synthetic folder's own tokenizer (moetier.model.synth_tokenizer: its BPE vocabulary as the converter writes a
+    tokenizer.json's); else the stand-in vocabulary (see the module docstring), written as _set_vocab_gpt2 /
+    _set_vocab_sentencepiece write theirs: model, pre, tokens, (scores,) token types, (merges,) then SpecialVocab's ids."""
+    if (Path(checkpoint.folder) / "tokenizer.json").exists() and (Path(checkpoint.folder) / SYNTH_META).exists():
+        add_gguf_vocabulary(writer, gguf_vocabulary(checkpoint.folder))
+        return
     model, pre = TOKENIZERS[arch]
     size, config = checkpoint.spec.vocab_size, checkpoint.config
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}

@@ -27,6 +27,7 @@ import numpy as np
 from moetier.model import synth_glm5 as glm5
 from moetier.model import synth_linear as linear
 from moetier.model import synth_routing as design
+from moetier.model.synth_tokenizer import TOKENIZER_VERSION, write_synthetic_tokenizer
 from moetier.model.output import new_folder
 from moetier.model.synth_glm5 import Glm5Dims, Glm5Routing
 from moetier.model.synth_linear import LinearDims
@@ -139,7 +140,7 @@ def synth_version(arch: str, preset: str) -> str:
     import hashlib
 
     dims = _dims_dict(arch_preset(arch, PRESETS[preset]))
-    return hashlib.sha256(json.dumps([SYNTH_FORMAT_VERSION, arch, dims], sort_keys=True).encode()).hexdigest()[:8]
+    return hashlib.sha256(json.dumps([SYNTH_FORMAT_VERSION, arch, dims, TOKENIZER_VERSION], sort_keys=True).encode()).hexdigest()[:8]
 
 
 def _config(arch: str, p: SynthPreset) -> dict:
@@ -515,4 +516,5 @@ def write_synthetic(out_dir, arch: str = "qwen3_moe", preset: str = "tiny", seed
         config = _config(arch, dims) | {"moetier_synthetic": {"seed": seed, "version": synth_version(arch, preset)}}
         _write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         _write_text(tmp / SYNTH_META, json.dumps(_synth_meta(plan, arch, preset, dims)) + "\n")
+        write_synthetic_tokenizer(tmp)  # a real tokenizer.json: the model takes and prints text
     return out
