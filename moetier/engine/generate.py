@@ -84,6 +84,20 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def check_request(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """A request's checks, as one-line ValueErrors: a non-empty prompt, max_new_tokens >= 1, within the model's
+    context, every id in the vocabulary (generate's and stream_tokens')."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty (expected at least one token id)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {max_new_tokens} (expected >= 1)")
+    context = engine.spec.max_position_embeddings
+    if context is not None and len(prompt_ids) + max_new_tokens > context:
+        raise ValueError(f"a {len(prompt_ids)}-token prompt + {max_new_tokens} new tokens is past the model's context "
+                         f"(expected at most max_position_embeddings = {context} tokens in all)")
+    _check_ids(engine, prompt_ids)
+
+
 def generate(
     engine: Engine,
     prompt_ids: list[int],
@@ -94,15 +108,7 @@ def generate(
     before_decode: Callable[[], None] | None = None,
 ) -> Generation:
     """before_decode runs between prefill and the first decode step (e.g. to reset counters)."""
-    if not prompt_ids:
-        raise ValueError("generate: the prompt is empty (expected at least one token id)")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens is {max_new_tokens} (expected >= 1)")
-    context = engine.spec.max_position_embeddings
-    if context is not None and len(prompt_ids) + max_new_tokens > context:
-        raise ValueError(f"generate: a {len(prompt_ids)}-token prompt + max_new_tokens {max_new_tokens} is past the model's context "
-                         f"(expected at most max_position_embeddings = {context} tokens in all)")
-    _check_ids(engine, prompt_ids)
+    check_request(engine, prompt_ids, max_new_tokens)
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from moetier.engine.core import Engine
-from moetier.engine.generate import Sampling, _check_ids, pick_token
+from moetier.engine.generate import Sampling, check_request, pick_token
 from moetier.engine.prefix import PrefixCache
 
 
@@ -42,19 +42,6 @@ class StreamStats:
                 "prefill_tok_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0,
                 "decode_tokens": self.new_tokens, "decode_ms": 1000 * self.decode_s,
                 "decode_tok_per_s": steps / self.decode_s if steps and self.decode_s > 0 else 0.0}
-
-
-def check_request(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> None:
-    """generate's checks, as ValueErrors: a non-empty prompt, max_new_tokens >= 1, within the context, ids in range."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty (expected at least one token)")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_tokens is {max_new_tokens} (expected >= 1)")
-    context = engine.spec.max_position_embeddings
-    if context is not None and len(prompt_ids) + max_new_tokens > context:
-        raise ValueError(f"a {len(prompt_ids)}-token prompt + {max_new_tokens} new tokens is past the model's context "
-                         f"(expected at most {context} tokens in all)")
-    _check_ids(engine, prompt_ids)
 
 
 def stream_tokens(engine: Engine, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
