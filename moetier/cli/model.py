@@ -126,8 +126,10 @@ def _completion_text(tokenizer, ids: list[int], stop_ids) -> str:
 
 def _stream_text(engine, tokenizer, ids: list[int], max_new_tokens: int, sampling, stop_ids) -> None:
     """`run` with a tokenizer: the prompt to stderr, the completion streamed to stdout, the speeds to stderr."""
+    from moetier.engine.generate import check_request
     from moetier.serve.textgen import TextParams, generate_text
 
+    check_request(engine, ids, max_new_tokens)  # a refused request prints its one line and nothing else
     sys.stderr.write(tokenizer.decode(ids))  # the prompt as the model reads it (its specials included)
     sys.stderr.flush()
 

@@ -93,7 +93,7 @@ def check_request(engine: Engine, prompt_ids: list[int], max_new_tokens: int) ->
         raise ValueError(f"max_new_tokens is {max_new_tokens} (expected >= 1)")
     context = engine.spec.max_position_embeddings
     if context is not None and len(prompt_ids) + max_new_tokens > context:
-        raise ValueError(f"a {len(prompt_ids)}-token prompt + {max_new_tokens} new tokens is past the model's context "
+        raise ValueError(f"a {len(prompt_ids)}-token prompt + max_new_tokens {max_new_tokens} is past the model's context "
                          f"(expected at most max_position_embeddings = {context} tokens in all)")
     _check_ids(engine, prompt_ids)
 
