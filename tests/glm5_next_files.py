@@ -30,10 +30,20 @@ VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, projec
 
 def save_glm5_next(folder: Path, text: dict[str, Any], seed: int, std: float = 0.15, dtype: str = "float32") -> Path:
     import torch
+
+    model = build_glm5_next(text, seed, std, text.get("tie_word_embeddings", False))
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
+    return folder
+
+
+def build_glm5_next(text: dict[str, Any], seed: int, std: float = 0.15, tied: bool = False):
+    """A random Glm5NextForConditionalGeneration of this text config (weights N(0, std), norms N(0, 0.5), a non-zero
+    correction bias), the small vision tower beside it; `tied`: the top-level tie_word_embeddings."""
+    import torch
     import transformers
 
     config = transformers.Glm5NextConfig(text_config=text, vision_config=VISION | {"out_hidden_size": text["hidden_size"]},
-                                         tie_word_embeddings=text.get("tie_word_embeddings", False))
+                                         tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = transformers.Glm5NextForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -43,8 +53,7 @@ def save_glm5_next(folder: Path, text: dict[str, Any], seed: int, std: float = 0
         for name, buffer in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buffer.normal_(0.0, 0.05)
-    model.to(getattr(torch, dtype)).save_pretrained(folder)
-    return folder
+    return model
 
 
 def boundary_ties(checkpoint, ids: list[int]) -> dict[int, list[int]]:

@@ -21,6 +21,7 @@ import torch
 from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.spec import ModelSpec, SpecError
+from glm5_next_files import build_glm5_next
 from reference_checks import cached_decode, teacher_forced_error
 
 transformers = pytest.importorskip("transformers")
@@ -47,25 +48,9 @@ CASES = {
 }
 
 
-# a vision tower of a few thousand weights: written by save_pretrained, never read (the default one is ~1.8 GB)
-VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, projection_intermediate_size=16, patch_size=2,
-              temporal_patch_size=1, spatial_merge_size=1, image_size=4)
-
-
 def reference(overrides: dict, seed: int):
     text = BASE | {k: v for k, v in overrides.items() if k != "tie_word_embeddings"}
-    config = transformers.Glm5NextConfig(text_config=text, vision_config=VISION | {"out_hidden_size": BASE["hidden_size"]},
-                                         tie_word_embeddings=overrides.get("tie_word_embeddings", False))
-    torch.manual_seed(seed)
-    model = transformers.Glm5NextForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "visual" not in name:
-                param.normal_(0.0, 0.5 if "norm" in name else 0.15)
-        for name, buffer in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                buffer.normal_(0.0, 0.05)
-    return model
+    return build_glm5_next(text, seed, tied=overrides.get("tie_word_embeddings", False))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
