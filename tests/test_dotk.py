@@ -1,6 +1,7 @@
 """The dotk family (moetier/backends/cpu_dotk.c): K-quant and IQ weight rows times Q8_K activations.
 
-Fast: every format, T in {1, 3, 8}, n in {256, 1024}: the Q8_K bytes equal
+Fast: every format, T in {1, 3, 8}, n in {256, 1024}, and 37 rows x 11 tokens (the 16-row tiles and
+their tails): the Q8_K bytes equal
 moetier.backends.activations (llama.cpp's quantize_row_q8_K_ref); the dot
 products are within 1e-5 of sum |w||x| of float64 on gguf's dequantized
 weights and the activations' own values; T = 8 equals 8 single-token calls;
@@ -134,6 +135,21 @@ def test_eight_tokens_at_once_equal_eight_single_calls(kernels, name):
     together = kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq, n).numpy()
     apart = np.stack([kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq[t:t + 1].contiguous(), n).numpy()[0] for t in range(8)])
     _, scale = reference(name, w, xq.numpy(), n)
+    assert np.all(np.abs(together - apart) <= BOUND * scale), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_row_tiles_with_tails(kernels, name):
+    """T >= 4 or 8 takes the 16-row tiles (AVX-512 VNNI): 37 rows (two tiles and 5), 11 tokens (a pass of 8 and
+    3), 3 blocks a row: within the bound of the float64 reference, and of one token at a time (the row loop)."""
+    n, fmt = 768, BY_NAME[name]
+    w, x = case(name, 11, n, seed=17, rows=37)
+    xq = kernels.quantize(A.ACT_Q8_K, torch.from_numpy(x))
+    wt = torch.from_numpy(w)
+    together = kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq, n).numpy()
+    apart = np.stack([kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq[t:t + 1].contiguous(), n).numpy()[0] for t in range(11)])
+    exact, scale = reference(name, w, xq.numpy(), n)
+    assert np.all(np.abs(together - exact) <= BOUND * scale), name
     assert np.all(np.abs(together - apart) <= BOUND * scale), name
 
 

@@ -18,7 +18,9 @@
  * bound): row by row, block by block. T > 1 (prefill): the activation blocks are first copied so their quants
  * sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
  * the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in L1 for every row
- * and token. No threads here: callers split rows.
+ * and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows on a
+ * vector's lanes, one vpdpbusd per token and 4 values (see "T > 1 with AVX-512 VNNI" below). No threads here:
+ * callers split rows.
  *
  * SIMD paths, chosen at build time (-march=native): AVX-512 F/BW/VL/VBMI on 64-value vectors (vpdpwssd with
  * VNNI); the IQ3 grids are looked up in registers (vpermi2b on nibble codes of the grids' 8 levels: gathers
@@ -241,6 +243,7 @@ typedef struct {
     __mmask64 neg[4];     /* SIGNED: the negative values */
     __m512i negoff;       /* HAS_OFF: -offset * scale per group (int16) in the low half, zeros above */
     __m256i mn;           /* HAS_MIN: each group's min (int16) */
+    __m256i s16;          /* each group's scale (int16): the tiles' copy */
     __m512 dd;            /* d in lanes 0..7; lanes 8..15: -dmin (HAS_MIN), else d */
 } wblock;
 typedef __m512 acc_t;     /* HAS_MIN: lanes 8..15 gather the mins' share; the row's dot is the sum of all lanes */
@@ -260,6 +263,7 @@ static inline __m512i iota8(void) {  /* bytes 0, 1, .., 63 */
 }
 
 static inline void spread_scales(wblock *w, __m256i s16) {
+    w->s16 = s16;
     for (int c = 0; c < 4; c++) w->sc[c] = _mm512_permutexvar_epi16(lane16(c), _mm512_castsi256_si512(s16));
 }
 
@@ -863,10 +867,214 @@ ROWS(rows_iq3xxs, decode_iq3xxs, 98, HAS_OFF)
 ROWS(rows_iq3s, decode_iq3s, 110, HAS_OFF)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 
+
+#if defined(DOTK_AVX512) && defined(__AVX512VNNI__)
+#define DOTK_TILED 1
+/* ---- T > 1 with AVX-512 VNNI: sixteen weight rows on a vector's lanes ------------------------------------
+ * Prefill multiplies each weight block by many tokens. The loop above spends a token's 256 products on 4
+ * vpmaddubsw, 4 vpmaddwd and a horizontal fold; here the lanes are 16 weight rows instead. 16 rows' blocks are
+ * decoded once (the same decoders) and transposed into a tile whose dword k holds values 4k..4k+3 of all 16
+ * rows, with each group's scales (and mins) across the rows; then one vpdpbusd multiplies a token's 4
+ * activation bytes (a broadcast) by the 16 rows' 4 quants at that place: 64 products a instruction, no
+ * horizontal sums, a group's scale applied once per 16 (or 32) values for all 16 rows (llama.cpp's tiled VNNI
+ * kernel computes the same outer product with tokens on the lanes). Numerics as the gemv's: per group the
+ * integer dot exact in int32, minus offset * bsum (the unsigned form's share; IQ4_XS held as w + 128), times the
+ * group's integer scale, summed exactly over the block; then d_w * d_x * that sum in float32, minus
+ * dmin_w * d_x * sum(min * bsum) for the formats with mins, added to the row's float32 sum block by block. Only
+ * that float32 order differs from the gemv's (its lanes are values): the two agree to float32 rounding. */
+enum { TILE_ROWS = 16, TILE_TOKENS = 8 };
+
+typedef struct {
+    __m512i q[64];            /* dword k: values 4k..4k+3 of the 16 rows (unsigned) */
+    __m512i sc[16];           /* group g (16 values): the rows' scales (int32) */
+    __m512i scp[8], mnp[8];   /* groups 2p, 2p + 1: the rows' scales, mins (HAS_MIN) as int16 pairs */
+    __m512 d, dmin;           /* the rows' d; dmin (HAS_MIN) */
+} wtile;
+
+/* acc + the dot products of w's unsigned bytes with the 4 signed bytes at p, broadcast: vpdpbusd with its
+ * broadcast operand (GCC keeps a separate vpbroadcastd and copies the accumulators around it) */
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const uint8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const uint32_t *)p));
+    return acc;
+}
+
+/* acc + the two int16 products of each dword of v with the int16 pair at p, broadcast (vpdpwssd) */
+static inline __m512i dpwssd_bcast(__m512i acc, __m512i v, const uint8_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*(const uint32_t *)p));
+    return acc;
+}
+
+/* 16 vectors of 16 dwords, rows in, columns out: out[c] lane r = in[r] lane c */
+static inline void transpose16(__m512i v[16]) {
+    __m512i t[16], x[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int q = 0; q < 4; q++) {  /* x[4q + j] lane l: column 4l + j of rows 4q..4q+3 */
+        x[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        x[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        x[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        x[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int j = 0; j < 4; j++) {  /* the 4 x 4 transpose of 128-bit lanes across the row quads */
+        const __m512i a = _mm512_shuffle_i32x4(x[j], x[4 + j], 0x44), b = _mm512_shuffle_i32x4(x[j], x[4 + j], 0xee);
+        const __m512i c = _mm512_shuffle_i32x4(x[8 + j], x[12 + j], 0x44), d = _mm512_shuffle_i32x4(x[8 + j], x[12 + j], 0xee);
+        v[j] = _mm512_shuffle_i32x4(a, c, 0x88), v[4 + j] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        v[8 + j] = _mm512_shuffle_i32x4(b, d, 0x88), v[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+}
+
+/* rows[r] is row r's decoded block (r < rr; the others are zeros: they add nothing) -> the tile */
+static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind) {
+    __m512i v[16];
+    float d[TILE_ROWS] = {0}, dmin[TILE_ROWS] = {0};
+    for (int c = 0; c < 4; c++) {
+        for (int64_t r = 0; r < TILE_ROWS; r++) {
+            if (r >= rr) { v[r] = _mm512_setzero_si512(); continue; }
+            __m512i q = rows[r].q[c];
+            if (kind & SIGNED) {  /* |w| and its sign -> w + 128 */
+                const __m512i h = _mm512_set1_epi8((char)128);
+                q = _mm512_mask_sub_epi8(_mm512_add_epi8(h, q), rows[r].neg[c], h, q);
+            }
+            v[r] = q;
+        }
+        transpose16(v);
+        for (int j = 0; j < 16; j++) t->q[16 * c + j] = v[j];
+    }
+    for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_cvtepi16_epi32(rows[r].s16) : _mm512_setzero_si512();
+    transpose16(v);
+    for (int g = 0; g < 16; g++) t->sc[g] = v[g];
+    if (kind & (HAS_OFF | SIGNED)) {  /* a row's 16 int16 scales are 8 dwords: the pairs */
+        for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_zextsi256_si512(rows[r].s16) : _mm512_setzero_si512();
+        transpose16(v);
+        for (int p = 0; p < 8; p++) t->scp[p] = v[p];
+    }
+    if (kind & HAS_MIN) {
+        for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_zextsi256_si512(rows[r].mn) : _mm512_setzero_si512();
+        transpose16(v);
+        for (int p = 0; p < 8; p++) t->mnp[p] = v[p];
+    }
+    for (int64_t r = 0; r < rr; r++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, rows[r].dd);
+        d[r] = lanes[0], dmin[r] = -lanes[8];
+    }
+    t->d = _mm512_loadu_ps(d), t->dmin = _mm512_loadu_ps(dmin);
+}
+
+/* acc[j] (the 16 rows' sums for token j < tn) += the tile times token j's block (Q8_K at x + j * xrow).
+ * span: dwords per scale group (4: 16 values; 8: 32, the formats whose scales come in 32s); shift: log2 of the
+ * unsigned form's offset (HAS_OFF, SIGNED) */
+static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, const uint8_t *x, int64_t xrow, int tn,
+                                                              int kind, int span, int shift, __m512 *acc) {
+    __m512i s1[TILE_TOKENS], s2[TILE_TOKENS];
+    for (int j = 0; j < TILE_TOKENS; j++) s1[j] = s2[j] = _mm512_setzero_si512();
+    for (int g = 0; g < 64 / span; g++) {
+        __m512i a[TILE_TOKENS];
+        for (int j = 0; j < TILE_TOKENS; j++) a[j] = _mm512_setzero_si512();
+        for (int k = span * g; k < span * (g + 1); k++) {
+            const __m512i w = t->q[k];
+            for (int j = 0; j < TILE_TOKENS; j++)
+                if (j < tn) a[j] = dpbusd_bcast(a[j], w, x + j * xrow + 4 + 4 * k);
+        }
+        for (int j = 0; j < TILE_TOKENS; j++)
+            if (j < tn) s1[j] = _mm512_add_epi32(s1[j], _mm512_mullo_epi32(a[j], t->sc[g * span / 4]));
+    }
+    for (int j = 0; j < TILE_TOKENS; j++) {
+        if (j >= tn) continue;
+        /* sum over groups of scale (or min) * bsum: the int16 pairs against the token's bsums, a dword at a time */
+        const uint8_t *bs = x + j * xrow + 260;
+        if (kind & (HAS_OFF | SIGNED)) {
+            __m512i c = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) c = dpwssd_bcast(c, t->scp[p], bs + 4 * p);
+            s1[j] = _mm512_sub_epi32(s1[j], _mm512_slli_epi32(c, shift));
+        }
+        if (kind & HAS_MIN)
+            for (int p = 0; p < 8; p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], bs + 4 * p);
+        const __m512 dx = _mm512_set1_ps(f32_at(x + j * xrow));
+        __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[j]), _mm512_mul_ps(t->d, dx));
+        if (kind & HAS_MIN) f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[j]), _mm512_mul_ps(t->dmin, dx), f);
+        acc[j] = _mm512_add_ps(acc[j], f);
+    }
+}
+
+/* The token passes of one tile: TILE_TOKENS at a time, the tail as its own specialised call */
+#define TILE_PASSES(kind, span, shift)                                                                             \
+    for (int64_t t0 = 0; t0 < T; t0 += TILE_TOKENS) {                                                              \
+        const int tn = T - t0 < TILE_TOKENS ? (int)(T - t0) : TILE_TOKENS;                                         \
+        const uint8_t *x = xq + t0 * xrow + Q8K_BYTES * i;                                                         \
+        switch (tn) {                                                                                              \
+        case 8: tile_tokens(&tile, x, xrow, 8, kind, span, shift, acc + t0); break;                                \
+        case 7: tile_tokens(&tile, x, xrow, 7, kind, span, shift, acc + t0); break;                                \
+        case 6: tile_tokens(&tile, x, xrow, 6, kind, span, shift, acc + t0); break;                                \
+        case 5: tile_tokens(&tile, x, xrow, 5, kind, span, shift, acc + t0); break;                                \
+        case 4: tile_tokens(&tile, x, xrow, 4, kind, span, shift, acc + t0); break;                                \
+        case 3: tile_tokens(&tile, x, xrow, 3, kind, span, shift, acc + t0); break;                                \
+        case 2: tile_tokens(&tile, x, xrow, 2, kind, span, shift, acc + t0); break;                                \
+        default: tile_tokens(&tile, x, xrow, 1, kind, span, shift, acc + t0); break;                               \
+        }                                                                                                          \
+    }
+
+/* T > 1: 16 rows at a time; per block the rows decoded into the tile once, then every token's pass over it.
+ * acc: [T] vectors of the 16 rows' sums (T x 64 bytes, from the caller's scratch) */
+#define TILED_ROWS(name, decode, block_bytes, kind, span, shift)                                                   \
+    static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,   \
+                     float *y, int64_t ldy, __m512 *acc) {                                                         \
+        const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                  \
+        wtile tile;                                                                                                \
+        wblock dec[TILE_ROWS];                                                                                     \
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                         \
+            const int64_t rr = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;                                      \
+            for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();                                          \
+            for (int64_t i = 0; i < blocks; i++) {                                                                 \
+                for (int64_t r = 0; r < rr; r++) {                                                                 \
+                    const uint8_t *block = w + (r0 + r) * row_bytes + (block_bytes) * i;                           \
+                    for (int line = 0; line < (block_bytes); line += 64) __builtin_prefetch(block + AHEAD + line); \
+                    decode(block, &dec[r]);                                                                        \
+                }                                                                                                  \
+                fill_tile(&tile, dec, rr, kind);                                                                   \
+                TILE_PASSES(kind, span, shift)                                                                     \
+            }                                                                                                      \
+            const __mmask16 keep = (__mmask16)((1u << rr) - 1u);                                                   \
+            for (int64_t t = 0; t < T; t++) _mm512_mask_storeu_ps(y + t * ldy + r0, keep, acc[t]);                 \
+        }                                                                                                          \
+    }
+
+TILED_ROWS(tiled_q2k, decode_q2k, 84, HAS_MIN, 4, 0)
+TILED_ROWS(tiled_q3k, decode_q3k, 110, HAS_OFF, 4, 2)
+TILED_ROWS(tiled_q4k, decode_q4k, 144, HAS_MIN, 8, 0)
+TILED_ROWS(tiled_q5k, decode_q5k, 176, HAS_MIN, 8, 0)
+TILED_ROWS(tiled_q6k, decode_q6k, 210, HAS_OFF, 4, 5)
+TILED_ROWS(tiled_iq3xxs, decode_iq3xxs, 98, HAS_OFF, 8, 6)
+TILED_ROWS(tiled_iq3s, decode_iq3s, 110, HAS_OFF, 8, 4)
+TILED_ROWS(tiled_iq4xs, decode_iq4xs, 136, SIGNED, 8, 7)
+#endif
+
 void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t row_bytes, int64_t rows,
               const void *xq, int64_t T, float *y, int64_t ldy) {
     const uint8_t *wb = (const uint8_t *)w, *x = (const uint8_t *)xq;
     if (act_type == ACT_Q8_K && dotk_act_type(wtype, 0) == ACT_Q8_K) {
+#if defined(DOTK_TILED)
+        /* from how many tokens the tiles beat the row loop (its decoding is spread over fewer products): the
+         * IQ formats' costlier decoding pays sooner (measured on Zen 5, 2048 columns) */
+        const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ4_XS ? 4 : 8;
+        __m512 *acc = T >= from ? aligned_alloc(64, (size_t)T * sizeof(__m512)) : NULL;
+        if (acc != NULL) {
+            switch (wtype) {
+            case Q2_K: tiled_q2k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case Q3_K: tiled_q3k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case Q4_K: tiled_q4k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case Q5_K: tiled_q5k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case Q6_K: tiled_q6k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case IQ3_XXS: tiled_iq3xxs(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case IQ3_S: tiled_iq3s(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            case IQ4_XS: tiled_iq4xs(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
+            }
+            free(acc);
+            return;
+        }
+#endif
         switch (wtype) {
         case Q2_K: rows_q2k(n, wb, row_bytes, rows, x, T, y, ldy); return;
         case Q3_K: rows_q3k(n, wb, row_bytes, rows, x, T, y, ldy); return;
