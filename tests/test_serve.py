@@ -2,7 +2,7 @@
 
 One server (qwen3_next tiny: Gated DeltaNet in 3 of 4 layers, so prefix reuse goes through recurrent states) with an
 API key and a recording folder serves the tests in order: chat and completions, streaming or not; greedy output equal
-to `moetier run`; usage; stop sequences; 401 without the key; a 4xx for each bad request with the server answering
+to `moetier run` (also with presence and frequency penalties); usage; stop sequences; 401 without the key; a 4xx for each bad request with the server answering
 after; a client that leaves mid-stream frees the queue; prefix reuse; then the recording goes through
 `moetier profile` -> `moetier bias` -> `moetier kl` -> `moetier simulate` -> `moetier serve --bias`.
 """
@@ -85,6 +85,18 @@ def test_completions_equal_moetier_run(client, model):
     assert answer.usage.completion_tokens == len(expected["generated_ids"])
     streamed = client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected["text"]
+
+
+def test_penalties_are_applied_as_moetier_run_applies_them(client, model):
+    prompt = "def route(logits): the report was found"
+    flags = ("--presence-penalty", 1.5, "--frequency-penalty", 1.0, "--ignore-eos")
+    run = moetier("run", "--model", model, "--prompt", prompt, "--max-new-tokens", 16, "--json", *flags)
+    assert run.returncode == 0, run.stderr
+    plain = moetier("run", "--model", model, "--prompt", prompt, "--max-new-tokens", 16, "--json", "--ignore-eos")
+    assert json.loads(plain.stdout)["generated_ids"] != json.loads(run.stdout)["generated_ids"]  # they changed something
+    answer = client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, presence_penalty=1.5,
+                                       frequency_penalty=1.0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == json.loads(run.stdout)["text"]
 
 
 def test_stop_sequences_end_the_text_before_them(client):

@@ -95,3 +95,35 @@ def test_chat_answers_each_turn_and_reuses_the_history(model):
     assert len(result.stdout.splitlines()) == 2  # one answer a turn
     turns = [line for line in result.stderr.splitlines() if "reused" in line]
     assert len(turns) == 2 and "(0 reused)" in turns[0] and "(0 reused)" not in turns[1]
+
+
+def test_penalties_take_openai_s_amounts_off_the_generated_tokens():
+    """presence once per token that occurs, frequency times its count; none on the others; greedy follows them."""
+    import torch
+
+    from moetier.engine.generate import penalise, pick_token
+
+    logits = torch.tensor([1.0, 4.0, 3.5, 0.0, -1.0])
+    sampling = Sampling(presence_penalty=0.25, frequency_penalty=0.5)
+    out = penalise(logits, sampling, [1, 1, 3, 1])
+    assert torch.equal(out, torch.tensor([1.0, 4.0 - 0.25 - 1.5, 3.5, 0.0 - 0.25 - 0.5, -1.0]))
+    assert pick_token(logits, sampling, None, [1, 1, 3, 1]) == 2 and pick_token(logits, sampling, None, []) == 1
+    assert pick_token(logits, Sampling(), None, [1, 1, 1]) == 1  # no penalty: the generated tokens change nothing
+    negative = Sampling(presence_penalty=-2.0)  # a negative one favours repeats
+    assert pick_token(torch.tensor([3.0, 2.0]), negative, None, [1]) == 1
+
+
+def test_generate_and_stream_tokens_penalise_alike(tmp_path):
+    """A strong frequency penalty changes a greedy run that repeats, and stream_tokens picks what generate picks."""
+    from moetier.engine import generate
+    from moetier.engine.stream import stream_tokens
+    from moetier.model.synth import write_synthetic
+
+    engine = Engine(open_checkpoint(write_synthetic(tmp_path / "m", preset="tiny", seed=0)))
+    prompt = [5, 6, 7, 8]
+    plain = generate(engine, prompt, 24).ids
+    assert len(set(plain)) < len(plain)  # a tiny random model repeats itself greedily
+    sampling = Sampling(frequency_penalty=2.0, presence_penalty=2.0)
+    penalised = generate(engine, prompt, 24, sampling).ids
+    assert penalised != plain and len(set(penalised)) > len(set(plain))
+    assert list(stream_tokens(engine, prompt, 24, sampling)) == penalised

@@ -172,7 +172,8 @@ def test_calibrate_refuses_zero_threads_and_writes_nothing(tmp_path, tiny):
 @pytest.mark.parametrize(
     "fields",
     [dict(temperature=float("nan")), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")),
-     dict(top_k=-2), dict(seed=-(2**63) - 1)],
+     dict(top_k=-2), dict(seed=-(2**63) - 1), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+     dict(presence_penalty=float("nan")), dict(frequency_penalty=float("inf"))],
 )
 def test_sampling_refuses_values_it_cannot_sample_with(fields):
     with pytest.raises(ValueError) as err:
@@ -183,6 +184,11 @@ def test_sampling_refuses_values_it_cannot_sample_with(fields):
 def test_sampling_accepts_its_edges():
     Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=2**64 - 1)
     Sampling(temperature=2.0, top_k=1, top_p=1e-6, seed=-1)
+
+
+def test_run_refuses_a_penalty_outside_openai_s_range(tiny):
+    refused(moetier("run", "--model", tiny, "--presence-penalty", 2.5), "--presence-penalty")
+    refused(moetier("run", "--model", tiny, "--frequency-penalty", -2.01), "--frequency-penalty")
 
 
 def test_generate_stops_at_the_context_before_computing(tiny):

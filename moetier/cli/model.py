@@ -33,6 +33,8 @@ def run(
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0),
     top_k: int = typer.Option(0),
+    presence_penalty: float = typer.Option(0.0, help="OpenAI's: off the logit of each token generated so far (-2..2)"),
+    frequency_penalty: float = typer.Option(0.0, help="OpenAI's: times each token's count so far (-2..2)"),
     backend: str = typer.Option("torch", help="expert backend: torch, numpy, cupy, or an entry point"),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:N"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -61,7 +63,8 @@ def run(
         check_output(trace, "--trace", [("--model", model), ("--layout", layout), ("--bias", bias)])
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # refuses bad flags before any loading
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty)  # refuses bad flags before any loading
     engine, runtime = open_engine(model, backend, device, threads, layout)
     apply_router_options(engine, bias, affinity, bias_mode)
     tokenizer = None

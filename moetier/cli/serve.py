@@ -143,6 +143,8 @@ def chat(
     temperature: float = typer.Option(0.7, help="0 = greedy"),
     top_p: float = typer.Option(0.95),
     top_k: int = typer.Option(0),
+    presence_penalty: float = typer.Option(0.0, help="OpenAI's: off the logit of each token of the answer so far (-2..2)"),
+    frequency_penalty: float = typer.Option(0.0, help="OpenAI's: times each token's count in the answer so far (-2..2)"),
     seed: Optional[int] = typer.Option(None, help="sampling seed (default: a new one per answer)"),
     no_think: bool = typer.Option(False, "--no-think", help="pass enable_thinking=false to the template"),
     layout: Optional[Path] = typer.Option(None, help="cluster.toml: run over its tiers"),
@@ -164,7 +166,8 @@ def chat(
 
     if max_tokens < 1:
         raise UsageError(f"--max-tokens is {max_tokens} (expected >= 1)")
-    Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # refuses bad flags before any loading
+    penalties = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty}
+    Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties)  # refuses bad flags before any loading
     engine, runtime, tokenizer = open_text_model(model, backend, device, threads, layout, bias, affinity, bias_mode)
     try:
         template = tokenizer.chat_template()
@@ -196,7 +199,7 @@ def chat(
                 status.print(f"the chat is {len(ids)} tokens, the model's context {context}: /reset to go on")
                 messages.pop()
                 continue
-            sampling = Sampling(temperature, top_k, top_p, seed if seed is not None else secrets.randbits(63))
+            sampling = Sampling(temperature, top_k, top_p, seed if seed is not None else secrets.randbits(63), **penalties)
             params = TextParams(min(max_tokens, context - len(ids)), sampling)
             try:
                 result = generate_text(engine, tokenizer, ids, params, prefix, on_text=_write)

@@ -3,7 +3,8 @@
 `generate` prefills the prompt in one forward, then decodes one token per
 step with the KV cache; greedy when temperature is 0, else seeded sampling
 (temperature, top-k, top-p; `Sampling` refuses values outside their ranges),
-never past the model's context. `score` returns float32 logits for every position
+after OpenAI's presence and frequency penalties over the tokens generated so
+far, never past the model's context. `score` returns float32 logits for every position
 of a sequence in one teacher-forced pass. Timings use perf_counter around
 whole phases; prefill and decode are reported separately.
 """
@@ -45,6 +46,12 @@ class Sampling:
     top_k: int = 0  # 0 = all
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # times the number of times it was generated
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self) -> None:
         """Refuse what would sample garbage or crash torch (named as the CLI's flags)."""
@@ -56,14 +63,31 @@ class Sampling:
             raise ValueError(f"--top-p is {self.top_p} (expected 0 < top-p <= 1)")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:
             raise ValueError(f"--seed is {self.seed} (expected an integer that fits in 64 bits)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):  # OpenAI's range
+                raise ValueError(f"--{name.replace('_', '-')} is {value} (expected -2 <= it <= 2; 0 = none)")
 
 
 class NonFiniteLogits(ValueError):
     """The model computed NaN or infinite logits: its weights or config overflow float32 (bad input, not a result)."""
 
 
-def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """logits [V] -> next token id; NonFiniteLogits when the top logit is NaN or infinite (argmax and max see a NaN)."""
+def penalise(logits: torch.Tensor, sampling: Sampling, generated: list[int]) -> torch.Tensor:
+    """logits [V] minus OpenAI's penalties for the tokens generated so far: presence_penalty once for each token
+    that occurs, frequency_penalty times its count (a new tensor; the same one when there is nothing to take off)."""
+    if not sampling.penalised or not generated:
+        return logits
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=logits.shape[0])[:logits.shape[0]]
+    counts = counts.to(logits.dtype)
+    return logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
+               generated: list[int] | None = None) -> int:
+    """logits [V] -> next token id, after the penalties for `generated` (the tokens generated so far);
+    NonFiniteLogits when the top logit is NaN or infinite (argmax and max see a NaN)."""
+    logits = penalise(logits, sampling, generated or [])
     top = int(torch.argmax(logits))
     if not math.isfinite(float(logits[top])):
         raise NonFiniteLogits(f"the model's logits are not finite (token {top}: {float(logits[top])}); its weights "
@@ -129,7 +153,7 @@ def generate(
     while len(new_ids) < max_new_tokens and new_ids[-1] not in stop_ids:
         step[0] = new_ids[-1]
         logits = engine.forward(step, cache)[0].cpu()  # [V]
-        new_ids.append(pick_token(logits, sampling, generator))
+        new_ids.append(pick_token(logits, sampling, generator, new_ids))
         if keep_logits:
             rows.append(logits.numpy().copy())
     decode_s = time.perf_counter() - begin

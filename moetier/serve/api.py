@@ -80,7 +80,7 @@ class _Sampling(_Request):
     n: Optional[StrictInt] = 1
     user: Optional[StrictStr] = None
     metadata: Optional[dict[str, StrictStr]] = None
-    presence_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)  # accepted, not applied (see README)
+    presence_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)  # over the tokens generated so far
     frequency_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)
     ignore_eos: Optional[StrictBool] = False  # an extension (vLLM, llama.cpp)
 

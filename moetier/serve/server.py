@@ -60,7 +60,9 @@ def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None
     temperature = 1.0 if request.temperature is None else request.temperature
     try:
         sampling = Sampling(temperature=temperature, top_k=request.top_k or 0,
-                            top_p=1.0 if request.top_p is None else request.top_p, seed=seed)
+                            top_p=1.0 if request.top_p is None else request.top_p, seed=seed,
+                            presence_penalty=request.presence_penalty or 0.0,
+                            frequency_penalty=request.frequency_penalty or 0.0)
     except ValueError as err:  # the field constraints catch these first; Sampling's own check, as a 400 all the same
         raise ApiError(400, str(err)) from None
     return TextParams(max_tokens, sampling, tuple(request.stop or ()), bool(request.ignore_eos))
