@@ -142,3 +142,28 @@ def test_on_cuda_the_engine_matches_reference(case):
     model, folder = case
     same, error = cached_decode(model, Engine(open_checkpoint(folder), device="cuda"), BASE["vocab_size"], 70, 9)
     assert same and error <= TOLERANCE
+
+
+@pytest.mark.parametrize("streams,tokens,iters", [(4, 1, 20), (2, 7, 1), (3, 5, 5)])
+def test_native_hyper_weights_are_the_torch_ops_within_float32_rounding(streams, tokens, iters):
+    """cpu_hyper.h against hyper_weights (transformers' ops), on projections large enough to saturate the gates."""
+    from moetier.backends import cpu_kernels
+    from moetier.engine.hyper import HyperWeights, hyper_weights
+    from moetier.model.spec import HyperConnections
+
+    kernel = cpu_kernels.decode_kernel()
+    if kernel is None:
+        pytest.skip(f"no native kernels: {cpu_kernels.status()}")
+    g = torch.Generator().manual_seed(streams * 100 + tokens)
+    width = (2 + streams) * streams
+    w = HyperWeights(torch.empty(0), torch.randn(width, generator=g), torch.rand(3, generator=g) * 3)
+    hyper = HyperConnections(streams=streams, sinkhorn_iters=iters, eps=1e-6)
+    mix = torch.randn(tokens, width, generator=g) * 4
+    native = kernel.hyper_weights(mix, w.base, w.scale, streams, iters, 1e-6)
+    for ours, theirs in zip(native, hyper_weights(mix, w, hyper)):
+        assert ours.shape == theirs.shape
+        assert torch.allclose(ours, theirs, rtol=2e-6, atol=1e-7), float((ours - theirs).abs().max())
+    comb = native[2]
+    assert torch.allclose(comb.sum(dim=-2), torch.ones(tokens, streams), atol=1e-3)  # the columns' sums: s / (s + eps)
+    with pytest.raises(ValueError, match="hyper_weights: mix"):
+        kernel.hyper_weights(mix[:, :-1].contiguous(), w.base, w.scale, streams, iters, 1e-6)

@@ -1,6 +1,6 @@
 /* moetier native CPU kernels: SwiGLU experts and a linear layer on a thread pool (cpu_pool.h); the decode router
- * (cpu_router.h), the delta rule of linear attention (cpu_deltanet.h) and the decode step (cpu_step.h), which uses
- * both, are included at the end.
+ * (cpu_router.h), the delta rule of linear attention (cpu_deltanet.h), GLM-5.3's hyper-connection weights
+ * (cpu_hyper.h) and the decode step (cpu_step.h), which uses the first two, are included at the end.
  *
  *   out[t] = sum over the experts e serving token t of w_e[t] * down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t]))
  *
@@ -488,4 +488,5 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
 
 #include "cpu_router.h"
 #include "cpu_deltanet.h"
+#include "cpu_hyper.h"
 #include "cpu_step.h"

@@ -330,6 +330,25 @@ class DecodeKernel:
             out.data_ptr()))
         return out
 
+    def hyper_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """GLM-5.3's hyper-connection weights (cpu_hyper.h): mix [T, (2 + n) n] (the streams' projection), base
+        [(2 + n) n], scale [3] -> pre, post [T, n] and comb [T, n, n]; float32, contiguous, in host memory.
+        Bad arguments: ValueError, one line."""
+        n = int(streams)
+        for name, t, shape in (("mix", mix, (mix.shape[0] if mix.dim() == 2 else -1, (2 + n) * n)),
+                               ("base", base, ((2 + n) * n,)), ("scale", scale, (3,))):
+            if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"hyper_weights: {name} must be float32 {list(shape)} contiguous in host memory, got "
+                                 f"{t.dtype} {list(t.shape)} on {t.device}")
+        if n < 1 or iters < 1:
+            raise ValueError(f"hyper_weights: {n} streams, {iters} Sinkhorn rounds (expected at least 1 of each)")
+        tokens = mix.shape[0]
+        pre, post, comb = torch.empty(tokens, n), torch.empty(tokens, n), torch.empty(tokens, n, n)
+        self.library.moe_hyper_weights(mix.data_ptr(), base.data_ptr(), scale.data_ptr(), tokens, n, int(iters),
+                                       float(eps), pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+        return pre, post, comb
+
 
 def _mark_forked() -> None:
     for pool in _POOLS:  # the helpers stayed in the parent: the caller computes alone, to the same bits
@@ -387,6 +406,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
         "moe_deltanet_mix": (i64, [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, dbl, p]),
+        "moe_hyper_weights": (None, [p, p, p, i64, i64, i64, ctypes.c_float, p, p, p]),
         "pool_open": (p, [i64, dbl]),
         "pool_threads": (i64, [p]),
         "pool_close": (None, [p]),

@@ -252,7 +252,7 @@ class Engine:
         if self.spec.hyper is None:
             return None
         p = f"model.layers.{layer}.hc_{block}_"
-        return HyperWeights(*(self.checkpoint.load(p + name).to(dev) for name in ("fn", "base", "scale")))
+        return HyperWeights(*(self.checkpoint.load(p + name).to(dev, torch.float32).contiguous() for name in ("fn", "base", "scale")))
 
     def _kda_weights(self, layer: int, dev: torch.device) -> KdaWeights:
         c, g, p = self.checkpoint, self.spec.linear_attention, f"model.layers.{layer}.self_attn."

@@ -9,7 +9,9 @@ input streams into the output ones:
 
     out = post (x) block(sum_n pre_n h_n) + comb^T h
 
-The arithmetic is transformers' (Glm5NextTextHyperConnection), op for op.
+The arithmetic is transformers' (Glm5NextTextHyperConnection), op for op; on
+the CPU the weights after the projection are one native call (cpu_hyper.h,
+within float32 rounding of `hyper_weights`, its torch reference).
 After the last layer the streams' mean is the model's hidden state. `Residual`
 is the plain residual (h + block(h)) behind the same interface, so the engine
 runs one layer loop for both.
@@ -58,6 +60,29 @@ class Residual:
         return self.h
 
 
+def hyper_weights(mix: torch.Tensor, w: HyperWeights, hyper: HyperConnections) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The streams' projection mix [T, (2 + N) N] -> pre, post [T, N] and comb [T, N, N], in torch ops (the
+    reference of cpu_hyper.h, and the path on CUDA or without the native kernels)."""
+    n, tokens, eps = hyper.streams, mix.shape[0], hyper.eps
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = w.base.split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = w.scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w.view(tokens, n, n) * comb_scale + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(hyper.sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def _native():
+    from moetier.backends import cpu_kernels
+
+    return cpu_kernels.decode_kernel()
+
+
 class Streams:
     """The residual streams h [T, N, D] of one forward, with the weights of the block last entered."""
 
@@ -76,18 +101,13 @@ class Streams:
         n, (tokens, _, hidden) = self.hyper.streams, self.h.shape
         flat = self.h.reshape(tokens, n * hidden)
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.rms_eps)
-        pre_w, post_w, comb_w = F.linear(flat, w.fn).split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = w.base.split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = w.scale.unbind(0)
-        eps = self.hyper.eps
-        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
-        self.post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-        comb = torch.softmax(comb_w.view(tokens, n, n) * comb_scale + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(self.hyper.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        self.comb = comb
+        mix = F.linear(flat, w.fn)  # [T, (2 + N) N]
+        kernel = _native() if mix.is_cpu and mix.dtype == torch.float32 else None
+        if kernel is not None:  # one call instead of some 120 torch operations a token
+            pre, self.post, self.comb = kernel.hyper_weights(mix.contiguous(), w.base, w.scale, n, self.hyper.sinkhorn_iters,
+                                                             self.hyper.eps)
+        else:
+            pre, self.post, self.comb = hyper_weights(mix, w, self.hyper)
         return (pre.unsqueeze(-1) * self.h).sum(dim=1)
 
     def leave(self, y: torch.Tensor) -> None:
