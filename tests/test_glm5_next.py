@@ -167,3 +167,27 @@ def test_native_hyper_weights_are_the_torch_ops_within_float32_rounding(streams,
     assert torch.allclose(comb.sum(dim=-2), torch.ones(tokens, streams), atol=1e-3)  # the columns' sums: s / (s + eps)
     with pytest.raises(ValueError, match="hyper_weights: mix"):
         kernel.hyper_weights(mix[:, :-1].contiguous(), w.base, w.scale, streams, iters, 1e-6)
+
+
+def test_chunked_kda_over_several_chunk_groups_is_the_recurrence():
+    """A 300-token prefill crosses two chunk groups (and pads its last chunk): the chunked form's outputs and final
+    state equal the one-token recurrence's, starting from a non-zero state."""
+    from types import SimpleNamespace
+
+    from moetier.engine import kda
+
+    g = torch.Generator().manual_seed(3)
+    T, H, d = 300, 2, 8
+    assert T > kda.CHUNK * kda.CHUNK_GROUP
+    q, k = (kda.l2norm(torch.randn(T, H, d, generator=g)) for _ in range(2))
+    v = torch.randn(T, H, d, generator=g)
+    decay = -0.3 * torch.rand(T, H, d, generator=g)  # log decays in (-0.3, 0]
+    beta = torch.sigmoid(torch.randn(T, H, generator=g))
+    start = torch.randn(H, d, d, generator=g) * 0.1
+    chunked = SimpleNamespace(recurrent=start.clone())
+    out = kda._chunked(q, k, v, decay, beta, chunked)
+    stepped, steps = SimpleNamespace(recurrent=start.clone()), []
+    for t in range(T):
+        steps.append(kda._recurrent_step(q[t] * d**-0.5, k[t], v[t], decay[t], beta[t], stepped))
+    assert torch.allclose(out, torch.stack(steps), atol=2e-5), float((out - torch.stack(steps)).abs().max())
+    assert torch.allclose(chunked.recurrent, stepped.recurrent, atol=2e-5)
