@@ -104,7 +104,8 @@ class LlamaCppDecoder:
 
 
 class TransformersDecoder:
-    """transformers' AutoModelForCausalLM in float32 on the HF folder; a greedy loop over forward with a DynamicCache."""
+    """transformers' model class the folder's config names (else AutoModelForCausalLM) in float32 on the HF folder; a
+    greedy loop over forward with a DynamicCache."""
 
     def __init__(self, path: Path, threads: int):
         import torch
@@ -115,7 +116,9 @@ class TransformersDecoder:
         logging.set_verbosity_error()
         logging.disable_progress_bar()
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        names = transformers.AutoConfig.from_pretrained(path).architectures or []  # glm5_next: ...ForConditionalGeneration
+        model_class = getattr(transformers, names[0], AutoModelForCausalLM) if names else AutoModelForCausalLM
+        self.model = model_class.from_pretrained(path, dtype=torch.float32).eval()
         self.settings = (f"transformers {transformers.__version__} {type(self.model).__name__} float32, "
                          f"attention {self.model.config._attn_implementation}, torch threads {torch.get_num_threads()}")
 
