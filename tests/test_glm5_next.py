@@ -191,3 +191,20 @@ def test_chunked_kda_over_several_chunk_groups_is_the_recurrence():
         steps.append(kda._recurrent_step(q[t] * d**-0.5, k[t], v[t], decay[t], beta[t], stepped))
     assert torch.allclose(out, torch.stack(steps), atol=2e-5), float((out - torch.stack(steps)).abs().max())
     assert torch.allclose(chunked.recurrent, stepped.recurrent, atol=2e-5)
+
+
+def test_native_kda_mixer_refuses_what_it_cannot_read():
+    from moetier.backends import cpu_kernels
+
+    kernel = cpu_kernels.decode_kernel()
+    if kernel is None:
+        pytest.skip(f"no native kernels: {cpu_kernels.status()}")
+    H, d, K = 2, 8, 4
+    args = dict(mixed=torch.zeros(3 * H * d), b=torch.zeros(H), forget=torch.zeros(H * d), gate=torch.zeros(H * d),
+                conv_state=torch.zeros(3 * H * d, K - 1), state=torch.zeros(H, d, d), conv=torch.zeros(3 * H * d, K),
+                dt_bias=torch.zeros(H * d), decay_rate=torch.ones(H), norm=torch.ones(d), lower_bound=-5.0, eps=1e-5)
+    assert kernel.kda_mix(**args).shape == (H * d,)
+    for name, bad in (("forget", torch.zeros(H * d + 1)), ("state", torch.zeros(H, d, d).transpose(1, 2)), ("b", torch.zeros(H).double())):
+        with pytest.raises(ValueError, match=f"kda_mix: {name}") as err:
+            kernel.kda_mix(**{**args, name: bad})
+        assert "\n" not in str(err.value)

@@ -1,4 +1,5 @@
-/* The gated delta rule's decode step for Qwen3-Next's linear-attention layers, on the pool.
+/* The gated delta rule's decode step for Qwen3-Next's linear-attention layers (and KDA's, GLM-5.3's, at the end), on
+ * the pool.
  *
  * Per value head, with the head's state S [dk, dv] updated in place:
  *
@@ -19,23 +20,24 @@
  * cpu_kernels.c (v8f, load8, store8, exp8, pool_run).
  */
 
-/* One value head: S [dk, dv] updated in place, o [dv] = S^T q after it (see the top of this file). dv <= 512. */
-static void deltanet_head(float *S, const float *q, const float *k, const float *v, float e, float beta, float *o,
-                          int64_t dk, int64_t dv) {
+/* One value head: S [dk, dv] updated in place, o [dv] = S^T q after it (see the top of this file). dv <= 512.
+ * The decay: e for every row (Gated DeltaNet), or e_rows[i] for row i when e_rows is given (KDA's per channel). */
+static void deltanet_head(float *S, const float *q, const float *k, const float *v, float e, const float *e_rows,
+                          float beta, float *o, int64_t dk, int64_t dv) {
     float u[512], delta[512];  /* dv <= 512: the Python side refuses wider heads */
     for (int64_t j = 0; j < dv; j++) u[j] = o[j] = 0.f;
     const int64_t wide = dv & ~(int64_t)7;
     for (int64_t i = 0; i < dk; i++) {
         float *row = S + i * dv;
-        const float ki = k[i];
+        const float ki = k[i], ei = e_rows ? e_rows[i] : e;
         int64_t j = 0;
         for (; j < wide; j += 8) {
-            const v8f s = load8(row + j) * e;
+            const v8f s = load8(row + j) * ei;
             store8(row + j, s);
             store8(u + j, load8(u + j) + s * ki);
         }
         for (; j < dv; j++) {
-            row[j] *= e;
+            row[j] *= ei;
             u[j] += row[j] * ki;
         }
     }
@@ -105,6 +107,16 @@ static void l2_normalise(float *x, int64_t n, float scale) {
 /* softplus as torch computes it (beta 1, threshold 20) */
 static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* o[0 .. n) = o / rms(o) * norm * gate: the gated RMSNorm (rms = sqrt(mean o^2 + eps)) */
+static void gated_rms(float *o, const float *norm, const float *gate, int64_t n, float eps) {
+    float squares = 0.f;
+    for (int64_t i = 0; i < n; i++) squares += o[i] * o[i];
+    const float rms = 1.f / sqrtf(squares / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) o[i] = o[i] * rms * norm[i] * gate[i];
+}
+
 typedef struct {  /* a linear-attention layer's token mixer for one token, between its two projections */
     float *mixed;              /* [C] the in-projection's q|k|v channels, replaced by the conv's silu outputs */
     const float *z, *ba;       /* [Hv dv] the output gate, [Hk, 2, r] b|a, from the same projection */
@@ -131,14 +143,11 @@ static void deltanet_mix_granule(void *job, int64_t head) {  /* key head `head` 
         const int64_t h = head * r + j;
         const float b = a->ba[head * 2 * r + j], alpha = a->ba[head * 2 * r + r + j];
         const float beta = 1.f / (1.f + expf(-b)), g = a->decay_rate[h] * softplus(alpha + a->dt_bias[h]);
-        float *o = a->out + h * dv;
-        deltanet_head(a->state + h * dk * dv, q, k, v + j * dv, expf(g), beta, o, dk, dv);
-        float squares = 0.f, z[512];  /* the gated RMSNorm: o / rms(o) * norm * silu(z) */
-        for (int64_t i = 0; i < dv; i++) squares += o[i] * o[i];
-        const float rms = 1.f / sqrtf(squares / (float)dv + a->eps);
+        float *o = a->out + h * dv, z[512];
+        deltanet_head(a->state + h * dk * dv, q, k, v + j * dv, expf(g), NULL, beta, o, dk, dv);
         memcpy(z, a->z + h * dv, (size_t)dv * sizeof(float));
         silu_row(z, dv);
-        for (int64_t i = 0; i < dv; i++) o[i] = o[i] * rms * a->norm[i] * z[i];
+        gated_rms(o, a->norm, z, dv, a->eps);  /* o / rms(o) * norm * silu(z) */
     }
 }
 
@@ -158,6 +167,60 @@ int64_t moe_deltanet_mix(moe_pool *pool, float *projected, float *conv_state, fl
                             decay_rate, norm, out, Hk, Hv, dk, dv, K, (float)eps, (float)pow((double)dk, -0.5)};
     pthread_mutex_lock(&pool->call);
     deltanet_mix_held(pool, &a);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
+
+/* ---- KDA (GLM-5.3): the same rule with a decay per key channel -------------------------------------------
+ * One token of moetier.engine.kda.kda_layer between its projections, a granule per head (H heads of d, keys and
+ * values alike): the conv step and silu over the head's q, k and v channels, the L2 norms (q then times d^-1/2),
+ * beta = sigmoid(b), per channel g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (or -exp(A_log)
+ * softplus(f + dt_bias) without a bound), the rule with S's row i decayed by exp(g_i), then
+ * RMSNorm(o) * norm * sigmoid(gate). The forget gate's and output gate's up-projections (f, gate) stay the
+ * caller's: they are stored matrices. */
+typedef struct {
+    float *mixed;                        /* [3 H d] q|k|v, replaced by the conv's silu outputs */
+    const float *b, *forget, *gate;      /* [H] beta's logits; [H d] f_b's output; [H d] g_b's output */
+    float *conv_state, *state;           /* [3 H d, K-1], [H, d, d] */
+    const float *conv, *dt_bias, *decay_rate, *norm;  /* [3 H d, K], [H d], [H] exp(A_log), [d] */
+    float *out;                          /* [H d] */
+    int64_t H, d, K, bounded;
+    float lower_bound, eps, q_scale;
+} kda_mix;
+
+static void kda_mix_granule(void *job, int64_t h) {
+    const kda_mix *a = job;
+    const int64_t d = a->d, K = a->K, width = a->H * d;
+    for (int64_t part = 0; part < 3; part++) {  /* q, k, v */
+        const int64_t c = part * width + h * d;
+        conv_step(a->mixed + c, a->conv_state + c * (K - 1), a->conv + c * K, d, K);
+    }
+    float *q = a->mixed + h * d, *k = a->mixed + width + h * d, *v = a->mixed + 2 * width + h * d;
+    l2_normalise(q, d, a->q_scale);
+    l2_normalise(k, d, 1.f);
+    float e[512], gate[512];
+    const float rate = a->decay_rate[h];
+    for (int64_t i = 0; i < d; i++) {
+        const float f = a->forget[h * d + i] + a->dt_bias[h * d + i];
+        e[i] = expf(a->bounded ? a->lower_bound * sigmoidf(rate * f) : -rate * softplus(f));
+        gate[i] = sigmoidf(a->gate[h * d + i]);
+    }
+    float *o = a->out + h * d;
+    deltanet_head(a->state + h * d * d, q, k, v, 0.f, e, sigmoidf(a->b[h]), o, d, d);
+    gated_rms(o, a->norm, gate, d, a->eps);
+}
+
+/* One KDA token's mixer for the per-layer path: mixed [3 H d] (overwritten), b [H], forget and gate [H d], states
+ * updated in place, out [H d]. lower_bound: NaN for the softplus gate. -> 0. */
+int64_t moe_kda_mix(moe_pool *pool, float *mixed, const float *b, const float *forget, const float *gate, float *conv_state,
+                    float *state, const float *conv, const float *dt_bias, const float *decay_rate, const float *norm,
+                    int64_t H, int64_t d, int64_t K, double lower_bound, double eps, float *out) {
+    const kda_mix a = {mixed, b, forget, gate, conv_state, state, conv, dt_bias, decay_rate, norm, out, H, d, K,
+                       !isnan(lower_bound), isnan(lower_bound) ? 0.f : (float)lower_bound, (float)eps,
+                       (float)pow((double)d, -0.5)};
+    pthread_mutex_lock(&pool->call);
+    int64_t heads = H;
+    pool_run(pool, kda_mix_granule, (void *)&a, 1, &heads);
     pthread_mutex_unlock(&pool->call);
     return 0;
 }

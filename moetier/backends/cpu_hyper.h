@@ -11,7 +11,7 @@
  * third of a GLM-5.3 token's time on the per-layer path; here they are one call. */
 #include <math.h>
 
-static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+/* sigmoidf: cpu_deltanet.h's, included before this file */
 
 void moe_hyper_weights(const float *mix, const float *base, const float *scale, int64_t T, int64_t n, int64_t iters,
                        float eps, float *pre, float *post, float *comb) {

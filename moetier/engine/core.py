@@ -259,9 +259,10 @@ class Engine:
         parts = [c.stored(f"{p}{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")]
         linear = lambda name: StoredLinear([c.stored(p + name)], None, self.float_acts, dev)  # noqa: E731
         conv = torch.cat([c.tensor(f"{p}{n}_conv1d.weight") for n in "qkv"]).reshape(3 * g.value_width, g.conv_kernel)
+        f32 = lambda t: t.to(dev, torch.float32).contiguous()  # noqa: E731 (the native mixer reads them in place)
         return KdaWeights(in_proj=StoredLinear(parts, None, self.float_acts, dev), forget_up=linear("f_b_proj.weight"),
-                          gate_up=linear("g_b_proj.weight"), conv=conv.to(dev), dt_bias=c.load(p + "dt_bias").to(dev),
-                          decay_rate=c.tensor(p + "A_log").exp().to(dev), norm=c.load(p + "o_norm.weight").to(dev),
+                          gate_up=linear("g_b_proj.weight"), conv=f32(conv), dt_bias=f32(c.load(p + "dt_bias")),
+                          decay_rate=f32(c.tensor(p + "A_log").exp()), norm=f32(c.load(p + "o_norm.weight")),
                           out_proj=linear("o_proj.weight"))
 
     def _latent_weights(self, layer: int, dev: torch.device) -> LatentWeights:
@@ -399,11 +400,11 @@ class Engine:
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A layer's token mixer on x [T, D] -> (its output [T, D], the selection a latent-attention layer made)."""
         g = self.spec.linear_attention
+        kernel = self._cpu_kernel if device.type == "cpu" else None
         if w.deltanet is not None:
-            kernel = self._cpu_kernel if device.type == "cpu" else None
             return deltanet_layer(w.deltanet, g, x, cache.states[layer], self.spec.rms_norm_eps, kernel), None
         if w.kda is not None:
-            return kda_layer(w.kda, g, x, cache.states[layer], self.spec.rms_norm_eps), None
+            return kda_layer(w.kda, g, x, cache.states[layer], self.spec.rms_norm_eps, kernel), None
         if w.latent is not None:
             return latent_layer(w.latent, self.spec, x, cache.states[layer], start,
                                 None if selection is None else selection.to(device))

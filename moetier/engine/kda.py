@@ -62,11 +62,19 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
-def kda_layer(w: KdaWeights, g: LinearAttention, x: torch.Tensor, state: DeltaNetState, eps: float) -> torch.Tensor:
-    """x [T, D] (normalised input) -> the layer's output [T, D]; `state` advances by T tokens."""
+def kda_layer(w: KdaWeights, g: LinearAttention, x: torch.Tensor, state: DeltaNetState, eps: float,
+              kernel=None) -> torch.Tensor:
+    """x [T, D] (normalised input) -> the layer's output [T, D]; `state` advances by T tokens. `kernel`: the native
+    kernels (x on the CPU), which run a decoded token's mixer in one job (DecodeKernel.kda_mix)."""
     new, heads, d = x.shape[0], g.key_heads, g.key_dim
     width = heads * d
     mixed, b, f, gate = w.in_proj(x).split([3 * width, heads, d, d], dim=-1)
+    if new == 1 and kernel is not None and d <= 512 and state.conv.is_contiguous() and state.recurrent.is_contiguous():
+        # everything between the projections but the gates' own (stored) up-projections, in one native job
+        out = kernel.kda_mix(mixed[0].contiguous(), b[0].contiguous(), w.forget_up(f)[0].contiguous(),
+                             w.gate_up(gate)[0].contiguous(), state.conv, state.recurrent, w.conv, w.dt_bias,
+                             w.decay_rate, w.norm, g.lower_bound, eps)
+        return w.out_proj(out[None])  # [1, D]
 
     window = torch.cat([state.conv, mixed.t()], dim=1)  # [C, K-1+T]
     state.conv = window[:, window.shape[1] - (g.conv_kernel - 1) :].clone()
