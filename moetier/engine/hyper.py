@@ -19,6 +19,7 @@ runs one layer loop for both.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,9 @@ def hyper_weights(mix: torch.Tensor, w: HyperWeights, hyper: HyperConnections) -
     return pre, post, comb
 
 
+@functools.cache
 def _native():
+    """The native kernels (built on first use), or None; looked up once: decode_kernel() costs microseconds a call."""
     from moetier.backends import cpu_kernels
 
     return cpu_kernels.decode_kernel()
