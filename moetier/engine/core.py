@@ -19,7 +19,6 @@ bias, logits match the transformers reference within float32 rounding.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from moetier.engine.deltanet import DeltaNetState, DeltaNetWeights, deltanet_lay
 from moetier.engine.hyper import HyperWeights, Residual, Streams
 from moetier.engine.kda import KdaWeights, kda_layer
 from moetier.engine.mla import IndexerWeights, LatentState, LatentWeights, latent_layer
-from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm
+from moetier.engine.layers import KVCache, RotaryTable, attend, attention_mask, rms_norm, torch_threads
 from moetier.engine.linear import StoredEmbedding, StoredLinear, stored_ffn
 from moetier.engine.native_step import NativeStep
 from moetier.engine.router import Route, route_gate
@@ -85,20 +84,6 @@ def group_by_expert(picks: torch.Tensor, weights: torch.Tensor) -> list[ExpertJo
         groups.append(ExpertJob(expert, rows[start : start + count], gate[start : start + count]))
         start += count
     return groups
-
-
-@contextlib.contextmanager
-def _torch_threads(threads: int | None):
-    """torch's intra-op thread count set to `threads` inside (None: left as it is), restored after."""
-    before = torch.get_num_threads()
-    if threads is None or threads == before:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _device(name: str) -> torch.device:
@@ -317,7 +302,7 @@ class Engine:
             logits = self.native_step.step(int(ids[0]), cache, cache.length)  # [1, V]
             cache.length += 1
             return logits
-        with _torch_threads(self.torch_threads):
+        with torch_threads(self.torch_threads):
             return self._forward(ids, cache, all_logits)
 
     def _forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool) -> torch.Tensor:

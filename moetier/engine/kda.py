@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.engine.deltanet import DeltaNetState
+from moetier.engine.layers import torch_threads
 from moetier.engine.linear import StoredLinear
 from moetier.model.spec import LinearAttention
 
@@ -95,8 +96,9 @@ def kda_layer(w: KdaWeights, g: LinearAttention, x: torch.Tensor, state: DeltaNe
     q, k = l2norm(q), l2norm(k)
     if new == 1:
         out = _recurrent_step(q[0] * d**-0.5, k[0], v[0], decay[0], beta[0], state)[None]  # [1, H, d]
-    else:
-        out = _chunked(q, k, v, decay, beta, state)  # [T, H, d]
+    else:  # the chunks' big elementwise tensors on every pool thread (the forward holds torch to one)
+        with torch_threads(kernel.threads if kernel is not None else None):
+            out = _chunked(q, k, v, decay, beta, state)  # [T, H, d]
     gate = w.gate_up(gate).view(new * heads, d)
     out = F.rms_norm(out.reshape(new * heads, d), (d,), w.norm, eps) * torch.sigmoid(gate)
     return w.out_proj(out.reshape(new, width))

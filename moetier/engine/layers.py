@@ -8,10 +8,25 @@ where it matters for float32 rounding), for batch 1.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op thread count set to `threads` inside (None: left as it is), restored after."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
