@@ -309,7 +309,7 @@ class Engine:
         start, eps, times, spec = cache.length, self.spec.rms_norm_eps, self.times, self.spec
         h = self.embed.rows(ids)  # [T, D]
         new = h.shape[0]
-        stream = Streams.of(h, spec.hyper, eps) if spec.hyper is not None else Residual(h)  # [T, (N,) D]
+        stream = Streams.of(h, spec.hyper, eps, self._cpu_kernel) if spec.hyper is not None else Residual(h)  # [T, (N,) D]
         for index, part in enumerate(self.parts):
             stream.to(part.device)
             mask = None if self._native_attention(part.device) else attention_mask(start, new, spec.sliding_window, part.device)

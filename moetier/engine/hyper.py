@@ -19,7 +19,6 @@ runs one layer loop for both.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,26 +77,19 @@ def hyper_weights(mix: torch.Tensor, w: HyperWeights, hyper: HyperConnections) -
     return pre, post, comb
 
 
-@functools.cache
-def _native():
-    """The native kernels (built on first use), or None; looked up once: decode_kernel() costs microseconds a call."""
-    from moetier.backends import cpu_kernels
-
-    return cpu_kernels.decode_kernel()
-
-
 class Streams:
     """The residual streams h [T, N, D] of one forward, with the weights of the block last entered."""
 
-    def __init__(self, h: torch.Tensor, hyper: HyperConnections, rms_eps: float):
+    def __init__(self, h: torch.Tensor, hyper: HyperConnections, rms_eps: float, kernel=None):
         self.h, self.hyper, self.rms_eps = h, hyper, rms_eps
+        self.kernel = kernel  # the native kernels, for the weights of blocks whose streams are in host memory; or None
         self.post: torch.Tensor | None = None  # [T, N]
         self.comb: torch.Tensor | None = None  # [T, N, N]
 
     @classmethod
-    def of(cls, x: torch.Tensor, hyper: HyperConnections, rms_eps: float) -> "Streams":
+    def of(cls, x: torch.Tensor, hyper: HyperConnections, rms_eps: float, kernel=None) -> "Streams":
         """x [T, D] copied into every stream."""
-        return cls(x[:, None, :].expand(-1, hyper.streams, -1).contiguous(), hyper, rms_eps)
+        return cls(x[:, None, :].expand(-1, hyper.streams, -1).contiguous(), hyper, rms_eps, kernel)
 
     def enter(self, w: HyperWeights) -> torch.Tensor:
         """The block's input [T, D]; keeps its post and comb weights for `leave`."""
@@ -105,10 +97,9 @@ class Streams:
         flat = self.h.reshape(tokens, n * hidden)
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.rms_eps)
         mix = F.linear(flat, w.fn)  # [T, (2 + N) N]
-        kernel = _native() if mix.is_cpu and mix.dtype == torch.float32 else None
-        if kernel is not None:  # one call instead of some 120 torch operations a token
-            pre, self.post, self.comb = kernel.hyper_weights(mix.contiguous(), w.base, w.scale, n, self.hyper.sinkhorn_iters,
-                                                             self.hyper.eps)
+        if self.kernel is not None and mix.is_cpu and mix.dtype == torch.float32:  # one call, not ~120 torch ops a token
+            pre, self.post, self.comb = self.kernel.hyper_weights(mix.contiguous(), w.base, w.scale, n,
+                                                                  self.hyper.sinkhorn_iters, self.hyper.eps)
         else:
             pre, self.post, self.comb = hyper_weights(mix, w, self.hyper)
         return (pre.unsqueeze(-1) * self.h).sum(dim=1)
