@@ -1054,37 +1054,42 @@ TILED_ROWS(tiled_iq4xs, decode_iq4xs, 136, SIGNED, 8, 7)
 void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t row_bytes, int64_t rows,
               const void *xq, int64_t T, float *y, int64_t ldy) {
     const uint8_t *wb = (const uint8_t *)w, *x = (const uint8_t *)xq;
-    if (act_type == ACT_Q8_K && dotk_act_type(wtype, 0) == ACT_Q8_K) {
+    typedef void (*row_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t);
+    row_loop loop = NULL;
 #if defined(DOTK_TILED)
-        /* from how many tokens the tiles beat the row loop (its decoding is spread over fewer products): the
-         * IQ formats' costlier decoding pays sooner (measured on Zen 5, 2048 columns) */
-        const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ4_XS ? 4 : 8;
-        __m512 *acc = T >= from ? aligned_alloc(64, (size_t)T * sizeof(__m512)) : NULL;
-        if (acc != NULL) {
-            switch (wtype) {
-            case Q2_K: tiled_q2k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case Q3_K: tiled_q3k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case Q4_K: tiled_q4k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case Q5_K: tiled_q5k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case Q6_K: tiled_q6k(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case IQ3_XXS: tiled_iq3xxs(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case IQ3_S: tiled_iq3s(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            case IQ4_XS: tiled_iq4xs(n, wb, row_bytes, rows, x, T, y, ldy, acc); break;
-            }
-            free(acc);
-            return;
-        }
+    typedef void (*tile_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t, __m512 *);
+    tile_loop tiles = NULL;
+#define PICK(rows_fn, tiled_fn) (loop = rows_fn, tiles = tiled_fn)
+#else
+#define PICK(rows_fn, tiled_fn) (loop = rows_fn)
 #endif
+    if (act_type == ACT_Q8_K && dotk_act_type(wtype, 0) == ACT_Q8_K) {
         switch (wtype) {
-        case Q2_K: rows_q2k(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case Q3_K: rows_q3k(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case Q4_K: rows_q4k(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case Q5_K: rows_q5k(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case Q6_K: rows_q6k(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case IQ3_XXS: rows_iq3xxs(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case IQ3_S: rows_iq3s(n, wb, row_bytes, rows, x, T, y, ldy); return;
-        case IQ4_XS: rows_iq4xs(n, wb, row_bytes, rows, x, T, y, ldy); return;
+        case Q2_K: PICK(rows_q2k, tiled_q2k); break;
+        case Q3_K: PICK(rows_q3k, tiled_q3k); break;
+        case Q4_K: PICK(rows_q4k, tiled_q4k); break;
+        case Q5_K: PICK(rows_q5k, tiled_q5k); break;
+        case Q6_K: PICK(rows_q6k, tiled_q6k); break;
+        case IQ3_XXS: PICK(rows_iq3xxs, tiled_iq3xxs); break;
+        case IQ3_S: PICK(rows_iq3s, tiled_iq3s); break;
+        case IQ4_XS: PICK(rows_iq4xs, tiled_iq4xs); break;
         }
+    }
+#undef PICK
+#if defined(DOTK_TILED)
+    /* from how many tokens the tiles beat the row loop (its decoding is spread over fewer products): the IQ
+     * formats' costlier decoding pays sooner (measured on Zen 5, 2048 columns) */
+    const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ4_XS ? 4 : 8;
+    __m512 *acc = tiles != NULL && T >= from ? aligned_alloc(64, (size_t)T * sizeof(__m512)) : NULL;
+    if (acc != NULL) {  /* else (out of memory too) the row loop */
+        tiles(n, wb, row_bytes, rows, x, T, y, ldy, acc);
+        free(acc);
+        return;
+    }
+#endif
+    if (loop != NULL) {
+        loop(n, wb, row_bytes, rows, x, T, y, ldy);
+        return;
     }
     for (int64_t t = 0; t < T; t++)  /* not this family's (the wrappers never ask): loudly wrong, never stale */
         for (int64_t r = 0; r < rows; r++) y[t * ldy + r] = __builtin_nanf("");
