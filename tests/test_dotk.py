@@ -126,15 +126,21 @@ def test_dot_is_the_float64_reference_within_float32_rounding(kernels, name):
     assert worst <= BOUND, (name, worst)
 
 
+def together_and_apart(kernels, name: str, w: np.ndarray, x: np.ndarray, n: int):
+    """The T tokens of x dotted in one call and one at a time -> (together, apart [T, rows], their Q8_K bytes)."""
+    fmt, wt = BY_NAME[name], torch.from_numpy(w)
+    xq = kernels.quantize(A.ACT_Q8_K, torch.from_numpy(x))
+    together = kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq, n).numpy()
+    apart = np.stack([kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq[t:t + 1].contiguous(), n).numpy()[0] for t in range(len(x))])
+    return together, apart, xq.numpy()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_eight_tokens_at_once_equal_eight_single_calls(kernels, name):
-    n, fmt = 1024, BY_NAME[name]
+    n = 1024
     w, x = case(name, 8, n, seed=7)
-    xq = kernels.quantize(A.ACT_Q8_K, torch.from_numpy(x))
-    wt = torch.from_numpy(w)
-    together = kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq, n).numpy()
-    apart = np.stack([kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq[t:t + 1].contiguous(), n).numpy()[0] for t in range(8)])
-    _, scale = reference(name, w, xq.numpy(), n)
+    together, apart, xq = together_and_apart(kernels, name, w, x, n)
+    _, scale = reference(name, w, xq, n)
     assert np.all(np.abs(together - apart) <= BOUND * scale), name
 
 
@@ -142,13 +148,10 @@ def test_eight_tokens_at_once_equal_eight_single_calls(kernels, name):
 def test_row_tiles_with_tails(kernels, name):
     """T >= 4 or 8 takes the 16-row tiles (AVX-512 VNNI): 37 rows (two tiles and 5), 11 tokens (a pass of 8 and
     3), 3 blocks a row: within the bound of the float64 reference, and of one token at a time (the row loop)."""
-    n, fmt = 768, BY_NAME[name]
+    n = 768
     w, x = case(name, 11, n, seed=17, rows=37)
-    xq = kernels.quantize(A.ACT_Q8_K, torch.from_numpy(x))
-    wt = torch.from_numpy(w)
-    together = kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq, n).numpy()
-    apart = np.stack([kernels.dot(fmt.id, A.ACT_Q8_K, wt, xq[t:t + 1].contiguous(), n).numpy()[0] for t in range(11)])
-    exact, scale = reference(name, w, xq.numpy(), n)
+    together, apart, xq = together_and_apart(kernels, name, w, x, n)
+    exact, scale = reference(name, w, xq, n)
     assert np.all(np.abs(together - exact) <= BOUND * scale), name
     assert np.all(np.abs(together - apart) <= BOUND * scale), name
 
