@@ -194,6 +194,11 @@ def text_chunk(rid: str, model: str, created: int, text: str, finish: str | None
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
 
 
+def usage_chunk(rid: str, obj: str, model: str, created: int, stats) -> dict:
+    """The last chunk of a stream that asked for usage (stream_options.include_usage): no choices, the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(stats)}
+
+
 def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 

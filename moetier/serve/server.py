@@ -277,8 +277,7 @@ async def _chat_stream(state: ServerState, job: Job, created: int, tools: bool, 
                     finish = "tool_calls"
             yield api.sse(api.chat_chunk(rid, model, created, {}, finish, timings=result.stats.to_dict()))
             if include_usage:
-                yield api.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [], "usage": api.usage(result.stats)})
+                yield api.sse(api.usage_chunk(rid, "chat.completion.chunk", model, created, result.stats))
         else:
             yield api.sse(ApiError(event[1], event[2]).body())
     yield api.sse("[DONE]")
@@ -293,8 +292,7 @@ async def _text_stream(state: ServerState, job: Job, created: int, include_usage
             result = event[1]
             yield api.sse(api.text_chunk(rid, model, created, "", result.finish_reason, timings=result.stats.to_dict()))
             if include_usage:
-                yield api.sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": api.usage(result.stats)})
+                yield api.sse(api.usage_chunk(rid, "text_completion", model, created, result.stats))
         else:
             yield api.sse(ApiError(event[1], event[2]).body())
     yield api.sse("[DONE]")
