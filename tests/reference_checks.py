@@ -7,6 +7,8 @@ them against its bar. Prompts draw no token 0: transformers' generate takes it f
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -38,3 +40,34 @@ def cached_decode(model, engine: Engine, vocab: int, prompt: int, steps: int, se
     expected = torch.stack(out.logits)[:, 0].numpy()  # [steps, V]: prefill, then the cached decode steps
     result = generate(engine, ids.tolist(), steps, keep_logits=True)
     return result.ids == out.sequences[0, prompt:].tolist(), float(np.abs(result.logits - expected).max())
+
+
+@contextlib.contextmanager
+def python_path(engine: Engine):
+    """The engine's per-layer Python path with its token mixers and hyper-connection weights in torch ops (a decoded
+    token's would otherwise run the native step's own mixers, cpu_deltanet.h and cpu_hyper.h, and a comparison with
+    the step would not test them)."""
+    from moetier.engine import core
+
+    step, engine.native_step = engine.native_step, None
+    deltanet, kda, streams = core.deltanet_layer, core.kda_layer, core.Streams.__dict__["of"]
+    core.deltanet_layer = lambda w, g, x, state, eps, kernel=None: deltanet(w, g, x, state, eps, None)
+    core.kda_layer = lambda w, g, x, state, eps, kernel=None: kda(w, g, x, state, eps, None)
+    core.Streams.of = classmethod(lambda cls, x, hyper, rms_eps, kernel=None: streams.__func__(cls, x, hyper, rms_eps, None))
+    try:
+        yield
+    finally:
+        engine.native_step, core.deltanet_layer, core.kda_layer, core.Streams.of = step, deltanet, kda, streams
+
+
+def decode_both(engine: Engine, ids: list[int], prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced decode of ids[prefix:] after a prefill of ids[:prefix], by the native step and by the Python
+    path -> logits [steps, V] each."""
+    assert engine.native_step is not None, engine.decode_path()
+    out = []
+    for native in (True, False):
+        cache = engine.new_cache()
+        with contextlib.nullcontext() if native else python_path(engine):
+            engine.forward(torch.tensor(ids[:prefix]), cache)
+            out.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in ids[prefix:]]))
+    return out[0], out[1]

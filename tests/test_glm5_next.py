@@ -15,14 +15,19 @@ steps after a 70-token prompt within 1e-4 in float32, identical greedy tokens;
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 
+from glm5_next_files import build_glm5_next
+from reference_checks import cached_decode, decode_both, python_path, random_ids, teacher_forced_error
+
+from moetier.backends.torch_backend import TorchBackend
 from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.spec import ModelSpec, SpecError
-from glm5_next_files import build_glm5_next
-from reference_checks import cached_decode, teacher_forced_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -131,9 +136,66 @@ def test_a_config_without_text_config_is_refused():
         ModelSpec.from_hf_config({"model_type": "glm5_next"}, source="config.json")
 
 
-def test_decode_goes_per_layer_and_says_why(case):
+DECODE_IDS = random_ids(BASE["vocab_size"], 90, 5).tolist()  # a 70-token prompt, 20 decoded
+
+
+def test_decode_runs_natively_to_the_python_paths_logits(case):
+    """The native step (cpu_step.h: KDA, latent attention and its indexer, the streams; every layer in one call)
+    against the per-layer Python path with its mixers and hyper weights in torch ops. (Against transformers, the
+    cached-decode test above decodes through the step too.)"""
     _, folder = case
-    assert "latent attention are computed per layer" in Engine(open_checkpoint(folder)).decode_path()
+    engine = Engine(open_checkpoint(folder))
+    assert engine.decode_path().startswith("native step")
+    native, python = decode_both(engine, DECODE_IDS, 70)
+    assert np.abs(native - python).max() <= 1e-5 * np.abs(python).max()
+    assert (native.argmax(1) == python.argmax(1)).all()
+
+
+def test_native_decode_breaks_indexer_ties_as_torch_topk_does(case):
+    """ReLU's exact zeros tie pool scores at the top-k boundary; the step hands those choices to torch.topk (the
+    Python path's and transformers' choice): the cases whose decode meets such ties still give the Python path's
+    logits (the test above), and here they are counted, so the tie path is known to run."""
+    from moetier.engine.native_step import CHOOSE
+
+    name, folder = case[1].name, case[1]
+    engine = Engine(open_checkpoint(folder))
+    step, calls = engine.native_step, []
+    choose = step._choose_pools
+    step._choose = CHOOSE(lambda *args: calls.append(args[1:3]) or choose(*args))
+    cache = engine.new_cache()
+    engine.forward(torch.tensor(DECODE_IDS[:70]), cache)
+    for t in DECODE_IDS[70:]:
+        engine.forward(torch.tensor([t]), cache)
+    index = engine.spec.indexer
+    assert all(k == min(index.topk // index.pool, n) and n > k for n, k in calls)
+    if name.startswith("groups-topk-below-length"):  # its indexer scores tie in decode on this draw
+        assert calls, "no tied pool scores: the tie path did not run"
+
+
+def test_native_decode_gives_the_same_bits_whatever_the_pool_size(case):
+    checkpoint = open_checkpoint(case[1])
+    runs = []
+    for lanes in (1, 2, 3):
+        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=lanes))
+        assert engine.native_step.kernel.threads == lanes
+        cache = engine.new_cache()
+        engine.forward(torch.tensor(DECODE_IDS[:70]), cache)
+        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in DECODE_IDS[70:80]]))
+    assert all(np.array_equal(runs[0], other) for other in runs[1:])
+
+
+def test_states_and_caches_pass_between_the_step_and_the_python_path(case):
+    """One cache, the two paths in turn (the step writes latents, index rows and KDA states in place; the Python
+    path appends rows and replaces the KDA states), against all-Python; past the latent caches' first capacity."""
+    engine = Engine(open_checkpoint(case[1]))
+    ids = random_ids(BASE["vocab_size"], 262, 6).tolist()
+    pieces = [(0, 250), (250, 251), (251, 252), (252, 259), (259, 260), (260, 261), (261, 262)]
+    logits = {}
+    for native in (True, False):
+        cache = engine.new_cache()
+        with contextlib.nullcontext() if native else python_path(engine):
+            logits[native] = torch.cat([engine.forward(torch.tensor(ids[a:b]), cache)[-1:] for a, b in pieces])
+    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * logits[False].abs().max()
 
 
 @pytest.mark.gpu

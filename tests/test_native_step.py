@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_blocks import restored
+from reference_checks import decode_both, python_path
 from safetensors.torch import load_file, save_file
 
 from moetier.backends.torch_backend import TorchBackend
@@ -33,34 +34,6 @@ from moetier.engine.router_bias import RouterBias
 from moetier.model import open_checkpoint
 from moetier.model.gguf_write import write_gguf
 from moetier.model.synth import write_synthetic
-
-
-@contextlib.contextmanager
-def python_path(engine: Engine):
-    """The per-layer Python path, its linear-attention mixer in torch ops (a decoded token's would otherwise run the
-    step's own native mixer, cpu_deltanet.h, and the comparison would not test it)."""
-    from moetier.engine import core
-
-    step, engine.native_step = engine.native_step, None
-    layer = core.deltanet_layer
-    core.deltanet_layer = lambda w, g, x, state, eps, kernel=None: layer(w, g, x, state, eps, None)
-    try:
-        yield
-    finally:
-        engine.native_step, core.deltanet_layer = step, layer
-
-
-def decode_both(engine: Engine, ids: list[int], prefix: int) -> tuple[np.ndarray, np.ndarray]:
-    """Teacher-forced decode of ids[prefix:] after a prefill of ids[:prefix], by the step and by the Python path
-    -> logits [steps, V] each."""
-    assert engine.native_step is not None, engine.decode_path()
-    out = []
-    for native in (True, False):
-        cache = engine.new_cache()
-        with contextlib.nullcontext() if native else python_path(engine):
-            engine.forward(torch.tensor(ids[:prefix]), cache)
-            out.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in ids[prefix:]]))
-    return out[0], out[1]
 
 
 @pytest.fixture(scope="module")

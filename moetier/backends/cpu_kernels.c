@@ -486,7 +486,16 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
     return status;
 }
 
+/* y = x / rms(x) (* w), n values (the trunk's RMSNorm: the decode step's and the latent attention's) */
+static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    float squares = 0.f;
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+    const float r = 1.f / sqrtf(squares / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w ? x[i] * r * w[i] : x[i] * r;
+}
+
 #include "cpu_router.h"
 #include "cpu_deltanet.h"
 #include "cpu_hyper.h"
+#include "cpu_latent.h"
 #include "cpu_step.h"

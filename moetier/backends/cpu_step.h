@@ -1,20 +1,26 @@
 /* moetier's native decode step: one token through a run of decoder layers in one call (included once, by
- * cpu_kernels.c, whose jobs, dot families, router and delta rule it uses).
+ * cpu_kernels.c, whose jobs, dot families, router, delta rules, hyper-connections and latent attention it uses).
  *
- * For each layer, what moetier/engine/core.py computes for one token, in the same order:
+ * For each layer, what moetier/engine/core.py computes for one token, in the same order, each block (the token
+ * mixer, the MLP) between an input and an output of the residual: h itself and h += y, or with hyper-connections
+ * (GLM-5.3, cpu_hyper.h) the streams h [n, D] collapsed into the block's input and y expanded back into them:
  *
- *   x = rms_norm(h, input_norm); then the token mixer, one of
+ *   x = rms_norm(input, input_norm); then the token mixer, one of
  *     attention: [q k v] = qkv(x) (+ bias) (with an output gate, q's rows per head are d query rows then d gate
  *       rows); q, k per-head rms_norm * qk_norm; rotary on the first rotary_dim dims of q, k; k, v -> the KV cache
- *       at `position`; a = attention(q, keys [first, position], values) (* sigmoid(gate)); h += o(a) (+ bias);
+ *       at `position`; a = attention(q, keys [first, position], values) (* sigmoid(gate)); y = o(a) (+ bias);
  *     linear attention (Qwen3-Next's Gated DeltaNet, moetier/engine/deltanet.py): [q|k|v z b|a] = in(x); the
  *       conv step, silu, L2 norms, beta and g, the delta rule on the layer's state, the gated RMSNorm (one job of
- *       cpu_deltanet.h, a granule per key head); h += out(...);
- *   x = rms_norm(h, post_norm); then a dense layer: h += mlp(x); a MoE layer: the router's logits (a float32
+ *       cpu_deltanet.h, a granule per key head); y = out(...);
+ *     KDA (GLM-5.3's, moetier/engine/kda.py): [q|k|v b f_a g_a] = in(x); the gates' up-projections; the mixer (one
+ *       job of cpu_deltanet.h); y = out(...);
+ *     latent attention (GLM-5.3's, moetier/engine/mla.py) with its indexer: cpu_latent.h;
+ *   x = rms_norm(input, post_norm); then a dense layer: y = mlp(x); a MoE layer: the router's logits (a float32
  *   linear), its picks and weights (pick_softmax / pick_sigmoid, nudged by the caller's bias row), and
- *   h += (sum_j w_j expert_j(x) + shared(x)), the shared part scaled by sigmoid(x . shared_gate) where the layer
+ *   y = sum_j w_j expert_j(x) + shared(x), the shared part scaled by sigmoid(x . shared_gate) where the layer
  *   has one. Before the layers h may be a token's embedding row (dequantized by cpu_formats.c, as the engine's
- *   StoredEmbedding does), after them the lm head's logits of rms_norm(h, final_norm).
+ *   StoredEmbedding does; in every stream), after them the lm head's logits of rms_norm(h (the streams' mean),
+ *   final_norm).
  *
  * Every matrix product is a job of cpu_kernels.c on the pool (the trunk's projections through their formats'
  * dot families, the experts through moe_layout's phases), each query head's attention a granule of one more
@@ -22,8 +28,9 @@
  * calling thread between jobs while the helpers poll. So one call hands the pool ~6 jobs per layer and Python
  * none. Every output value is computed by one thread from the same inputs, so the result is the same bits for
  * any thread count. Numerics against the Python path: the same products and formats, float32 sums in other
- * orders (the attention's dot products and softmax, the norms' sums, the router's logits, the conv taps) and
- * exp8's e^x in the mixer's silu, so logits agree to float32 rounding (tests/test_native_step.py). The Python
+ * orders (the attention's dot products and softmax, the norms' sums, the router's logits, the conv taps, the
+ * streams' projection) and exp8's e^x in the mixer's silu, so logits agree to float32 rounding
+ * (tests/test_native_step.py, tests/test_glm5_next.py); the indexer's tied choices are torch's (cpu_latent.h). The Python
  * side (moetier/engine/native_step.py) checks every shape, format and pointer; nothing here validates.
  */
 
@@ -39,6 +46,10 @@ typedef struct {  /* the model's shape, for every layer of a call */
     linear_part head;                /* the lm head: V rows of D values */
     int64_t attention_gate;          /* attention layers' q rows per head: d query rows, then d gate rows */
     int64_t Hk, Hv, dk, dv, K;       /* linear attention: key / value heads, their dims, conv taps (0: none) */
+    double lower_bound;              /* KDA's forget gate bound (NaN: the softplus gate) */
+    int64_t streams, hc_iters;       /* hyper-connections: residual streams (0: a plain residual), Sinkhorn rounds */
+    double hc_eps;
+    latent_shape latent;             /* latent attention and its indexer (GLM-5.3) */
 } step_model;
 
 typedef struct {  /* a linear-attention layer's token mixer (moetier.engine.deltanet.DeltaNetWeights) */
@@ -48,6 +59,14 @@ typedef struct {  /* a linear-attention layer's token mixer (moetier.engine.delt
     const float *dt_bias, *decay_rate, *norm;   /* [Hv], [Hv] (-exp(A_log)), [dv] */
     linear_part out;                            /* D rows of Hv dv */
 } step_deltanet;
+
+typedef struct {  /* a KDA layer's token mixer (moetier.engine.kda.KdaWeights); H heads of d: Hk, dk */
+    linear_part in[6];                          /* rows 3 H d + H + 2 d: q|k|v, b, f_a, g_a; same-format parts merged */
+    int64_t in_parts;                           /* 0: not a KDA layer */
+    linear_part forget_up, gate_up;             /* H d rows of d each */
+    const float *conv, *dt_bias, *decay_rate, *norm;  /* [3 H d, K], [H d], [H] exp(A_log), [d] */
+    linear_part out;                            /* D rows of H d */
+} step_kda;
 
 typedef struct {  /* one decoder layer: addresses of what the engine holds */
     const float *input_norm, *post_norm;  /* [D] */
@@ -63,6 +82,9 @@ typedef struct {  /* one decoder layer: addresses of what the engine holds */
     int64_t mlp_I;                        /* its width */
     const float *shared_gate;             /* [D]: the shared experts' output * sigmoid(x . shared_gate), or NULL */
     step_deltanet deltanet;               /* a linear-attention layer's mixer (its qkv, o, qk_norm unused) */
+    step_kda kda;                         /* a KDA layer's mixer (likewise) */
+    step_latent latent;                   /* a latent-attention layer's (likewise) */
+    step_hyper hyper_attn, hyper_ffn;     /* the streams' weights around the mixer and the MLP (model.streams > 0) */
 } step_layer;
 
 typedef struct {  /* one call */
@@ -78,28 +100,36 @@ typedef struct {  /* one call */
     float *out;                           /* [V] logits = head(rms_norm(h, final_norm)) after the layers, or NULL */
     float *const *conv_states;            /* per layer: [C, K-1] a linear layer's conv inputs, updated in place */
     float *const *recurrent_states;       /* per layer: [Hv, dk, dv] its delta-rule state, updated in place */
+    float *const *latents, *const *index; /* per layer: a latent-attention layer's caches [capacity, r], [capacity, 2 di] */
+    int64_t *picked;                      /* [position + 1]: the positions the last latent layer attended */
+    choose_fn choose;                     /* the indexer's tied choices (cpu_latent.h) */
 } step_call;
 
-/* Floats of the token mixers' projection (an attention layer's q, gates, k, v; a linear layer's q|k|v z b|a) and of
- * their outputs (the attention heads', the delta rule's heads') */
+static inline int64_t most(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Floats of the token mixers' projections (an attention layer's q, gates, k, v; a Gated DeltaNet layer's q|k|v z b|a;
+ * a KDA layer's q|k|v b f_a g_a and its gates' up-projections; a latent layer's) and of their outputs (the attention
+ * heads', the delta rule's heads', the latent heads') */
 static int64_t mix_rows(const step_model *m) {
     const int64_t attention = (m->H * (1 + m->attention_gate) + 2 * m->G) * m->d;
     const int64_t linear = 2 * m->Hk * m->dk + 2 * m->Hv * m->dv + 2 * m->Hv;
-    return attention > linear ? attention : linear;
+    const int64_t kda = 5 * m->Hk * m->dk + m->Hk + 2 * m->dk;
+    return most(most(attention, linear), most(kda, latent_scratch(&m->latent)));
 }
 
-static int64_t mix_outputs(const step_model *m) { return m->H * m->d > m->Hv * m->dv ? m->H * m->d : m->Hv * m->dv; }
+static int64_t mix_outputs(const step_model *m) {
+    return most(most(m->H * m->d, m->Hv * m->dv), m->latent.H * m->latent.dv);
+}
+
+/* Floats of the streams' scratch: a copy of the streams [n D] and their projection, the weights, the block input */
+static int64_t streams_scratch(const step_model *m) {
+    const int64_t n = m->streams ? m->streams : 1;
+    return n * m->D + 2 * (2 + n) * n + m->D;
+}
 
 /* Floats of scratch a call needs. */
 int64_t step_scratch(const step_model *m) {
-    return 5 * m->D + mix_rows(m) + mix_outputs(m) + m->attention_gate * m->H * m->d + m->E + 64;
-}
-
-static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
-    float squares = 0.f;
-    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
-    const float r = 1.f / sqrtf(squares / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = w ? x[i] * r * w[i] : x[i] * r;
+    return 5 * m->D + mix_rows(m) + mix_outputs(m) + m->attention_gate * m->H * m->d + m->E + 64 + streams_scratch(m);
 }
 
 /* the first rd of a head's d values rotated as RotaryTable.apply does (rotate_half), the rest kept */
@@ -215,6 +245,26 @@ static int64_t linear_attention_held(moe_pool *pool, const step_model *m, const 
     return linear_held(pool, mixed, 1, width, &L->out, 1, m->float_acts, out);
 }
 
+/* A KDA layer's output out [D] for x [D] (moetier.engine.kda.kda_layer for one token): the in-projection and the
+ * gates' up-projections into proj, the mixer (cpu_deltanet.h's kda_mix) into mixed, the out-projection; its states
+ * advance in place. -> 0, or -2 when out of memory. The caller holds pool->call. */
+static int64_t kda_layer_held(moe_pool *pool, const step_model *m, const step_kda *L, const float *x, float *conv_state,
+                              float *state, float *proj, float *mixed, float *out) {
+    const int64_t H = m->Hk, d = m->dk, width = H * d;
+    float *f_a = proj + 3 * width + H, *g_a = f_a + d, *forget = g_a + d, *gate = forget + width;
+    int64_t status = linear_held(pool, x, 1, m->D, L->in, L->in_parts, m->float_acts, proj);
+    if (!status) status = linear_held(pool, f_a, 1, d, &L->forget_up, 1, m->float_acts, forget);
+    if (!status) status = linear_held(pool, g_a, 1, d, &L->gate_up, 1, m->float_acts, gate);
+    if (status) return status;
+    const int64_t bounded = !isnan(m->lower_bound);
+    const kda_mix a = {proj, proj + 3 * width, forget, gate, conv_state, state, L->conv, L->dt_bias, L->decay_rate,
+                       L->norm, mixed, H, d, m->K, bounded, bounded ? (float)m->lower_bound : 0.f, (float)m->eps,
+                       (float)pow((double)d, -0.5)};
+    int64_t heads = H;
+    pool_run(pool, kda_mix_granule, (void *)&a, 1, &heads);
+    return linear_held(pool, mixed, 1, width, &L->out, 1, m->float_acts, out);
+}
+
 /* An attention layer's output o [D] for x [D] (Engine._attention for one token); its k, v land in the layer's cache.
  * qkv, att, gate: scratch of mix_rows, mix_outputs and H d floats. -> 0, or -2 when out of memory. The caller holds
  * pool->call. */
@@ -249,34 +299,66 @@ static int64_t attention_layer_held(moe_pool *pool, const step_model *m, const s
     return linear_held(pool, att, 1, H * d, &L->o, 1, m->float_acts, o);
 }
 
-/* One token through layers[0 .. n): see the top of this file. -> 0, or -2 when out of memory. */
+/* A block's input: h, or the streams collapsed by the block's hyper-connection (its weights kept in st->weights). */
+typedef struct { float *copy, *weights, *input; } streams_work;
+
+static int64_t block_enter(moe_pool *pool, const step_model *m, const step_hyper *w, const float *h, streams_work *st,
+                           const float **in) {
+    *in = h;
+    if (!m->streams) return 0;
+    *in = st->input;
+    return streams_enter(pool, w, h, m->streams, m->D, m->hc_iters, (float)m->hc_eps, (float)m->eps, st->copy,
+                         st->weights, st->input);
+}
+
+/* A block's output y [D] into the residual h, or into the streams by the weights its block_enter kept. */
+static void block_leave(const step_model *m, float *h, const float *y, streams_work *st) {
+    if (m->streams) {
+        streams_leave(h, m->streams, m->D, st->weights, y, st->copy);
+        return;
+    }
+    for (int64_t i = 0; i < m->D; i++) h[i] += y[i];
+}
+
+/* One token through layers[0 .. n): see the top of this file. -> 0, -2 when out of memory, -3 when the caller's
+ * `choose` failed. */
 int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, int64_t n, const step_call *c) {
-    const int64_t D = m->D, E = m->E, k = m->k;
+    const int64_t D = m->D, E = m->E, k = m->k, S = m->streams ? m->streams : 1;
     const float eps = (float)m->eps, one = 1.f;
     float *h = c->h, *x = c->scratch, *mixing = x + D, *att = mixing + mix_rows(m), *gate = att + mix_outputs(m);
     float *o = gate + m->attention_gate * m->H * m->d, *routed = o + D, *shared = routed + D, *pick_scratch = shared + D;
-    int64_t status = 0, moe = 0;
+    float *st_at = pick_scratch + E + 64;
+    streams_work st = {st_at, st_at + S * D + (2 + S) * S, st_at + S * D + 2 * (2 + S) * S};
+    int64_t status = 0, moe = 0, count = 0;  /* count: the positions in c->picked */
+    const float *in;
     pthread_mutex_lock(&pool->call);  /* the scratch is the pool's caller's */
-    if (c->token >= 0) {  /* the embedding row, dequantized as ggml's get_rows does */
+    if (c->token >= 0) {  /* the embedding row, dequantized as ggml's get_rows does, into every stream */
         const uint8_t *row = m->embed + c->token * row_bytes(m->embed_type, D);
         if (m->embed_type == TYPE_F32) memcpy(h, row, (size_t)D * sizeof(float));
         else dequantize_row(m->embed_type, row, h, D);
+        for (int64_t j = 1; j < S; j++) memcpy(h + j * D, h, (size_t)D * sizeof(float));
     }
     for (int64_t l = 0; l < n && !status; l++) {
         const step_layer *L = &layers[l];
-        rms_norm_row(h, L->input_norm, x, D, eps);
-        if (L->deltanet.in_parts) {
-            if ((status = linear_attention_held(pool, m, &L->deltanet, x, c->conv_states[l], c->recurrent_states[l], mixing,
-                                                att, o))) break;
-            for (int64_t i = 0; i < D; i++) h[i] += o[i];
-        } else {
-            if ((status = attention_layer_held(pool, m, L, c, l, x, mixing, att, gate, o))) break;
-            for (int64_t i = 0; i < D; i++) h[i] += L->o_bias ? o[i] + L->o_bias[i] : o[i];
-        }
-        rms_norm_row(h, L->post_norm, x, D, eps);
+        if ((status = block_enter(pool, m, &L->hyper_attn, h, &st, &in))) break;
+        rms_norm_row(in, L->input_norm, x, D, eps);
+        if (L->deltanet.in_parts)
+            status = linear_attention_held(pool, m, &L->deltanet, x, c->conv_states[l], c->recurrent_states[l], mixing,
+                                           att, o);
+        else if (L->kda.in_parts)
+            status = kda_layer_held(pool, m, &L->kda, x, c->conv_states[l], c->recurrent_states[l], mixing, att, o);
+        else if (L->latent.in_parts)
+            status = latent_layer_held(pool, &m->latent, &L->latent, x, D, m->float_acts, eps, c->position, c->latents[l],
+                                       c->index[l], c->picked, &count, c->choose, mixing, att, o);
+        else if (!(status = attention_layer_held(pool, m, L, c, l, x, mixing, att, gate, o)) && L->o_bias)
+            for (int64_t i = 0; i < D; i++) o[i] += L->o_bias[i];
+        if (status) break;
+        block_leave(m, h, o, &st);
+        if ((status = block_enter(pool, m, &L->hyper_ffn, h, &st, &in))) break;
+        rms_norm_row(in, L->post_norm, x, D, eps);
         if (!L->router) {  /* a dense layer */
             if ((status = experts_held(pool, x, 1, D, L->mlp_I, 1, L->mlp, NULL, NULL, &one, routed))) break;
-            for (int64_t i = 0; i < D; i++) h[i] += routed[i];
+            block_leave(m, h, routed, &st);
             continue;
         }
         const linear_part gate_rows = {(int64_t)(intptr_t)L->router, TYPE_F32, E};
@@ -297,17 +379,25 @@ int64_t moe_step(moe_pool *pool, const step_model *m, const step_layer *layers, 
         if (L->mlp) {
             if ((status = experts_held(pool, x, 1, D, L->mlp_I, 1, L->mlp, NULL, NULL, &one, shared))) break;
             if (L->shared_gate) {  /* Qwen3-Next: the shared expert's output scaled by sigmoid(x . w) */
-                const float s = 1.f / (1.f + expf(-dot(L->shared_gate, x, D)));
-                for (int64_t i = 0; i < D; i++) h[i] += routed[i] + s * shared[i];
+                const float g = 1.f / (1.f + expf(-dot(L->shared_gate, x, D)));
+                for (int64_t i = 0; i < D; i++) routed[i] += g * shared[i];
             } else {
-                for (int64_t i = 0; i < D; i++) h[i] += routed[i] + shared[i];
+                for (int64_t i = 0; i < D; i++) routed[i] += shared[i];
             }
-        } else {
-            for (int64_t i = 0; i < D; i++) h[i] += routed[i];
         }
+        block_leave(m, h, routed, &st);
     }
     if (!status && c->out) {
-        rms_norm_row(h, m->final_norm, x, D, eps);
+        in = h;
+        if (m->streams) {  /* the hidden state: the streams' mean */
+            for (int64_t i = 0; i < D; i++) {
+                float sum = 0.f;
+                for (int64_t j = 0; j < S; j++) sum += h[j * D + i];
+                st.input[i] = sum / (float)S;
+            }
+            in = st.input;
+        }
+        rms_norm_row(in, m->final_norm, x, D, eps);
         status = linear_held(pool, x, 1, D, &m->head, 1, m->float_acts, c->out);
     }
     pthread_mutex_unlock(&pool->call);

@@ -70,16 +70,20 @@ class LatentState:
         self.latents = torch.empty(capacity, spec.latent_attention.kv_rank, device=device)  # [capacity, kv_rank]
         self.index = torch.empty(capacity, 2 * spec.indexer.head_dim, device=device)  # [capacity, key | gate logits]
 
-    def append(self, latents: torch.Tensor, index: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store rows at start..start+T; -> every latent and index row so far ([P, kv_rank], [P, 2 di])."""
-        end = start + latents.shape[0]
+    def reserve(self, end: int) -> None:
+        """Room for positions < end (the buffers replaced, their rows kept, when they are too short)."""
         if end > self.latents.shape[0]:
             capacity = max(end, 2 * self.latents.shape[0])
             for name in ("latents", "index"):
                 old = getattr(self, name)
                 grown = old.new_empty(capacity, old.shape[1])
-                grown[:start] = old[:start]
+                grown[: old.shape[0]] = old
                 setattr(self, name, grown)
+
+    def append(self, latents: torch.Tensor, index: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store rows at start..start+T; -> every latent and index row so far ([P, kv_rank], [P, 2 di])."""
+        end = start + latents.shape[0]
+        self.reserve(end)
         self.latents[start:end] = latents
         if index is not None:
             self.index[start:end] = index

@@ -16,7 +16,12 @@ over TorchBackend): `build` returns None otherwise, and `why_not` says why.
 Qwen3-Next's layers run in it too: gated attention, the gated shared expert,
 and the Gated DeltaNet layers, whose conv and delta-rule states (the cache's
 `states`) the step updates in place where the Python path replaces them, so
-the two take turns on one cache (a Python prefill, native decode).
+the two take turns on one cache (a Python prefill, native decode). So do
+GLM-5.3's: the hyper-connected streams, KDA layers (states as Gated
+DeltaNet's), and latent attention with its DSA indexer, whose latent and
+index rows the step writes into the layer's LatentState in place (reserved
+first) and whose tied pool scores it hands back to torch.topk (`_choose_pools`:
+the Python path's choice among equal scores, which no fixed rule reproduces).
 Router bias tables are applied as the Python router applies them (a bias row
 added to the selection scores); a damped bias, a step being timed
 (engine.times) and MOETIER_NATIVE_STEP=0 take the Python path. The route
@@ -42,6 +47,7 @@ from moetier.backends import cpu_kernels
 from moetier.backends.cpu_kernels import expert_record, matrix_error, status_error
 from moetier.engine.layers import KVCache
 from moetier.engine.router import Route
+from moetier.model.formats import F32
 
 if TYPE_CHECKING:
     from moetier.engine.core import Engine
@@ -54,11 +60,16 @@ class _Part(ctypes.Structure):  # linear_part
     _fields_ = [("address", i64), ("type", i64), ("rows", i64)]
 
 
+class _LatentShape(ctypes.Structure):  # latent_shape
+    _fields_ = [(name, i64) for name in ("q_rank", "r", "dn", "dv", "H", "Hi", "di", "pool", "topk", "select_tail")]
+
+
 class _Model(ctypes.Structure):  # step_model
     _fields_ = [(name, i64) for name in ("D", "H", "G", "d", "rotary_dim", "E", "k", "router", "norm_topk", "n_group",
                                          "topk_group", "I", "float_acts")] + [("eps", f64), ("scaling", f64),
                 ("embed", ptr), ("embed_type", i64), ("final_norm", ptr), ("head", _Part)] + [
-                (name, i64) for name in ("attention_gate", "Hk", "Hv", "dk", "dv", "K")]
+                (name, i64) for name in ("attention_gate", "Hk", "Hv", "dk", "dv", "K")] + [
+                ("lower_bound", f64), ("streams", i64), ("hc_iters", i64), ("hc_eps", f64), ("latent", _LatentShape)]
 
 
 class _DeltaNet(ctypes.Structure):  # step_deltanet
@@ -66,16 +77,36 @@ class _DeltaNet(ctypes.Structure):  # step_deltanet
                 ("out", _Part)]
 
 
+class _Kda(ctypes.Structure):  # step_kda
+    _fields_ = [("in_", _Part * 6), ("in_parts", i64), ("forget_up", _Part), ("gate_up", _Part), ("conv", ptr),
+                ("dt_bias", ptr), ("decay_rate", ptr), ("norm", ptr), ("out", _Part)]
+
+
+class _Latent(ctypes.Structure):  # step_latent
+    _fields_ = [("in_", _Part * 5), ("in_parts", i64), ("in_bias", ptr), ("q_norm", ptr), ("kv_norm", ptr), ("up", _Part * 2),
+                ("kv_weight", ptr), ("out", _Part), ("out_bias", ptr), ("k_norm", ptr), ("k_bias", ptr), ("pool_bias", ptr)]
+
+
+class _Hyper(ctypes.Structure):  # step_hyper
+    _fields_ = [("fn", _Part), ("base", ptr), ("scale", ptr)]
+
+
 class _Layer(ctypes.Structure):  # step_layer
     _fields_ = [("input_norm", ptr), ("post_norm", ptr), ("qk_norm", ptr), ("qkv", _Part * 3), ("qkv_parts", i64),
                 ("qkv_bias", ptr), ("o", _Part), ("o_bias", ptr), ("router", ptr), ("correction", ptr),
-                ("experts", ptr), ("mlp", ptr), ("mlp_I", i64), ("shared_gate", ptr), ("deltanet", _DeltaNet)]
+                ("experts", ptr), ("mlp", ptr), ("mlp_I", i64), ("shared_gate", ptr), ("deltanet", _DeltaNet),
+                ("kda", _Kda), ("latent", _Latent), ("hyper_attn", _Hyper), ("hyper_ffn", _Hyper)]
+
+
+# the indexer's tied choices (cpu_latent.h's choose_fn): scores [n] float32, k -> picks [k] int64; 0, or -1
+CHOOSE = ctypes.CFUNCTYPE(i64, ptr, i64, i64, ptr)
 
 
 class _Call(ctypes.Structure):  # step_call
     _fields_ = [("token", i64), ("h", ptr), ("position", i64), ("capacity", i64), ("window", i64), ("cos", ptr), ("sin", ptr),
                 ("keys", ptr), ("values", ptr), ("nudge", ptr), ("logits", ptr), ("probs", ptr), ("weights", ptr),
-                ("picks", ptr), ("scratch", ptr), ("out", ptr), ("conv_states", ptr), ("recurrent_states", ptr)]
+                ("picks", ptr), ("scratch", ptr), ("out", ptr), ("conv_states", ptr), ("recurrent_states", ptr),
+                ("latents", ptr), ("index", ptr), ("picked", ptr), ("choose", CHOOSE)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -119,6 +150,14 @@ class NativeStep:
         if spec.linear_layers:
             self.model.Hk, self.model.Hv, self.model.dk, self.model.dv, self.model.K = (
                 g.key_heads, g.value_heads, g.key_dim, g.value_dim, g.conv_kernel)
+        self.model.lower_bound = float("nan") if g is None or g.lower_bound is None else g.lower_bound
+        if spec.hyper is not None:
+            self.model.streams, self.model.hc_iters, self.model.hc_eps = (spec.hyper.streams, spec.hyper.sinkhorn_iters,
+                                                                          spec.hyper.eps)
+        mla, index = spec.latent_attention, spec.indexer
+        if mla is not None:
+            self.model.latent = _LatentShape(mla.q_rank, mla.kv_rank, mla.key_dim, mla.value_dim, spec.num_heads,
+                                             index.heads, index.head_dim, index.pool, index.topk, int(index.select_tail))
         embed, head = engine.embed, engine.lm_head
         V = spec.vocab_size
         self.model.embed, self.model.embed_type = _part("embedding", embed.data, embed.qtype, D).address, embed.qtype
@@ -131,10 +170,14 @@ class NativeStep:
         # one call's floats: logits [V], the residual stream [D], each MoE layer's route logits and probs [E] and
         # weights [k] (a call's own: two threads may decode on one engine), and the step's scratch (the pool's)
         moe, E, k = len(spec.moe_layers), spec.num_experts, spec.top_k
-        self._sizes = [spec.vocab_size, D, moe * E, moe * E, moe * k]
+        self._sizes = [spec.vocab_size, D * (spec.hyper.streams if spec.hyper else 1), moe * E, moe * E, moe * k]
         self.scratch = torch.empty(kernel.library.step_scratch(ctypes.byref(self.model)))
         self._nudge_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a bias table, its float32 host copy)
-        self._first_attention = spec.attention_layers[0] if spec.attention_layers else None
+        attention = [l for l in spec.attention_layers if mla is None]  # the layers with key and value buffers
+        self._first_attention = attention[0] if attention else None
+        self._latent_layers = spec.attention_layers if mla is not None else ()
+        self._choose = CHOOSE(self._choose_pools)  # kept alive as long as the step
+        self._failure: BaseException | None = None  # what the last call's _choose_pools raised
         if spec.linear_layers:  # the shapes a linear layer's states must have in a cache
             self._state_shapes = ((g.conv_channels, g.conv_kernel - 1), (g.value_heads, g.key_dim, g.value_dim))
 
@@ -153,8 +196,15 @@ class NativeStep:
                      post_norm=_vector(f"{where} post norm", w.post_norm, D))
         if w.deltanet is not None:
             out.deltanet = self._deltanet(where, w.deltanet)
+        elif w.kda is not None:
+            out.kda = self._kda(where, w.kda)
+        elif w.latent is not None:
+            out.latent = self._latent(where, w.latent)
         else:
             self._attention(where, w, out)
+        if spec.hyper is not None:
+            out.hyper_attn, out.hyper_ffn = (self._hyper(f"{where} hyper-connection {block}", hw)
+                                             for block, hw in (("attn", w.hyper_attn), ("ffn", w.hyper_ffn)))
         mlp = w.mlp if w.mlp is not None else w.shared
         if mlp is not None:
             out.mlp, out.mlp_I = self._records([mlp], mlp.inter), mlp.inter
@@ -204,6 +254,74 @@ class NativeStep:
                          _vector(f"{where} gated norm", t.norm, g.value_dim),
                          _part(f"{where} out_proj", *t.out_proj.parts[0], g.value_width))
 
+    def _parts(self, what: str, linear, cols: int, most: int, rows: int | None = None) -> tuple[ctypes.Array, int]:
+        """A StoredLinear's parts, at most `most` (of `rows` rows in all when given), as the C reads them."""
+        parts = [_part(what, data, qtype, cols) for data, qtype in linear.parts]
+        if len(parts) > most or (rows is not None and sum(p.rows for p in parts) != rows):
+            raise ValueError(f"{what}: parts of {[p.rows for p in parts]} rows (expected {rows} rows in <= {most} parts)")
+        return (_Part * most)(*parts), len(parts)
+
+    def _one(self, what: str, linear, cols: int, rows: int, bias: bool = False) -> _Part:
+        """A StoredLinear of one part of `rows` rows, without a bias unless `bias`, as the C reads it."""
+        if len(linear.parts) != 1 or (linear.bias is not None and not bias) or linear.parts[0][0].shape[0] != rows:
+            raise ValueError(f"{what}: {len(linear.parts)} parts{' and a bias' if linear.bias is not None else ''} "
+                             f"(expected one of {rows} rows)")
+        return _part(what, *linear.parts[0], cols)
+
+    def _kda(self, where: str, t) -> _Kda:
+        """A KDA layer's mixer (moetier.engine.kda.KdaWeights) as cpu_step.h reads it."""
+        g, D = self.spec.linear_attention, self.spec.hidden_size
+        H, d, K = g.key_heads, g.key_dim, g.conv_kernel
+        if t.in_proj.bias is not None:
+            raise ValueError(f"{where}: a KDA in-projection with a bias")
+        parts, count = self._parts(f"{where} KDA in_proj", t.in_proj, D, 6, 3 * H * d + H + 2 * d)
+        return _Kda(parts, count, self._one(f"{where} f_b_proj", t.forget_up, d, H * d),
+                    self._one(f"{where} g_b_proj", t.gate_up, d, H * d), _vector(f"{where} conv", t.conv, 3 * H * d * K),
+                    _vector(f"{where} dt_bias", t.dt_bias, H * d), _vector(f"{where} decay rate", t.decay_rate, H),
+                    _vector(f"{where} o_norm", t.norm, d), self._one(f"{where} o_proj", t.out_proj, H * d, D))
+
+    def _latent(self, where: str, t) -> _Latent:
+        """A latent-attention layer (moetier.engine.mla.LatentWeights) as cpu_step.h reads it."""
+        spec, D = self.spec, self.spec.hidden_size
+        mla, index, H = spec.latent_attention, spec.indexer, spec.num_heads
+        indexed = t.indexer is not None
+        rows = mla.q_rank + mla.kv_rank + (2 * index.head_dim + index.heads if indexed else 0)
+        parts, count = self._parts(f"{where} latent in_proj", t.in_proj, D, 5, rows)
+        up = [self._one(f"{where} q_b_proj", t.q_up, mla.q_rank, H * mla.key_dim)]
+        out = _Latent(parts, count, _vector(f"{where} latent in_proj bias", t.in_proj.bias, rows),
+                      _vector(f"{where} q_a_layernorm", t.q_norm, mla.q_rank),
+                      _vector(f"{where} kv_a_layernorm", t.kv_norm, mla.kv_rank))
+        if indexed:
+            di = index.head_dim
+            up.append(self._one(f"{where} indexer wq_b", t.indexer.q_up, mla.q_rank, index.heads * di))
+            out.k_norm = _vector(f"{where} indexer k_norm", t.indexer.k_norm[0], di)
+            out.k_bias = _vector(f"{where} indexer k_norm bias", t.indexer.k_norm[1], di)
+            out.pool_bias = _vector(f"{where} indexer pool bias", t.indexer.pool_bias, index.pool * di)
+        out.up = (_Part * 2)(*up)
+        out.kv_weight = _vector(f"{where} kv_b_proj", t.kv_weight, H * (mla.key_dim + mla.value_dim) * mla.kv_rank)
+        out.out = self._one(f"{where} o_proj", t.out_proj, H * mla.value_dim, D, bias=True)
+        out.out_bias = _vector(f"{where} o_proj bias", t.out_proj.bias, D)
+        return out
+
+    def _hyper(self, what: str, w) -> _Hyper:
+        """One block's hyper-connection weights (moetier.engine.hyper.HyperWeights) as cpu_step.h reads them."""
+        n, D = self.spec.hyper.streams, self.spec.hidden_size
+        width = (2 + n) * n
+        if w.fn.dtype != torch.float32 or tuple(w.fn.shape) != (width, n * D):
+            raise ValueError(f"{what}: fn {w.fn.dtype} {list(w.fn.shape)} (expected float32 [{width}, {n * D}])")
+        return _Hyper(_part(what, w.fn, F32, n * D), _vector(f"{what} base", w.base, width), _vector(f"{what} scale", w.scale, 3))
+
+    def _choose_pools(self, scores: int, n: int, k: int, picks: int) -> int:
+        """The indexer's choice among tied pool scores, as the Python path makes it (torch.topk over [1, n])."""
+        try:
+            values = torch.frombuffer((ctypes.c_float * n).from_address(scores), dtype=torch.float32).view(1, n)
+            out = torch.frombuffer((ctypes.c_int64 * k).from_address(picks), dtype=torch.int64)
+            out.copy_(values.topk(k, dim=-1).indices[0])
+            return 0
+        except BaseException as failure:  # noqa: BLE001 (raised again by step, after the native call)
+            self._failure = failure
+            return -1
+
     @classmethod
     def build(cls, engine: Engine) -> NativeStep | None:
         """The step for `engine`, or None (see why_not)."""
@@ -217,8 +335,6 @@ class NativeStep:
         spec = engine.spec
         if os.environ.get("MOETIER_NATIVE_STEP", "1") == "0":
             return "MOETIER_NATIVE_STEP=0"
-        if spec.hyper is not None or spec.latent_attention is not None:
-            return f"{spec.arch}'s hyper-connections, KDA and latent attention are computed per layer"
         if any(part.device.type != "cpu" for part in engine.parts):
             return "a layer is not on the CPU"
         if not isinstance(engine.executor, ResidentExperts) or engine.backend.decode_kernel() is None:
@@ -227,6 +343,8 @@ class NativeStep:
             return f"{spec.n_group} router groups of {spec.num_experts} experts"
         if spec.linear_layers and spec.linear_attention.value_dim > DV_MAX:
             return f"linear-attention value heads of {spec.linear_attention.value_dim} dims (the native mixer takes {DV_MAX})"
+        if spec.linear_layers and spec.linear_attention.kind == "kda" and spec.linear_attention.key_dim > DV_MAX:
+            return f"KDA heads of {spec.linear_attention.key_dim} dims (the native mixer takes {DV_MAX})"
         placed = [w for layer in spec.moe_layers for w in engine.executor.placed[layer]]
         placed += [w for layer in engine.layers for w in (layer.mlp, layer.shared) if w is not None]  # records too
         if not all(engine.backend.decode_kernel().fits(w) for w in placed):
@@ -239,7 +357,10 @@ class NativeStep:
         buffers change or the Python path replaces a state (it assigns new tensors; the step updates in place)."""
         if self._first_attention is not None:
             cache.reserve(end)
+        for layer in self._latent_layers:
+            cache.states[layer].reserve(end)
         states = tuple(t for layer in self.spec.linear_layers for t in (cache.states[layer].conv, cache.states[layer].recurrent))
+        states += tuple(t for layer in self._latent_layers for t in (cache.states[layer].latents, cache.states[layer].index))
         held = cache.native
         if held is None or held[0] != cache.grown or not all(map(operator.is_, held[1], states)):
             held = cache.native = (cache.grown, states, *self._addresses(cache, states))
@@ -247,17 +368,25 @@ class NativeStep:
 
     def _addresses(self, cache: KVCache, states: tuple) -> tuple[ctypes.Array, ...]:
         """`cache`'s key, value, conv and recurrent buffer addresses per layer (None where a layer has none), checked."""
-        L = self.spec.num_layers
-        conv, recurrent = [None] * L, [None] * L
-        for i, layer in enumerate(self.spec.linear_layers):
-            for what, t, shape, out in (("conv", states[2 * i], self._state_shapes[0], conv),
-                                        ("recurrent", states[2 * i + 1], self._state_shapes[1], recurrent)):
-                if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or tuple(t.shape) != shape:
-                    raise ValueError(f"native step: layer {layer}'s {what} state must be float32 {list(shape)} contiguous in "
-                                     f"host memory, got {t.dtype} {list(t.shape)} on {t.device}")
-                out[layer] = t.data_ptr()
+        L, spec = self.spec.num_layers, self.spec
+        conv, recurrent, latents, index = [None] * L, [None] * L, [None] * L, [None] * L
+        linear = len(spec.linear_layers)
+        checks = [(layer, what, states[2 * i + j], self._state_shapes[j], out) for i, layer in enumerate(spec.linear_layers)
+                  for j, (what, out) in enumerate((("conv", conv), ("recurrent", recurrent)))]
+        if self._latent_layers:
+            cap = [states[2 * (linear + i)].shape[0] for i in range(len(self._latent_layers))]
+            mla, di = spec.latent_attention, spec.indexer.head_dim
+            checks += [(layer, what, states[2 * (linear + i) + j], shape, out) for i, layer in enumerate(self._latent_layers)
+                       for j, (what, shape, out) in enumerate((("latent", (cap[i], mla.kv_rank), latents),
+                                                               ("index", (cap[i], 2 * di), index)))]
+        for layer, what, t, shape, out in checks:
+            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or tuple(t.shape) != shape:
+                raise ValueError(f"native step: layer {layer}'s {what} state must be float32 {list(shape)} contiguous in "
+                                 f"host memory, got {t.dtype} {list(t.shape)} on {t.device}")
+            out[layer] = t.data_ptr()
         address = lambda ts: (ptr * L)(*[None if t is None else t.data_ptr() for t in ts])  # noqa: E731
-        return address(cache.keys), address(cache.values), (ptr * L)(*conv), (ptr * L)(*recurrent)
+        return (address(cache.keys), address(cache.values), (ptr * L)(*conv), (ptr * L)(*recurrent), (ptr * L)(*latents),
+                (ptr * L)(*index))
 
     def _nudge(self, table: torch.Tensor) -> torch.Tensor:
         """The bias table [MoE layers, E] as the C reads it: float32, contiguous, in host memory (converted once)."""
@@ -273,18 +402,24 @@ class NativeStep:
         engine, spec = self.engine, self.spec
         if not 0 <= token < spec.vocab_size:
             raise ValueError(f"native step: token id {token} is outside the vocabulary [0, {spec.vocab_size})")
-        keys, values, conv, recurrent = self._cache_addresses(cache, start + 1)
+        keys, values, conv, recurrent, latents, index = self._cache_addresses(cache, start + 1)
         capacity = 0 if self._first_attention is None else cache.keys[self._first_attention].shape[1]
         cos, sin = engine.ropes[torch.device("cpu")].at(start)  # [rotary_dim] each
         nudge = None if engine.router_bias is None else self._nudge(engine.router_bias.table)
         logits, h, route_logits, probs, weights = torch.empty(sum(self._sizes)).split(self._sizes)
         picks = torch.empty(len(spec.moe_layers), spec.top_k, dtype=torch.int64)
+        picked = torch.empty(start + 1 if self._latent_layers else 0, dtype=torch.int64)  # the positions a latent layer attends
         call = _Call(token, h.data_ptr(), start, capacity, spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
                      ctypes.addressof(keys), ctypes.addressof(values), nudge.data_ptr() if nudge is not None else None,
                      route_logits.data_ptr(), probs.data_ptr(), weights.data_ptr(), picks.data_ptr(),
-                     self.scratch.data_ptr(), logits.data_ptr(), ctypes.addressof(conv), ctypes.addressof(recurrent))
-        status_error("native step", self.kernel.library.moe_step(self.kernel.pool.handle, ctypes.byref(self.model), self.layers,
-                                                                 spec.num_layers, ctypes.byref(call)))
+                     self.scratch.data_ptr(), logits.data_ptr(), ctypes.addressof(conv), ctypes.addressof(recurrent),
+                     ctypes.addressof(latents), ctypes.addressof(index), picked.data_ptr(), self._choose)
+        status = self.kernel.library.moe_step(self.kernel.pool.handle, ctypes.byref(self.model), self.layers, spec.num_layers,
+                                              ctypes.byref(call))
+        if status == -3:  # the indexer's torch.topk raised: that, not a status
+            failure, self._failure = self._failure, None
+            raise RuntimeError("native step: the indexer's choice among tied pools failed") from failure
+        status_error("native step", status)
         if engine.observer is not None:
             E, k = spec.num_experts, spec.top_k
             route_logits, probs, weights = route_logits.view(-1, E), probs.view(-1, E), weights.view(-1, k)
