@@ -2,7 +2,8 @@
 
 Fast: activation bytes equal moetier.backends.activations (the numpy judge); every format's dot products
 within 1e-5 of the float64 reference (gguf's dequantized weights times the dequantized activations) relative
-to the row's sum of |w| |x|; T tokens at once are T calls of one (block formats bit for bit); the AVX2 (with
+to the row's sum of |w| |x|; T tokens at once are T calls of one (block formats bit for bit below the 16-row
+tiles, within that bound from them); the AVX2 (with
 and without AVX-VNNI) and scalar builds of the same file within the same bound where this machine builds
 them; bad input one ValueError. Peer (marker `peer`): equal to llama.cpp's own vec_dot (libggml-cpu) within 2e-6 of the
 same scale. `python tests/test_dot32.py` prints the largest relative errors seen per format.
@@ -26,6 +27,19 @@ from moetier.model.formats import BY_NAME, Format
 from moetier.native import FAST_FLAGS, library
 
 kernels = D.dot_kernels()
+WIDE_FROM = 8  # cpu_dot32.c's: from this many tokens the block formats take the 16-row tiles (its AVX-512 path)
+
+
+def _dot32_path() -> int:
+    """dot32_path() of this machine's build: 2 AVX-512 (where the 16-row tiles are), 1 AVX2, 0 scalar, -1 none."""
+    family = next((f for f in kernels.families if f.name == "dot32"), None) if kernels is not None else None
+    if family is None:
+        return -1
+    family.lib.dot32_path.restype = ctypes.c_int64
+    return family.lib.dot32_path()
+
+
+WIDE_TILES = _dot32_path() == 2
 pytestmark = pytest.mark.skipif(kernels is None or not any(f.name == "dot32" for f in kernels.families),
                                 reason=f"dot32 family {D.status()}")
 FAMILY = tuple(BY_NAME[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "Q4_1", "Q5_1"))
@@ -107,9 +121,10 @@ def test_dot_is_the_float64_reference_within_float32_rounding(fmt):
 
 
 def assert_same_tokens(fmt: Format, together: torch.Tensor, alone: torch.Tensor, scale: np.ndarray):
-    """Block formats: bit for bit. Float formats sum in four accumulators at T = 1 and one per (row, token) in the
+    """Block formats below WIDE_FROM tokens: bit for bit. From it, AVX-512 takes the 16-row tiles, which add the
+    blocks' terms in another order; float formats sum in four accumulators at T = 1 and one per (row, token) in the
     T > 1 tiles (cpu_dot32.c): within the reference's bound."""
-    if fmt.dtype is None:
+    if fmt.dtype is None and (together.shape[0] < WIDE_FROM or not WIDE_TILES):
         assert torch.equal(together, alone), fmt.name
     else:
         assert (np.abs(together.numpy() - alone.numpy()) / scale).max() <= 1e-5, fmt.name
@@ -127,6 +142,25 @@ def test_tokens_at_once_are_one_at_a_time(fmt):
         assert_same_tokens(fmt, together, alone, reference(fmt, w, act, xq, n)[1])
         rows = torch.cat([kernels.dot(fmt.id, act, w[r:r + 1], xq, n) for r in range(9)], dim=1)
         assert torch.equal(together, rows), (fmt.name, act)  # a row's sum never depends on the rows beside it
+
+
+@pytest.mark.parametrize("fmt", [f for f in FAMILY if f.dtype is None], ids=lambda f: f.name)
+def test_row_tiles_with_tails(fmt):
+    """From WIDE_FROM tokens the block formats take 16-row tiles (AVX-512): 37 rows (two tiles and 5), 75 tokens
+    (a chunk of 64, then a pass of 8 and a tail of 3), 7 blocks a row (three pairs and a lone block), and a 4-token
+    call below them: within the float64 reference's bound, and of one token at a time (the row loop)."""
+    rng = np.random.default_rng(fmt.id + 40)
+    n = 7 * 32
+    w = weights(fmt, 37, n, rng)
+    for tokens_ in (75, 4):
+        x = tokens(tokens_, n, rng)
+        for act in acts_of(fmt):
+            xq = torch.from_numpy(A.quantize(act, x))
+            together = kernels.dot(fmt.id, act, w, xq, n)  # [T, 37]
+            want, scale = reference(fmt, w, act, xq, n)
+            assert (np.abs(together.numpy() - want) / scale).max() <= 1e-5, (fmt.name, act, tokens_)
+            alone = torch.cat([kernels.dot(fmt.id, act, w, xq[t:t + 1], n) for t in range(tokens_)])
+            assert_same_tokens(fmt, together, alone, scale)
 
 
 @pytest.mark.parametrize("name", ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16"))
@@ -161,7 +195,7 @@ def test_every_simd_path_keeps_the_bound(path):
     if lib.dot32_path() != FORCED_PATH[path]:
         pytest.skip(f"{path} build: this machine's -march=native lacks it (path {lib.dot32_path()})")
     for fmt in FAMILY:
-        assert worst_error(fmt, family, shapes=[(1, 256), (5, 352)], rows=6) <= 1e-5, (path, fmt.name)
+        assert worst_error(fmt, family, shapes=[(1, 256), (5, 352), (9, 224)], rows=6) <= 1e-5, (path, fmt.name)
     # the float16 conversions without F16C (scalar): subnormal halves, ties, overflow to inf, every exponent
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((4, 1024)) * 10.0 ** rng.uniform(-9, 5.5, (4, 1024))).astype(np.float32)

@@ -9,8 +9,10 @@
  * activation quants (exact in int32), times d_w * d_x in float32, plus m_w * s_x for Q4_1 / Q5_1 (q4_1_q8_1),
  * summed over the row in float32. Float formats: weight and activation values converted to float32 (exactly),
  * products summed in float32 by fused multiply-add. The sum order is this file's (vector lanes, then a tree); for
- * the block formats it depends on neither T nor the row (every (row, token) runs the same operations in every
- * tile shape: T tokens at once are bit for bit T calls of one); float formats sum in four interleaved
+ * the block formats below WIDE_FROM tokens it depends on neither T nor the row (every (row, token) runs the same
+ * operations in every tile shape: T tokens at once are bit for bit T calls of one); from WIDE_FROM tokens, on
+ * AVX-512, the 16-row tiles (below) add the same per-block terms block after block: within float32 rounding of
+ * the row loop, and still independent of the rows beside a row. Float formats sum in four interleaved
  * accumulators at T = 1 and in one per (row, token) in the T > 1 tiles, equal within float32 rounding.
  *
  * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
@@ -46,6 +48,7 @@
 #include <string.h>
 
 #include "cpu_dot.h"
+#include "cpu_vnni.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -147,14 +150,28 @@ static inline uint16_t float_bf16(float f) {
 static void quantize_q8(int with_sum, const float *x, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n / 32; b++, x += 32, out += with_sum ? 36 : 34) {
         float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int8_t q[32];
         int sum = 0;
+#if defined(PATH_AVX512)  /* the same values, 16 at a time (max is exact; cvtps rounds half to even, as rintf) */
+        const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
+        for (int j = 0; j < 32; j++) {  /* a ternary, not fmaxf: a libm call per value here */
+            const float a = fabsf(x[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
         for (int j = 0; j < 32; j++) {
             q[j] = (int8_t)rintf(x[j] * id);  /* round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST) */
             sum += q[j];
         }
+#endif
         const uint16_t dh = float_half(d), sh = float_half(d * (float)sum);
         memcpy(out, &dh, 2);
         if (with_sum) memcpy(out + 2, &sh, 2);
@@ -477,6 +494,113 @@ INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, 
     floats_store(R, TT, K, acc, y, ldy);
 }
 #endif
+
+/* ---- T >= WIDE_FROM: sixteen weight rows on a vector's lanes ---------------------------------------------
+ * cpu_dotk.c's prefill tiles for the 32-value block formats. 16 rows' block pairs are decoded once (decode_pair:
+ * unsigned bytes u = q + o) and transposed into a tile whose dword k holds values 4k..4k+3 of all 16 rows; per
+ * token and block, 8 vpdpbusd with a broadcast of the token's 4 quants at that place start from -o * the block's
+ * sum of quants and give the 16 rows' exact integer dot products, which take d_w * d_x (and m_w * s_x) in
+ * float32 as the row loop's pair_step does, block after block. Each weight block is decoded once per 64 tokens,
+ * not once per 4. Numerics: the same integer products and per-block float32 terms as the row loop; only the
+ * order they are added in differs (block order here, lanes and a tree there): within float32 rounding. */
+enum { WIDE_ROWS = 16, WIDE_TOKENS = 8, WIDE_CHUNK = 64, WIDE_FROM = 8 };
+
+typedef struct {
+    __m512i q[16];       /* dword k < 8: values 4k..4k+3 of block b's 16 rows; 8 + k: block b + 1's */
+    __m512 d[2], m[2];   /* the rows' d and m (has_min) of blocks b and b + 1 */
+} wide_tile;
+
+/* rows' block pairs at w (rr < 16 rows; the others zero) -> the tile; single: the pair is one block */
+INLINE void wide_fill(const int f, const int single, const uint8_t *w, int64_t row_bytes, int64_t rr, wide_tile *t) {
+    __m512i v[16];
+    uint16_t dh[2][16] = {{0}}, mh[2][16] = {{0}};
+    const int bb = block_bytes(f);
+    for (int64_t r = 0; r < 16; r++) {
+        if (r >= rr) { v[r] = _mm512_setzero_si512(); continue; }
+        const uint8_t *p = w + r * row_bytes;
+        __m512 d, m;
+        decode_pair(f, single, p, &v[r], &d, &m);
+        for (int h = 0; h < 2 - single; h++) {
+            dh[h][r] = load16(p + h * bb);
+            if (has_min(f)) mh[h][r] = load16(p + h * bb + 2);
+        }
+    }
+    transpose16(v);
+    for (int k = 0; k < 16; k++) t->q[k] = v[k];
+    for (int h = 0; h < 2; h++) {
+        t->d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh[h]));
+        t->m[h] = has_min(f) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mh[h])) : _mm512_setzero_ps();
+    }
+}
+
+typedef struct { int32_t c; float d, s, pad; } wide_act;  /* a token block's -o * sum of quants, d, s (Q8_1) */
+
+/* The tiles' view of T tokens' activation blocks (Q8_0 / Q8_1 as llama.cpp writes them, xb bytes a block, nb
+ * blocks a token): per block its d, s and -o * the sum of its quants (o: the weight format's offset). */
+static void wide_prep(int64_t act, int o, const uint8_t *xq, int64_t nb, int64_t T, wide_act *out) {
+    const int64_t xb = act == ACT_Q8_1 ? 36 : 34, at = act == ACT_Q8_1 ? 4 : 2;
+    for (int64_t i = 0; i < T * nb; i++) {
+        const uint8_t *x = xq + i * xb;
+        /* the quants + 128 as unsigned bytes, summed in four 64-bit lanes by psadbw against zero */
+        const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + at)), _mm256_set1_epi8((char)0x80));
+        const __m256i sad = _mm256_sad_epu8(u, _mm256_setzero_si256());
+        const __m128i two = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+        const int32_t sum = (int32_t)(_mm_cvtsi128_si64(two) + _mm_extract_epi64(two, 1)) - 32 * 128;
+        out[i] = (wide_act){-o * sum, half_float(load16(x)), act == ACT_Q8_1 ? half_float(load16(x + 2)) : 0.0f, 0.0f};
+    }
+}
+
+/* acc[j] (token j < tn's 16 row sums) += blocks b (and b + 1 unless single) of the tile times token j's: its
+ * quants of block b at q + j * xrow, xb bytes a block; its blocks' wide_act at meta + j * nb */
+INLINE void wide_tokens(const int f, const int tn, const int single, const wide_tile *t, const uint8_t *q, int64_t xrow,
+                        int xb, const wide_act *meta, int64_t nb, __m512 *acc) {
+    for (int h = 0; h < 2 - single; h++) {
+        __m512i a[WIDE_TOKENS];
+        for (int j = 0; j < tn; j++) a[j] = _mm512_set1_epi32(meta[j * nb + h].c);
+        for (int k = 0; k < 8; k++)
+            for (int j = 0; j < tn; j++) a[j] = dpbusd_bcast(a[j], t->q[8 * h + k], q + j * xrow + h * xb + 4 * k);
+        for (int j = 0; j < tn; j++) {
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j]), _mm512_mul_ps(t->d[h], _mm512_set1_ps(meta[j * nb + h].d)), acc[j]);
+            if (has_min(f)) acc[j] = _mm512_fmadd_ps(t->m[h], _mm512_set1_ps(meta[j * nb + h].s), acc[j]);
+        }
+    }
+}
+
+#define WIDE_PASS(tn) wide_tokens(f, tn, single, &tile, x0 + (t0 + t) * xrow, xrow, xb, meta + (t0 + t) * nb + b, nb, acc + t)
+/* xq: T tokens' activations as llama.cpp writes them (act: Q8_0 or Q8_1); meta: wide_prep's view of them */
+INLINE void blocks_wide(const int f, int64_t act, int64_t nb, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                        const uint8_t *xq, const wide_act *meta, int64_t T, float *y, int64_t ldy) {
+    const int xb = act == ACT_Q8_1 ? 36 : 34;
+    const int64_t xrow = nb * xb;
+    __m512 acc[WIDE_CHUNK];
+    wide_tile tile;
+    for (int64_t r0 = 0; r0 < rows; r0 += WIDE_ROWS) {
+        const int64_t rr = rows - r0 < WIDE_ROWS ? rows - r0 : WIDE_ROWS;
+        const __mmask16 keep = (__mmask16)((1u << rr) - 1u);
+        for (int64_t t0 = 0; t0 < T; t0 += WIDE_CHUNK) {
+            const int64_t tc = T - t0 < WIDE_CHUNK ? T - t0 : WIDE_CHUNK;
+            for (int64_t t = 0; t < tc; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b += 2) {
+                const int single = b + 1 == nb;
+                const uint8_t *x0 = xq + b * xb + (act == ACT_Q8_1 ? 4 : 2);
+                wide_fill(f, single, w + r0 * row_bytes + b * block_bytes(f), row_bytes, rr, &tile);
+                int64_t t = 0;
+                for (; t + WIDE_TOKENS <= tc; t += WIDE_TOKENS) WIDE_PASS(WIDE_TOKENS);
+                switch (tc - t) {  /* the tail, each length its own specialised call */
+                case 7: WIDE_PASS(7); break;
+                case 6: WIDE_PASS(6); break;
+                case 5: WIDE_PASS(5); break;
+                case 4: WIDE_PASS(4); break;
+                case 3: WIDE_PASS(3); break;
+                case 2: WIDE_PASS(2); break;
+                case 1: WIDE_PASS(1); break;
+                }
+            }
+            for (int64_t t = 0; t < tc; t++) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + r0, keep, acc[t]);
+        }
+    }
+}
+#undef WIDE_PASS
 #endif /* PATH_AVX512 */
 
 #if defined(PATH_AVX2)
@@ -662,8 +786,26 @@ static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t
         return 1;
     }
 #endif
-    unsigned char stack[SCRATCH_BYTES] __attribute__((aligned(64)));
     const int blocks = f != F32 && f != F16 && f != BF16;
+#if defined(PATH_AVX512)
+    if (blocks && T >= WIDE_FROM) {  /* the 16-row tiles, on the activations as they are */
+        const int64_t nb = n / 32;
+        wide_act *meta = aligned_alloc(64, (size_t)(T * nb) * sizeof(wide_act));
+        if (meta == NULL) return 0;
+        wide_prep(act, bias((int)f), xq, nb, T, meta);
+        switch (f) {
+        case Q4_0: blocks_wide(Q4_0, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+        case Q4_1: blocks_wide(Q4_1, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+        case Q5_0: blocks_wide(Q5_0, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+        case Q5_1: blocks_wide(Q5_1, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+        case Q8_0: blocks_wide(Q8_0, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+        case IQ4_NL: blocks_wide(IQ4_NL, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+        }
+        free(meta);
+        return 1;
+    }
+#endif
+    unsigned char stack[SCRATCH_BYTES] __attribute__((aligned(64)));
     const int64_t nb = n / 32, nbp = (nb + 1) & ~(int64_t)1;
     const int64_t bytes = blocks ? T * (nbp * ACT_BLOCK_BYTES + (int64_t)sizeof(act_view)) : act == ACT_F32 ? 0 : T * n * 4;
     uint8_t *scratch = bytes <= SCRATCH_BYTES ? stack : aligned_alloc(64, ((size_t)bytes + 63) & ~(size_t)63);
