@@ -255,18 +255,52 @@ def test_chunked_kda_over_several_chunk_groups_is_the_recurrence():
     assert torch.allclose(chunked.recurrent, stepped.recurrent, atol=2e-5)
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_native_kda_prefill_is_the_chunked_form_within_float32_rounding(lower_bound):
+    """A 150-token prefill through the native mixer (the recurrence, token by token) against kda_layer's torch
+    chunked form, from non-zero conv and delta-rule states: outputs and both final states."""
+    from moetier.backends import cpu_kernels
+    from moetier.engine.deltanet import DeltaNetState
+    from moetier.engine.kda import KdaWeights, kda_layer
+    from moetier.engine.linear import StoredLinear
+    from moetier.model.spec import LinearAttention
+
+    kernel = cpu_kernels.decode_kernel()
+    if kernel is None:
+        pytest.skip(f"no native kernels: {cpu_kernels.status()}")
+    g = torch.Generator().manual_seed(11)
+    H, d, K, D, T = 3, 16, 4, 40, 150
+    geometry = LinearAttention(H, H, d, d, K, kind="kda", lower_bound=lower_bound)
+    linear = lambda rows, cols: StoredLinear([(torch.randn(rows, cols, generator=g) * 0.2, 0)], None, False, "cpu")  # noqa: E731
+    w = KdaWeights(in_proj=linear(3 * H * d + H + 2 * d, D), forget_up=linear(H * d, d), gate_up=linear(H * d, d),
+                   conv=torch.randn(3 * H * d, K, generator=g) * 0.5, dt_bias=torch.randn(H * d, generator=g) * 0.1,
+                   decay_rate=torch.rand(H, generator=g) + 0.5, norm=torch.rand(d, generator=g) + 0.5, out_proj=linear(D, H * d))
+    x = torch.randn(T, D, generator=g)
+    states = []
+    for native in (kernel, None):
+        state = DeltaNetState(geometry, torch.device("cpu"))
+        state.conv, state.recurrent = torch.randn(state.conv.shape, generator=torch.Generator().manual_seed(1)), \
+            torch.randn(state.recurrent.shape, generator=torch.Generator().manual_seed(2)) * 0.1
+        states.append((kda_layer(w, geometry, x, state, 1e-5, native), state))
+    (got, mine), (want, theirs) = states
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), float((got - want).abs().max())
+    assert torch.allclose(mine.recurrent, theirs.recurrent, rtol=1e-4, atol=1e-5)
+    assert torch.equal(mine.conv, theirs.conv)
+
+
 def test_native_kda_mixer_refuses_what_it_cannot_read():
     from moetier.backends import cpu_kernels
 
     kernel = cpu_kernels.decode_kernel()
     if kernel is None:
         pytest.skip(f"no native kernels: {cpu_kernels.status()}")
-    H, d, K = 2, 8, 4
-    args = dict(mixed=torch.zeros(3 * H * d), b=torch.zeros(H), forget=torch.zeros(H * d), gate=torch.zeros(H * d),
+    H, d, K, T = 2, 8, 4, 3
+    args = dict(mixed=torch.zeros(T, 3 * H * d), b=torch.zeros(T, H), forget=torch.zeros(T, H * d), gate=torch.zeros(T, H * d),
                 conv_state=torch.zeros(3 * H * d, K - 1), state=torch.zeros(H, d, d), conv=torch.zeros(3 * H * d, K),
                 dt_bias=torch.zeros(H * d), decay_rate=torch.ones(H), norm=torch.ones(d), lower_bound=-5.0, eps=1e-5)
-    assert kernel.kda_mix(**args).shape == (H * d,)
-    for name, bad in (("forget", torch.zeros(H * d + 1)), ("state", torch.zeros(H, d, d).transpose(1, 2)), ("b", torch.zeros(H).double())):
+    assert kernel.kda_mix(**args).shape == (T, H * d)
+    for name, bad in (("forget", torch.zeros(T, H * d + 1)), ("state", torch.zeros(H, d, d).transpose(1, 2)),
+                      ("b", torch.zeros(T, H).double()), ("gate", torch.zeros(T + 1, H * d)), ("mixed", torch.zeros(3 * H * d))):
         with pytest.raises(ValueError, match=f"kda_mix: {name}") as err:
             kernel.kda_mix(**{**args, name: bad})
         assert "\n" not in str(err.value)

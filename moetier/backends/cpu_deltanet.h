@@ -186,38 +186,49 @@ typedef struct {
     float *out;                          /* [H d] */
     int64_t H, d, K, bounded;
     float lower_bound, eps, q_scale;
+    int64_t T;                           /* tokens: mixed, b, forget, gate and out hold T rows */
 } kda_mix;
 
-static void kda_mix_granule(void *job, int64_t h) {
-    const kda_mix *a = job;
+/* Head h of token t (the job's rows t: mixed, b, forget, gate and out are T rows, each its width apart) */
+static void kda_token(const kda_mix *a, int64_t h, int64_t t) {
     const int64_t d = a->d, K = a->K, width = a->H * d;
+    float *mixed = a->mixed + t * 3 * width;
+    const float *forget = a->forget + t * width, *gates = a->gate + t * width;
     for (int64_t part = 0; part < 3; part++) {  /* q, k, v */
         const int64_t c = part * width + h * d;
-        conv_step(a->mixed + c, a->conv_state + c * (K - 1), a->conv + c * K, d, K);
+        conv_step(mixed + c, a->conv_state + c * (K - 1), a->conv + c * K, d, K);
     }
-    float *q = a->mixed + h * d, *k = a->mixed + width + h * d, *v = a->mixed + 2 * width + h * d;
+    float *q = mixed + h * d, *k = mixed + width + h * d, *v = mixed + 2 * width + h * d;
     l2_normalise(q, d, a->q_scale);
     l2_normalise(k, d, 1.f);
     float e[512], gate[512];
     const float rate = a->decay_rate[h];
     for (int64_t i = 0; i < d; i++) {
-        const float f = a->forget[h * d + i] + a->dt_bias[h * d + i];
+        const float f = forget[h * d + i] + a->dt_bias[h * d + i];
         e[i] = expf(a->bounded ? a->lower_bound * sigmoidf(rate * f) : -rate * softplus(f));
-        gate[i] = sigmoidf(a->gate[h * d + i]);
+        gate[i] = sigmoidf(gates[h * d + i]);
     }
-    float *o = a->out + h * d;
-    deltanet_head(a->state + h * d * d, q, k, v, 0.f, e, sigmoidf(a->b[h]), o, d, d);
+    float *o = a->out + t * width + h * d;
+    deltanet_head(a->state + h * d * d, q, k, v, 0.f, e, sigmoidf(a->b[t * a->H + h]), o, d, d);
     gated_rms(o, a->norm, gate, d, a->eps);
 }
 
-/* One KDA token's mixer for the per-layer path: mixed [3 H d] (overwritten), b [H], forget and gate [H d], states
- * updated in place, out [H d]. lower_bound: NaN for the softplus gate. -> 0. */
+/* a granule: one head through the job's T tokens in order (a head's channels, conv and delta-rule states are its
+ * own) */
+static void kda_mix_granule(void *job, int64_t h) {
+    const kda_mix *a = job;
+    for (int64_t t = 0; t < a->T; t++) kda_token(a, h, t);
+}
+
+/* T KDA tokens' mixer for the per-layer path, in order (decode: T = 1; prefill: the recurrence token by token,
+ * a head's d x d state in L1, instead of the chunked form torch runs): mixed [T, 3 H d] (overwritten), b [T, H],
+ * forget and gate [T, H d], states updated in place, out [T, H d]. lower_bound: NaN for the softplus gate. -> 0. */
 int64_t moe_kda_mix(moe_pool *pool, float *mixed, const float *b, const float *forget, const float *gate, float *conv_state,
                     float *state, const float *conv, const float *dt_bias, const float *decay_rate, const float *norm,
-                    int64_t H, int64_t d, int64_t K, double lower_bound, double eps, float *out) {
+                    int64_t H, int64_t d, int64_t K, double lower_bound, double eps, int64_t T, float *out) {
     const kda_mix a = {mixed, b, forget, gate, conv_state, state, conv, dt_bias, decay_rate, norm, out, H, d, K,
                        !isnan(lower_bound), isnan(lower_bound) ? 0.f : (float)lower_bound, (float)eps,
-                       (float)pow((double)d, -0.5)};
+                       (float)pow((double)d, -0.5), T};
     pthread_mutex_lock(&pool->call);
     int64_t heads = H;
     pool_run(pool, kda_mix_granule, (void *)&a, 1, &heads);

@@ -333,29 +333,30 @@ class DecodeKernel:
     def kda_mix(self, mixed: torch.Tensor, b: torch.Tensor, forget: torch.Tensor, gate: torch.Tensor,
                 conv_state: torch.Tensor, state: torch.Tensor, conv: torch.Tensor, dt_bias: torch.Tensor,
                 decay_rate: torch.Tensor, norm: torch.Tensor, lower_bound: float | None, eps: float) -> torch.Tensor:
-        """One token of a KDA layer between its projections (cpu_deltanet.h's kda_mix): mixed [3 H d] (q|k|v,
-        overwritten), b [H], forget and gate [H d] (the gates' up-projections), conv_state [3 H d, K-1] and state
-        [H, d, d] updated in place, conv [3 H d, K], dt_bias [H d], decay_rate [H] (exp(A_log)), norm [d] ->
-        [H d]. float32, contiguous, in host memory. Bad arguments: ValueError, one line."""
+        """T tokens of a KDA layer between its projections, in order (cpu_deltanet.h's kda_mix: the recurrence, a
+        granule per head): mixed [T, 3 H d] (q|k|v, overwritten), b [T, H], forget and gate [T, H d] (the gates'
+        up-projections), conv_state [3 H d, K-1] and state [H, d, d] updated in place, conv [3 H d, K], dt_bias
+        [H d], decay_rate [H] (exp(A_log)), norm [d] -> [T, H d]. float32, contiguous, in host memory. Bad
+        arguments: ValueError, one line."""
         heads, d = (state.shape[0], state.shape[1]) if state.dim() == 3 else (0, 0)
         taps = conv.shape[1] if conv.dim() == 2 else 0
-        width = heads * d
-        shapes = {"mixed": (mixed, (3 * width,)), "b": (b, (heads,)), "forget": (forget, (width,)), "gate": (gate, (width,)),
-                  "conv_state": (conv_state, (3 * width, taps - 1)), "state": (state, (heads, d, d)),
-                  "conv": (conv, (3 * width, taps)), "dt_bias": (dt_bias, (width,)), "decay_rate": (decay_rate, (heads,)),
-                  "norm": (norm, (d,))}
+        width, tokens = heads * d, mixed.shape[0] if mixed.dim() == 2 else -1
+        shapes = {"mixed": (mixed, (tokens, 3 * width)), "b": (b, (tokens, heads)), "forget": (forget, (tokens, width)),
+                  "gate": (gate, (tokens, width)), "conv_state": (conv_state, (3 * width, taps - 1)),
+                  "state": (state, (heads, d, d)), "conv": (conv, (3 * width, taps)), "dt_bias": (dt_bias, (width,)),
+                  "decay_rate": (decay_rate, (heads,)), "norm": (norm, (d,))}
         for name, (t, shape) in shapes.items():
             if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
                 raise ValueError(f"kda_mix: {name} must be float32 {list(shape)} contiguous in host memory, got "
                                  f"{t.dtype} {list(t.shape)} on {t.device}")
-        if not (heads > 0 and 0 < d <= 512 and taps >= 1):
-            raise ValueError(f"kda_mix: state {list(state.shape)}, conv {list(conv.shape)} (expected heads >= 1, "
-                             "0 < d <= 512, at least one tap)")
-        out = torch.empty(width)
+        if not (heads > 0 and 0 < d <= 512 and taps >= 1 and tokens >= 1):
+            raise ValueError(f"kda_mix: state {list(state.shape)}, conv {list(conv.shape)}, {tokens} tokens (expected "
+                             "heads >= 1, 0 < d <= 512, at least one tap and one token)")
+        out = torch.empty(tokens, width)
         status_error("kda_mix", self.library.moe_kda_mix(
             self.pool.handle, mixed.data_ptr(), b.data_ptr(), forget.data_ptr(), gate.data_ptr(), conv_state.data_ptr(),
             state.data_ptr(), conv.data_ptr(), dt_bias.data_ptr(), decay_rate.data_ptr(), norm.data_ptr(), heads, d, taps,
-            float("nan") if lower_bound is None else float(lower_bound), float(eps), out.data_ptr()))
+            float("nan") if lower_bound is None else float(lower_bound), float(eps), tokens, out.data_ptr()))
         return out
 
     def hyper_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: int, iters: int,
@@ -435,7 +436,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
         "moe_deltanet_mix": (i64, [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, dbl, p]),
         "moe_hyper_weights": (None, [p, p, p, i64, i64, i64, ctypes.c_float, p, p, p]),
-        "moe_kda_mix": (i64, [p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, dbl, dbl, p]),
+        "moe_kda_mix": (i64, [p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, dbl, dbl, i64, p]),
         "pool_open": (p, [i64, dbl]),
         "pool_threads": (i64, [p]),
         "pool_close": (None, [p]),
