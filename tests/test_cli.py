@@ -40,7 +40,12 @@ def test_run_sampling_is_reproducible_by_seed(tiny):
 
 
 def test_run_without_model_uses_the_builtin(tmp_path):
+    from moetier import native
+
     env = dict(__import__("os").environ, MOETIER_HOME=str(tmp_path))
+    builds = native.moetier_home() / "native"  # shared: the native builds, not 25 s of cc again
+    builds.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "native").symlink_to(builds, target_is_directory=True)
     result = moetier("run", "--max-new-tokens", 3, "--json", env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["model"].startswith(str(tmp_path))
