@@ -71,3 +71,29 @@ def decode_both(engine: Engine, ids: list[int], prefix: int) -> tuple[np.ndarray
             engine.forward(torch.tensor(ids[:prefix]), cache)
             out.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in ids[prefix:]]))
     return out[0], out[1]
+
+
+def decode_per_pool_size(checkpoint, ids: list[int], prefix: int, lanes=(1, 2, 3)) -> list[np.ndarray]:
+    """Teacher-forced decode of ids[prefix:] after a prefill of ids[:prefix] on one engine per native pool size
+    (each decoding through the native step) -> the logits [steps, V] of each."""
+    from moetier.backends.torch_backend import TorchBackend
+
+    runs = []
+    for threads in lanes:
+        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=threads))
+        assert engine.native_step is not None and engine.native_step.kernel.threads == threads
+        cache = engine.new_cache()
+        engine.forward(torch.tensor(ids[:prefix]), cache)
+        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in ids[prefix:]]))
+    return runs
+
+
+def pieces_both(engine: Engine, ids: list[int], pieces: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids forwarded in `pieces` (a, b) on one cache (one-token pieces decode natively), by the engine as it runs and
+    all on the Python path -> the last logits of each piece [pieces, V], each way."""
+    logits = {}
+    for native in (True, False):
+        cache = engine.new_cache()
+        with contextlib.nullcontext() if native else python_path(engine):
+            logits[native] = torch.cat([engine.forward(torch.tensor(ids[a:b]), cache)[-1:] for a, b in pieces])
+    return logits[True], logits[False]

@@ -15,16 +15,13 @@ steps after a 70-token prompt within 1e-4 in float32, identical greedy tokens;
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 
 from glm5_next_files import build_glm5_next
-from reference_checks import cached_decode, decode_both, python_path, random_ids, teacher_forced_error
+from reference_checks import cached_decode, decode_both, decode_per_pool_size, pieces_both, random_ids, teacher_forced_error
 
-from moetier.backends.torch_backend import TorchBackend
 from moetier.engine import Engine
 from moetier.model import open_checkpoint
 from moetier.model.spec import ModelSpec, SpecError
@@ -173,14 +170,7 @@ def test_native_decode_breaks_indexer_ties_as_torch_topk_does(case):
 
 
 def test_native_decode_gives_the_same_bits_whatever_the_pool_size(case):
-    checkpoint = open_checkpoint(case[1])
-    runs = []
-    for lanes in (1, 2, 3):
-        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=lanes))
-        assert engine.native_step.kernel.threads == lanes
-        cache = engine.new_cache()
-        engine.forward(torch.tensor(DECODE_IDS[:70]), cache)
-        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in DECODE_IDS[70:80]]))
+    runs = decode_per_pool_size(open_checkpoint(case[1]), DECODE_IDS[:80], 70)
     assert all(np.array_equal(runs[0], other) for other in runs[1:])
 
 
@@ -189,13 +179,8 @@ def test_states_and_caches_pass_between_the_step_and_the_python_path(case):
     path appends rows and replaces the KDA states), against all-Python; past the latent caches' first capacity."""
     engine = Engine(open_checkpoint(case[1]))
     ids = random_ids(BASE["vocab_size"], 262, 6).tolist()
-    pieces = [(0, 250), (250, 251), (251, 252), (252, 259), (259, 260), (260, 261), (261, 262)]
-    logits = {}
-    for native in (True, False):
-        cache = engine.new_cache()
-        with contextlib.nullcontext() if native else python_path(engine):
-            logits[native] = torch.cat([engine.forward(torch.tensor(ids[a:b]), cache)[-1:] for a, b in pieces])
-    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * logits[False].abs().max()
+    native, python = pieces_both(engine, ids, [(0, 250), (250, 251), (251, 252), (252, 259), (259, 260), (260, 261), (261, 262)])
+    assert (native - python).abs().max() <= 1e-5 * python.abs().max()
 
 
 @pytest.mark.gpu

@@ -25,10 +25,9 @@ import numpy as np
 import pytest
 import torch
 from gguf_blocks import restored
-from reference_checks import decode_both, python_path
+from reference_checks import decode_both, decode_per_pool_size, pieces_both, python_path
 from safetensors.torch import load_file, save_file
 
-from moetier.backends.torch_backend import TorchBackend
 from moetier.engine import Engine
 from moetier.engine.router_bias import RouterBias
 from moetier.model import open_checkpoint
@@ -80,14 +79,7 @@ def test_quantized_weights_give_the_python_paths_tokens(models, name):
 
 
 def test_the_same_bits_whatever_the_pool_size(models):
-    checkpoint = open_checkpoint(models["blocks-mixed"])
-    runs = []
-    for lanes in (1, 2, 3):
-        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=lanes))
-        assert engine.native_step.kernel.threads == lanes
-        cache = engine.new_cache()
-        engine.forward(torch.tensor(RNG_IDS[:5]), cache)
-        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in RNG_IDS[5:20]]))
+    runs = decode_per_pool_size(open_checkpoint(models["blocks-mixed"]), RNG_IDS[:20], 5)
     assert all(np.array_equal(runs[0], other) for other in runs[1:])
 
 
@@ -255,24 +247,12 @@ def test_qwen3_next_states_pass_between_the_step_and_the_python_path(next_case):
     """One cache, the two paths in turn: native decode, a Python forward of several tokens, native again (each reads
     the states the other left: the step updates them in place, the Python path replaces them), against all-Python."""
     engine = Engine(open_checkpoint(next_case[1]))
-    pieces = [(0, 70), (70, 71), (71, 72), (72, 79), (79, 80), (80, 81)]  # one-token pieces decode natively
-    logits = {}
-    for native in (True, False):
-        cache = engine.new_cache()
-        with contextlib.nullcontext() if native else python_path(engine):
-            logits[native] = torch.cat([engine.forward(torch.tensor(NEXT_IDS[a:b]), cache)[-1:] for a, b in pieces])
-    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * logits[False].abs().max()
+    native, python = pieces_both(engine, NEXT_IDS, [(0, 70), (70, 71), (71, 72), (72, 79), (79, 80), (80, 81)])
+    assert (native - python).abs().max() <= 1e-5 * python.abs().max()
 
 
 def test_qwen3_next_the_same_bits_whatever_the_pool_size(next_case):
-    checkpoint = open_checkpoint(next_case[1])
-    runs = []
-    for lanes in (1, 2, 3):
-        engine = Engine(checkpoint, backend=TorchBackend("cpu", lanes=lanes))
-        assert engine.native_step.kernel.threads == lanes
-        cache = engine.new_cache()
-        engine.forward(torch.tensor(NEXT_IDS[:70]), cache)
-        runs.append(np.stack([engine.forward(torch.tensor([t]), cache)[0].numpy() for t in NEXT_IDS[70:80]]))
+    runs = decode_per_pool_size(open_checkpoint(next_case[1]), NEXT_IDS[:80], 70)
     assert all(np.array_equal(runs[0], other) for other in runs[1:])
 
 
