@@ -220,18 +220,31 @@ static void kda_mix_granule(void *job, int64_t h) {
     for (int64_t t = 0; t < a->T; t++) kda_token(a, h, t);
 }
 
+/* The job for T tokens of H heads of d (lower_bound NaN: the softplus gate) */
+static kda_mix kda_job(float *mixed, const float *b, const float *forget, const float *gate, float *conv_state,
+                       float *state, const float *conv, const float *dt_bias, const float *decay_rate, const float *norm,
+                       float *out, int64_t H, int64_t d, int64_t K, double lower_bound, double eps, int64_t T) {
+    return (kda_mix){mixed, b, forget, gate, conv_state, state, conv, dt_bias, decay_rate, norm, out, H, d, K,
+                     !isnan(lower_bound), isnan(lower_bound) ? 0.f : (float)lower_bound, (float)eps,
+                     (float)pow((double)d, -0.5), T};  /* as torch scales by a Python float */
+}
+
+/* The caller holds pool->call. */
+static void kda_mix_held(moe_pool *pool, const kda_mix *a) {
+    int64_t heads = a->H;
+    pool_run(pool, kda_mix_granule, (void *)a, 1, &heads);
+}
+
 /* T KDA tokens' mixer for the per-layer path, in order (decode: T = 1; prefill: the recurrence token by token,
  * a head's d x d state in L1, instead of the chunked form torch runs): mixed [T, 3 H d] (overwritten), b [T, H],
  * forget and gate [T, H d], states updated in place, out [T, H d]. lower_bound: NaN for the softplus gate. -> 0. */
 int64_t moe_kda_mix(moe_pool *pool, float *mixed, const float *b, const float *forget, const float *gate, float *conv_state,
                     float *state, const float *conv, const float *dt_bias, const float *decay_rate, const float *norm,
                     int64_t H, int64_t d, int64_t K, double lower_bound, double eps, int64_t T, float *out) {
-    const kda_mix a = {mixed, b, forget, gate, conv_state, state, conv, dt_bias, decay_rate, norm, out, H, d, K,
-                       !isnan(lower_bound), isnan(lower_bound) ? 0.f : (float)lower_bound, (float)eps,
-                       (float)pow((double)d, -0.5), T};
+    const kda_mix a = kda_job(mixed, b, forget, gate, conv_state, state, conv, dt_bias, decay_rate, norm, out, H, d, K,
+                              lower_bound, eps, T);
     pthread_mutex_lock(&pool->call);
-    int64_t heads = H;
-    pool_run(pool, kda_mix_granule, (void *)&a, 1, &heads);
+    kda_mix_held(pool, &a);
     pthread_mutex_unlock(&pool->call);
     return 0;
 }

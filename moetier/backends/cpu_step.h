@@ -256,12 +256,9 @@ static int64_t kda_layer_held(moe_pool *pool, const step_model *m, const step_kd
     if (!status) status = linear_held(pool, f_a, 1, d, &L->forget_up, 1, m->float_acts, forget);
     if (!status) status = linear_held(pool, g_a, 1, d, &L->gate_up, 1, m->float_acts, gate);
     if (status) return status;
-    const int64_t bounded = !isnan(m->lower_bound);
-    const kda_mix a = {proj, proj + 3 * width, forget, gate, conv_state, state, L->conv, L->dt_bias, L->decay_rate,
-                       L->norm, mixed, H, d, m->K, bounded, bounded ? (float)m->lower_bound : 0.f, (float)m->eps,
-                       (float)pow((double)d, -0.5), 1};
-    int64_t heads = H;
-    pool_run(pool, kda_mix_granule, (void *)&a, 1, &heads);
+    const kda_mix a = kda_job(proj, proj + 3 * width, forget, gate, conv_state, state, L->conv, L->dt_bias, L->decay_rate,
+                              L->norm, mixed, H, d, m->K, m->lower_bound, m->eps, 1);
+    kda_mix_held(pool, &a);
     return linear_held(pool, mixed, 1, width, &L->out, 1, m->float_acts, out);
 }
 
