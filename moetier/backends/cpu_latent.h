@@ -96,14 +96,13 @@ static int64_t choose_pools(const latent_shape *s, const step_latent *L, const f
     for (int64_t p = 0; p < complete; p++) {
         const float *rows = index + p * pool * 2 * di;
         for (int64_t c = 0; c < di; c++) {  /* per channel: softmax over the slots of gate + bias, weighting keys */
-            float top = -INFINITY, total = 0.f, sum = 0.f;
+            float e[pool], top = -INFINITY, total = 0.f, sum = 0.f;
             for (int64_t j = 0; j < pool; j++) {
-                const float g = rows[j * 2 * di + di + c] + L->pool_bias[j * di + c];
-                top = g > top ? g : top;
+                e[j] = rows[j * 2 * di + di + c] + L->pool_bias[j * di + c];
+                top = e[j] > top ? e[j] : top;
             }
-            for (int64_t j = 0; j < pool; j++) total += expf(rows[j * 2 * di + di + c] + L->pool_bias[j * di + c] - top);
-            for (int64_t j = 0; j < pool; j++)
-                sum += expf(rows[j * 2 * di + di + c] + L->pool_bias[j * di + c] - top) / total * rows[j * 2 * di + c];
+            for (int64_t j = 0; j < pool; j++) total += (e[j] = expf(e[j] - top));
+            for (int64_t j = 0; j < pool; j++) sum += e[j] / total * rows[j * 2 * di + c];
             key[c] = sum;
         }
         float score = 0.f;
