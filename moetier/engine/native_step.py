@@ -227,37 +227,28 @@ class NativeStep:
         spec = self.spec
         D, H, G, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         rows = (H * (2 if spec.attention_gate else 1) + 2 * G) * d
-        qkv = [_part(f"{where} qkv", data, qtype, D) for data, qtype in w.qkv.parts]
-        if len(qkv) > 3 or sum(p.rows for p in qkv) != rows:
-            raise ValueError(f"{where}: qkv parts {[p.rows for p in qkv]} are not {rows} rows in <= 3 parts")
-        if len(w.o_proj.parts) != 1:
-            raise ValueError(f"{where}: o_proj in {len(w.o_proj.parts)} parts (expected 1)")
-        (o_data, o_type), = w.o_proj.parts
         out.qk_norm = _vector(f"{where} qk norm", w.qk_norm, (H + G) * d)
-        out.qkv, out.qkv_parts = (_Part * 3)(*qkv), len(qkv)
+        out.qkv, out.qkv_parts = self._parts(f"{where} qkv", w.qkv, D, 3, rows)
         out.qkv_bias = _vector(f"{where} qkv bias", w.qkv.bias, rows)
-        out.o, out.o_bias = _part(f"{where} o_proj", o_data, o_type, H * d), _vector(f"{where} o bias", w.o_proj.bias, D)
+        out.o, out.o_bias = self._one(f"{where} o_proj", w.o_proj, H * d, D, bias=True), _vector(f"{where} o bias", w.o_proj.bias, D)
 
     def _deltanet(self, where: str, t) -> _DeltaNet:
         """A linear-attention layer's mixer (moetier.engine.deltanet.DeltaNetWeights) as cpu_step.h reads it."""
         g, D = self.spec.linear_attention, self.spec.hidden_size
-        rows = g.conv_channels + g.value_width + 2 * g.value_heads
-        parts = [_part(f"{where} in_proj", data, qtype, D) for data, qtype in t.in_proj.parts]
-        if len(parts) > 3 or sum(p.rows for p in parts) != rows or t.in_proj.bias is not None:
-            raise ValueError(f"{where}: in_proj parts {[p.rows for p in parts]} are not C + Hv dv + 2 Hv = {rows} rows in "
-                             "<= 3 parts without a bias")
-        if len(t.out_proj.parts) != 1 or t.out_proj.bias is not None:
-            raise ValueError(f"{where}: out_proj in {len(t.out_proj.parts)} parts (expected 1, without a bias)")
-        return _DeltaNet((_Part * 3)(*parts), len(parts), _vector(f"{where} conv", t.conv, g.conv_channels * g.conv_kernel),
+        if t.in_proj.bias is not None:
+            raise ValueError(f"{where}: a Gated DeltaNet in-projection with a bias")
+        parts, count = self._parts(f"{where} in_proj (C + Hv dv + 2 Hv)", t.in_proj, D, 3,
+                                   g.conv_channels + g.value_width + 2 * g.value_heads)
+        return _DeltaNet(parts, count, _vector(f"{where} conv", t.conv, g.conv_channels * g.conv_kernel),
                          _vector(f"{where} dt_bias", t.dt_bias, g.value_heads),
                          _vector(f"{where} decay rate", t.decay_rate, g.value_heads),
                          _vector(f"{where} gated norm", t.norm, g.value_dim),
-                         _part(f"{where} out_proj", *t.out_proj.parts[0], g.value_width))
+                         self._one(f"{where} out_proj", t.out_proj, g.value_width, D))
 
-    def _parts(self, what: str, linear, cols: int, most: int, rows: int | None = None) -> tuple[ctypes.Array, int]:
-        """A StoredLinear's parts, at most `most` (of `rows` rows in all when given), as the C reads them."""
+    def _parts(self, what: str, linear, cols: int, most: int, rows: int) -> tuple[ctypes.Array, int]:
+        """A StoredLinear's parts, at most `most`, of `rows` rows in all, as the C reads them."""
         parts = [_part(what, data, qtype, cols) for data, qtype in linear.parts]
-        if len(parts) > most or (rows is not None and sum(p.rows for p in parts) != rows):
+        if len(parts) > most or sum(p.rows for p in parts) != rows:
             raise ValueError(f"{what}: parts of {[p.rows for p in parts]} rows (expected {rows} rows in <= {most} parts)")
         return (_Part * most)(*parts), len(parts)
 
