@@ -19,9 +19,10 @@ during it (every pass kept in the JSON), and their share during the best pass
 is reported. The read roofline: weight bytes one decoded token reads, in the
 file's stored bytes (every trunk matrix, one embedding row, top_k of each MoE
 layer's experts, from the GGUF's tensor sizes; the KV cache not counted), over
-the read bandwidth measured in the same run on the same threads (torch.sum
-over a float32 buffer of max(1 GiB, 8 x the LLC), best of 5, each run, retried
-the same way). Prints a table, then one JSON line.
+the read bandwidth measured in the same run on the same threads (a reduction
+over a float32 buffer of max(1 GiB, 8 x the LLC) by torch.sum and by moetier's
+native read probe, the faster, best of 5, each run, retried the same way: a
+bound, so the highest rate read). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -142,19 +143,12 @@ def last_level_cache_bytes() -> int:
     return sizes[max(sizes)] if sizes else 32 << 20
 
 
-def read_bandwidth(threads: int, nbytes: int, repeats: int = 5) -> float:
-    """Bytes read per second: torch.sum over an nbytes float32 buffer (written first, so no page fault is
-    timed) with `threads` torch threads, best of `repeats`. A reduction reads each byte once and writes nothing."""
-    import torch
+def read_bandwidth(threads: int, nbytes: int) -> dict[str, float]:
+    """Bytes read per second by each reader of moetier.calibrate.read_bandwidth_bytes_per_s ("torch.sum", "native",
+    "best": the faster), over an nbytes float32 buffer with `threads` threads, best of 5."""
+    from moetier.calibrate import read_bandwidth_bytes_per_s
 
-    torch.set_num_threads(threads)
-    buffer = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        float(buffer.sum())
-        best = min(best, time.perf_counter() - begin)
-    return nbytes / best
+    return read_bandwidth_bytes_per_s(threads, nbytes)
 
 
 def _busy_ticks() -> int:
@@ -308,7 +302,7 @@ def main() -> None:
             worker.close()
 
     bandwidth_bytes = max(1 << 30, 8 * last_level_cache_bytes())
-    bandwidth: dict[int, list[tuple[float, float | None]]] = {args.threads: [], 1: []}  # (bytes/s, others' share)
+    bandwidth: dict[int, list[tuple[dict, float | None]]] = {args.threads: [], 1: []}  # (reader -> bytes/s, others' share)
     timings: dict[tuple[str, str], list[tuple[dict, float | None]]] = {key: [] for key in order}
     waited_s = 0.0
     for run in range(args.runs):
@@ -330,7 +324,7 @@ def main() -> None:
     for worker in workers.values():
         worker.close()
 
-    best_bandwidth = {threads: max(b for b, _ in samples) for threads, samples in bandwidth.items()}  # a busy machine only slows it
+    best_bandwidth = {threads: max(b["best"] for b, _ in samples) for threads, samples in bandwidth.items()}  # a busy machine only slows it
     roofline = {f: {"weight_bytes_per_token": b, "expert_tensor_types": types,
                     "tok_per_s": best_bandwidth[args.threads] / b} for f, (b, types) in per_token.items()}
     cells: dict[str, dict[str, dict]] = {engine: {} for engine in ENGINES}
@@ -365,7 +359,8 @@ def main() -> None:
         "runs": args.runs, "threads": args.threads, "cpus": cpus, "settings": settings,
         "quiet": {"wait_s": args.quiet_wait, "retries": args.retries, "others_share_above": QUIET, "waited_s": waited_s},
         "llama_model_params": LLAMA_MODEL_PARAMS,
-        "read_bandwidth": {"method": f"torch.sum over {bandwidth_bytes / 2**30:.2f} GiB float32, best of 5 per run, best run",
+        "read_bandwidth": {"method": f"a reduction over {bandwidth_bytes / 2**30:.2f} GiB float32 by torch.sum and by moetier's "
+                                     "native read probe, the faster, best of 5 per run, best run",
                            "bytes_per_s": {str(t): v for t, v in best_bandwidth.items()},
                            "samples_bytes_per_s": {str(t): [b for b, _ in v] for t, v in bandwidth.items()},
                            "samples_others_cpu_share": {str(t): [share for _, share in v] for t, v in bandwidth.items()}},

@@ -7,9 +7,9 @@ DecodeKernel.run (its checks included) and through the lane (submit then
 result); back to back (helpers polling) and after 2 ms idle (helpers asleep
 past spin_s: a futex wake). Decode: 8 experts of [1536, 2048] gate_up /
 [2048, 768] down per call, picked in turn from a set of >= 512 MB so every
-call reads DRAM, as GB/s of the stored bytes read. Read bandwidth: torch.sum
-over a 1 GiB float32 buffer with the same thread count (best of 5), in the
-same block as each format's decode. The machine may be shared: a sample during
+call reads DRAM, as GB/s of the stored bytes read. Read bandwidth: the faster
+of torch.sum and the native read probe over a 1 GiB float32 buffer with the
+same thread count (best of 5; moetier.calibrate.read_probes), in the same block as each format's decode. The machine may be shared: a sample during
 which other processes used over 5% of a CPU (/proc/stat) is taken again, and a
 format's block is measured while `second_cpu_free` holds before and after it
 (else marked disturbed).
@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from quant_blocks import random_rows  # noqa: E402
 
 from moetier.backends import ExpertWork, cpu_kernels, cpu_lane  # noqa: E402
+from moetier.calibrate import read_probes  # noqa: E402
 from moetier.model import ExpertWeights  # noqa: E402
 from moetier.model.formats import BY_NAME  # noqa: E402
 
@@ -86,14 +87,13 @@ def best_of(runs: int, fn, quiet: float = 0.05, tries: int = 60) -> float:
 
 
 def read_bandwidth(threads: int) -> float:
-    """Bytes/s torch.sum reads from a 1 GiB float32 buffer on `threads` threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    buffer = torch.ones(2**28)
-    buffer.sum()
-    seconds = best_of(5, lambda: [buffer.sum() for _ in range(8)]) / 8
-    torch.set_num_threads(before)
-    return buffer.numel() * 4 / seconds
+    """Bytes/s read from a 1 GiB float32 buffer on `threads` threads: the fastest of moetier.calibrate's read
+    probes (torch.sum, the native kernels' reduction), each best of 5 quiet samples of 8 reads."""
+    rates = []
+    for read in read_probes(threads).values():
+        read()
+        rates.append((1 << 30) / (best_of(5, lambda: [read() for _ in range(8)]) / 8))
+    return max(rates)
 
 
 def hand_off(kernel, threads: int) -> dict[str, float]:

@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 from dataclasses import replace
 from pathlib import Path
 from statistics import median
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,6 +51,46 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float
         target.copy_(source)
         best = min(best, time.perf_counter() - begin)
     return nbytes / best
+
+
+def read_probes(threads: int, nbytes: int = 1 << 30) -> dict[str, Callable[[], object]]:
+    """Readers of one nbytes float32 buffer (touched first, so no page fault is timed) on `threads` threads, each a
+    reduction that reads every byte once and writes nothing: "torch.sum", and "native" (the kernels' read probe on
+    their pool of `threads`: one contiguous stretch a thread, eight vector accumulators) where the kernels build."""
+    from moetier.backends import cpu_kernels
+
+    buffer = torch.ones(nbytes // 4)
+    kernel = cpu_kernels.decode_kernel(threads)
+
+    def torch_sum() -> float:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return float(buffer.sum())
+        finally:
+            torch.set_num_threads(before)
+
+    probes: dict[str, Callable[[], object]] = {"torch.sum": torch_sum}
+    if kernel is not None:
+        probes["native"] = lambda: kernel.read_sum(buffer)
+    return probes
+
+
+def read_bandwidth_bytes_per_s(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Read bandwidth on `threads` threads: bytes per second of each of `read_probes`, best of `repeats`, and
+    "best", the fastest: a roofline is a bound, so it takes the highest read rate measured (torch.sum alone read
+    slower than llama.cpp's decode did on the AVX-512 host, and slower at 2 threads than the native probe)."""
+    rates = {}
+    for name, read in read_probes(threads, nbytes).items():
+        read()
+        best = float("inf")
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - begin)
+        rates[name] = nbytes // 4 * 4 / best
+    rates["best"] = max(rates.values())
+    return rates
 
 
 def expert_rate_us(checkpoint, backend: TorchBackend, tokens: int, rounds: int = 3) -> float:

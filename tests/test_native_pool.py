@@ -159,6 +159,22 @@ def test_bad_arguments_are_one_value_error_before_c():
     assert kernel.linear(x[:0], w.gate_up, w.gate_up_type, False).shape == (0, 64)
 
 
+def test_the_read_probe_sums_what_it_reads_the_same_for_any_thread_count():
+    """The roofline's native reader (moetier.calibrate.read_probes): the sum of every value, tails and a partial
+    last granule included, the same float for 1, 2 and 3 threads; and the bandwidth dict names its readers."""
+    from moetier.calibrate import read_bandwidth_bytes_per_s
+
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal(3 * 2**18 + 77, dtype=np.float32))  # 3 granules and a tail
+    sums = {t: kernel.with_threads(t).read_sum(x) for t in THREADS}
+    assert len(set(sums.values())) == 1, sums
+    assert sums[1] == pytest.approx(x.double().sum().item(), abs=1e-3)
+    assert kernel.read_sum(x[:0]) == 0.0 and kernel.read_sum(x[:5]) == pytest.approx(x[:5].double().sum().item(), abs=1e-5)
+    with pytest.raises(ValueError, match="read_sum: x must be float32"):
+        kernel.read_sum(x.double())
+    rates = read_bandwidth_bytes_per_s(2, nbytes=64 << 20, repeats=2)
+    assert set(rates) == {"torch.sum", "native", "best"} and rates["best"] == max(rates["torch.sum"], rates["native"]) > 0
+
+
 def test_hand_off_cost_of_a_tiny_call(capsys):
     """8 float32 experts of [64, 64] / [64, 32]: the work is ~0.2 MB, so a call's time is mostly its hand-off
     (Python and ctypes, then waking the pool). Printed, not judged: a loaded CI machine is slower."""

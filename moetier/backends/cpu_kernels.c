@@ -486,6 +486,40 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
     return status;
 }
 
+/* The read probe (benchmarks' roofline): the sum of x [n] on every pool thread, each reading one contiguous stretch
+ * of granules (the pool's regions), eight vector accumulators a thread so loads, not adds, bound it: a reduction
+ * reads each byte once and writes nothing. Partial sums are added in granule order: the same value for any thread
+ * count. -> 0 (the sum in *sum), or -2 when out of memory. */
+enum { READ_GRANULE = 1 << 18 };  /* floats: 1 MiB */
+typedef struct { const float *x; int64_t n; double *partial; } read_job;
+
+static void read_granule(void *job, int64_t g) {
+    const read_job *r = job;
+    const int64_t from = g * READ_GRANULE, to = from + READ_GRANULE < r->n ? from + READ_GRANULE : r->n;
+    v8f acc[8] = {{0}};
+    int64_t i = from;
+    for (; i + 64 <= to; i += 64)
+        for (int j = 0; j < 8; j++) acc[j] += load8(r->x + i + 8 * j);
+    float tail = 0.f;
+    for (; i < to; i++) tail += r->x[i];
+    for (int j = 1; j < 8; j++) acc[0] += acc[j];
+    r->partial[g] = (double)sum8(acc[0]) + tail;
+}
+
+int64_t moe_read_sum(moe_pool *pool, const float *x, int64_t n, double *sum) {
+    const int64_t granules = ceil_div(n, READ_GRANULE);
+    pthread_mutex_lock(&pool->call);
+    double *partial = pool_arena(pool, sizeof(double) * (size_t)(granules ? granules : 1));
+    if (partial) {
+        read_job r = {x, n, partial};
+        if (granules) pool_run(pool, read_granule, &r, 1, &granules);
+        *sum = 0.;
+        for (int64_t g = 0; g < granules; g++) *sum += partial[g];
+    }
+    pthread_mutex_unlock(&pool->call);
+    return partial ? 0 : -2;
+}
+
 /* y = x / rms(x) (* w), n values (the trunk's RMSNorm: the decode step's and the latent attention's) */
 static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
     float squares = 0.f;

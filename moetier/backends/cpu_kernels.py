@@ -283,6 +283,15 @@ class DecodeKernel:
         return y
 
 
+    def read_sum(self, x: torch.Tensor) -> float:
+        """The sum of x (float32, contiguous, in host memory) read on every pool thread: the read-bandwidth probe
+        (moetier.calibrate.read_bandwidth_bytes_per_s), summed in float32 per 1 MiB granule, then in float64."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"read_sum: x must be float32, contiguous, in host memory, got {x.dtype} on {x.device}")
+        total = ctypes.c_double()
+        status_error("read_sum", self.library.moe_read_sum(self.pool.handle, x.data_ptr(), x.numel(), ctypes.byref(total)))
+        return total.value
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None) -> torch.Tensor:
         """out [T, H d] = softmax(q k^T / sqrt(d)) v for q [H, T, d] at positions start.. (causal; the last `window`
         keys of each query when window is given) over the KV buffers keys / values [G, capacity, d] (positions below
@@ -433,6 +442,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_decode": (i64, [p, p, i64, i64, i64, p, p, p]),
         "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
+        "moe_read_sum": (i64, [p, p, i64, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
         "moe_deltanet_mix": (i64, [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, dbl, p]),
         "moe_hyper_weights": (None, [p, p, p, i64, i64, i64, ctypes.c_float, p, p, p]),
