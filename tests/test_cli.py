@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from cli_runs import moetier, moetier_here, refused
 from moetier.engine import Engine, score
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
-
-
-def moetier(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +94,16 @@ def _bad(tmp_path, tiny):
 
 
 def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path):
-    for label, (args, words) in _bad(tmp_path, tiny).items():
-        result = moetier(*args)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2, (label, result.stderr)
-        assert len(lines) == 1 and lines[0].startswith("moetier: error: ") and words in lines[0], (label, lines)
-        assert "Traceback" not in result.stderr
+    for args, words in _bad(tmp_path, tiny).values():
+        refused(moetier(*args), words)
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_a_command_run_here_reads_as_the_real_process(tiny, request):
+    """moetier_here's promise: the same exit code, stdout (a rich table) and stderr (click's usage error) as
+    `python -m moetier.cli`. Under `pytest -s` rich sizes its tables to the terminal, which the process's pipe has not."""
+    if request.config.getoption("capture") == "no":
+        pytest.skip("pytest -s: rich's consoles see the terminal in this process")
+    for args in (["info", tiny], ["run", "--no-such-flag"]):
+        here, there = moetier_here(*args), moetier(*args)
+        assert (here.returncode, here.stdout, here.stderr) == (there.returncode, there.stdout, there.stderr), args

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_runs import moetier, refused
 from moetier.config import load_layout
 from moetier.sched.cost import Calibration
 from moetier.sim.layout_sim import (ModelShape, hit_rate_curves, inclusion_probabilities, load_trace,
@@ -184,15 +185,15 @@ def test_run_traces_load_and_shapes_must_match(tmp_path):
         simulate(make_layout(tmp_path), replace(SHAPE, num_experts=8), CAL, trace)
 
 
-def moetier(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetier.cli", "simulate", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+def moetier_simulate(*args) -> subprocess.CompletedProcess:
+    """`moetier simulate ARGS` from the repository root."""
+    return moetier("simulate", *args, cwd=REPO)
 
 
 def test_cli_json_sweep_and_plots(tmp_path):
     layout = make_layout(tmp_path, policy="lru")
     synthetic_trace(200, 2, 4, 2, seed=5).save(tmp_path / "trace.npz")
-    result = moetier("--layout", layout.path, "--trace", tmp_path / "trace.npz", "--expert-bytes", 1000, "--json",
+    result = moetier_simulate("--layout", layout.path, "--trace", tmp_path / "trace.npz", "--expert-bytes", 1000, "--json",
                      "--sweep", "slots=2,3", "--plot", tmp_path / "plots")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -206,7 +207,8 @@ def test_the_seeds_qwen_geometry_is_a_named_shape(tmp_path):
     that geometry (the synthetic Qwen3-Next-like generator's)."""
     layout = make_layout(tmp_path, policy="lru")
     synthetic_trace(120, 48, 512, 10, seed=2).save(tmp_path / "trace.npz")
-    result = moetier("--layout", layout.path, "--trace", tmp_path / "trace.npz", "--shape", "qwen3-next-80b-a3b-iq3_s", "--json")
+    result = moetier_simulate("--layout", layout.path, "--trace", tmp_path / "trace.npz", "--shape", "qwen3-next-80b-a3b-iq3_s",
+                              "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["decode_tok_per_s"] > 0
@@ -225,9 +227,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     layout = make_layout(tmp_path)
     synthetic_trace(20, 2, 4, 2, seed=5).save(tmp_path / "trace.npz")
     base = ["--layout", layout.path] + ([] if "--trace" in args else ["--trace", tmp_path / "trace.npz"])
-    result = moetier(*base, *[tmp_path / a if a == "missing.npz" else a for a in args])
-    assert result.returncode == 2 and result.stderr.startswith("moetier: error:") and message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    refused(moetier_simulate(*base, *[tmp_path / a if a == "missing.npz" else a for a in args]), message)
 
 
 def test_the_seed_example_loads():
@@ -309,15 +309,13 @@ def test_bf16_checkpoint_gets_the_same_slots_in_the_simulator_as_at_run_time(tmp
     layout_path = tmp_path / "layout.toml"
     layout_path.write_text(cache_layout().replace("slots = 4", f"capacity_bytes = {slots * checkpoint.expert_nbytes * len(spec.moe_layers)}"))
     calibration = tmp_path / "cal.json"
-    done = subprocess.run([sys.executable, "-m", "moetier.cli", "calibrate", "--model", str(folder), "--out", str(calibration),
-                           "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = moetier("calibrate", "--model", folder, "--out", calibration, "--threads", 1, cwd=REPO)
     assert done.returncode == 0, done.stderr
     trace = tmp_path / "trace.npz"
     synthetic_trace(64, len(spec.moe_layers), spec.num_experts, spec.top_k, seed=0).save(trace)
 
-    simulated = json.loads(moetier("--layout", layout_path, "--trace", trace, "--calibration", calibration, "--json").stdout)
-    shown = json.loads(subprocess.run([sys.executable, "-m", "moetier.cli", "layout", "show", str(layout_path), "--model", str(folder),
-                                       "--json"], capture_output=True, text=True, timeout=120, cwd=REPO).stdout)
+    simulated = json.loads(moetier_simulate("--layout", layout_path, "--trace", trace, "--calibration", calibration, "--json").stdout)
+    shown = json.loads(moetier("layout", "show", layout_path, "--model", folder, "--json", cwd=REPO, timeout=120).stdout)
     runtime = build_runtime(load_layout(layout_path), checkpoint)
     try:
         at_run_time = next(t for t in runtime.executor.tiers if t.name == "vram").slots

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from cli_runs import moetier, refused
 from moetier.engine import Engine, Sampling
 from moetier.model import open_checkpoint
 from moetier.model.tokenizer import load_tokenizer
 from moetier.serve.textgen import StopStrings, TextParams, generate_text
 from moetier.serve.tools import ToolCallGate, split_tool_calls
 from tokenizer_files import text_model
-
-
-def moetier(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +77,7 @@ def test_run_refuses_text_for_a_model_without_tokenizer(tmp_path):
     folder = write_synthetic(tmp_path / "bare", arch="qwen3_moe", preset="tiny")
     for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint without its tokenizer
         (folder / name).unlink(missing_ok=True)
-    result = moetier("run", "--model", folder, "--prompt", "hi", "--max-new-tokens", 2)
-    assert result.returncode == 2 and result.stderr.startswith("moetier: error: ") and "tokenizer" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    refused(moetier("run", "--model", folder, "--prompt", "hi", "--max-new-tokens", 2), "tokenizer")
 
 
 def test_chat_answers_each_turn_and_reuses_the_history(model):

@@ -6,32 +6,16 @@ and the key; flags are refused before anything is loaded, naming the flag.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_runs import moetier, refused
 from layouts import cache_layout
 from moetier.config import MAX_THREADS, ConfigError, load_layout, thread_limit
 from moetier.engine import Engine, Sampling, generate
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
-
-
-def moetier(*args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout)
-
-
-def refused(result: subprocess.CompletedProcess, *words: str) -> str:
-    """The one error line of a refused command, after checking the contract."""
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moetier: error: "), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +209,11 @@ def test_a_config_whose_numbers_overflow_is_refused_not_scored(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     np.save(tmp_path / "ids.npy", np.array([1, 2, 3, 4], dtype=np.int64))
     out = tmp_path / "out.npy"
-    for args in (["score", folder, "--ids", tmp_path / "ids.npy", "--out", out], ["run", "--model", folder, "--max-new-tokens", "2"]):
-        done = subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 2 and "not finite" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    refused(moetier("score", folder, "--ids", tmp_path / "ids.npy", "--out", out), "not finite")  # found by computing
+    done = moetier("run", "--model", folder, "--max-new-tokens", "2")
+    # `run` has streamed the prompt's text to stderr, without a newline, when the logits are found: the error line
+    # follows that text on the same line
+    assert done.returncode == 2 and "not finite" in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not out.exists()
 
 

@@ -15,32 +15,17 @@ import math
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from cli_runs import moetier, refused
 from moetier.model import CheckpointError, ModelSpec, SpecError, open_checkpoint
 from moetier.model.safetensors_mmap import SafetensorsFile
 from moetier.model.spec import MAX_COUNT, MAX_LAYERS
 from moetier.model.synth import PRESETS, _config, arch_preset, write_synthetic
-
-
-def moetier(*args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def refused(result: subprocess.CompletedProcess, *words: str) -> str:
-    """The one error line of a refused command, after checking the contract."""
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moetier: error: "), result.stderr[-2000:]
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_runs import moetier, refused
 from moetier.model import synth
 from moetier.model.output import OutputError, check_output, new_file, new_folder
 from moetier.model.synth import write_synthetic
@@ -36,19 +37,6 @@ setattr(module, name, held)
 from moetier.cli.app import main
 main()
 """
-
-
-def moetier(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
-
-
-def refused(result: subprocess.CompletedProcess, *words: str) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("moetier: error: "), lines
-    assert all(w in lines[0] for w in words), lines
-    return lines[0]
 
 
 def held_open(hold: str, *args) -> subprocess.Popen:

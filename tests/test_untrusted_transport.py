@@ -20,6 +20,7 @@ import time
 import pytest
 import zmq
 
+from cli_runs import moetier, refused
 from layouts import REMOTE_TIER
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
@@ -44,21 +45,11 @@ kind = "cpu"
 """ + REMOTE_TIER
 
 
-def moetier(*args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+def timed(run, *args, **options) -> tuple[subprocess.CompletedProcess, float]:
+    """(run(*args), seconds it took)."""
     begin = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "moetier.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    result = run(*args, **options)
     return result, time.monotonic() - begin
-
-
-def one_line_error(result: subprocess.CompletedProcess, *names: str) -> str:
-    """The refusal: exit 2, one `moetier: error:` line naming each of `names`, no traceback."""
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moetier: error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-    return lines[0]
 
 
 def free_port() -> int:
@@ -144,11 +135,11 @@ def test_run_refuses_a_layout_whose_worker_is_down_or_hung_in_one_line(worker, t
     layout = tmp_path / "layout.toml"
     layout.write_text(LAYOUT.format(address=address))
     try:
-        result, elapsed_s = moetier("run", "--layout", layout, "--model", tiny, "--max-new-tokens", "2")
+        result, elapsed_s = timed(moetier, "run", "--layout", layout, "--model", tiny, "--max-new-tokens", "2", timeout=60)
     finally:
         if close is not None:
             close()
-    line = one_line_error(result, str(layout), "[tiers.1]", "'i5'", address)
+    line = refused(result, str(layout), "[tiers.1]", "'i5'", address)
     assert "5 s" in line or "deadline" in line, line
     assert elapsed_s < 30, elapsed_s  # the connect timeout (5 s) plus start-up, not a hang
 
@@ -202,23 +193,23 @@ def test_check_endpoint_keeps_good_addresses_and_port_0_to_listen():
 
 
 def test_worker_listen_port_out_of_range_is_refused():
-    result, _ = moetier("worker", "--listen", "tcp://127.0.0.1:99999", timeout=30)  # it listened on port 34463 before
-    line = one_line_error(result, "--listen", "tcp://127.0.0.1:99999", "0-65535")
+    result = moetier("worker", "--listen", "tcp://127.0.0.1:99999", timeout=30)  # it listened on port 34463 before
+    line = refused(result, "--listen", "tcp://127.0.0.1:99999", "0-65535")
     assert "listening" not in result.stdout, line
 
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "not-an-endpoint"])
 def test_ping_refuses_a_bad_address(address):
-    result, elapsed_s = moetier("ping", address, "--count", "1", timeout=30)
-    one_line_error(result, repr(address), "expected")
+    result, elapsed_s = timed(moetier, "ping", address, "--count", "1")
+    refused(result, repr(address), "expected")
     assert elapsed_s < 20  # refused before any connection attempt
 
 
 def test_run_refuses_a_layout_address_out_of_range(tiny, tmp_path):
     layout = tmp_path / "layout.toml"
     layout.write_text(LAYOUT.format(address="tcp://127.0.0.1:99999"))
-    result, _ = moetier("run", "--layout", layout, "--model", tiny, "--max-new-tokens", "2")
-    one_line_error(result, str(layout), "[tiers.1]", "'i5'", "tcp://127.0.0.1:99999", "1-65535")
+    result = moetier("run", "--layout", layout, "--model", tiny, "--max-new-tokens", "2", timeout=60)
+    refused(result, str(layout), "[tiers.1]", "'i5'", "tcp://127.0.0.1:99999", "1-65535")
     assert "within 5 s" not in result.stderr  # refused as written, not after a connect attempt to port 34463
 
 
@@ -237,8 +228,7 @@ def test_run_refuses_a_layout_address_out_of_range(tiny, tmp_path):
 ])
 def test_ping_checks_its_options_before_connecting_or_allocating(args, names):
     address = f"tcp://127.0.0.1:{free_port()}"  # nobody there: a refusal after connecting would say "cannot connect"
-    result, _ = moetier("ping", address, *args, timeout=30)
-    line = one_line_error(result, *names)
+    line = refused(moetier("ping", address, *args), *names)
     assert "cannot connect" not in line
 
 
@@ -250,8 +240,8 @@ def test_launch_shows_the_failed_workers_last_lines(tmp_path, logs):
     layout = tmp_path / "layout.toml"
     layout.write_text(LAYOUT.format(address="tcp://127.0.0.1:0"))
     extra = ["--logs", tmp_path / "logs"] if logs else []
-    result, _ = moetier("launch", layout, "--model", tmp_path / "no-such-model", *extra, "--ready-timeout-s", "60")
-    line = one_line_error(result, "'i5'", "exited (code 2)", "its last lines:", str(tmp_path / "no-such-model"))
+    result = moetier("launch", layout, "--model", tmp_path / "no-such-model", *extra, "--ready-timeout-s", "60", timeout=60)
+    line = refused(result, "'i5'", "exited (code 2)", "its last lines:", str(tmp_path / "no-such-model"))
     assert "within" not in line  # it did not time out: it said why and left
     if logs:
         assert str(tmp_path / "logs" / "worker-i5.log") in line
@@ -261,8 +251,7 @@ def test_launch_shows_the_failed_workers_last_lines(tmp_path, logs):
 def test_launch_refuses_a_ready_timeout_it_cannot_wait(tmp_path, value):
     layout = tmp_path / "layout.toml"
     layout.write_text(LAYOUT.format(address="tcp://127.0.0.1:0"))
-    result, _ = moetier("launch", layout, "--ready-timeout-s", value, timeout=30)
-    one_line_error(result, "--ready-timeout-s")
+    refused(moetier("launch", layout, "--ready-timeout-s", value, timeout=30), "--ready-timeout-s")
 
 
 def test_start_worker_joins_the_last_lines_into_one_and_stops_a_silent_worker(tmp_path):
