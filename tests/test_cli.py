@@ -1,4 +1,9 @@
-"""The `moetier` command line as a user runs it: real subprocesses, exit codes, JSON."""
+"""The `moetier` command line as a user runs it: real subprocesses, exit codes, JSON.
+
+What is refused in Python before an engine is built runs in this process
+(cli_runs.moetier_here, checked against the real process here); refusals that come after the engine has loaded its
+native kernels, and every command that does its work, run as real processes.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +77,8 @@ def test_synth_writes_a_loadable_checkpoint(tmp_path):
 
 
 def _bad(tmp_path, tiny):
+    """label -> (args, words of the error line, how it runs): in this process where the refusal comes before the
+    engine is built, as a real process where it comes after (the engine has loaded its native kernels by then)."""
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -80,22 +87,23 @@ def _bad(tmp_path, tiny):
     np.save(tmp_path / "big_ids.npy", np.array([1, 10**6]))
     (tmp_path / "text_ids.npy").write_text("1,2,3")
     return {
-        "missing dir": (["info", tmp_path / "nope"], "not a directory"),
-        "unsupported arch": (["info", llama], "llama"),
-        "float ids": (["score", tiny, "--ids", tmp_path / "float_ids.npy", "--out", tmp_path / "o.npy"], "integer"),
-        "2-D ids": (["score", tiny, "--ids", tmp_path / "matrix_ids.npy", "--out", tmp_path / "o.npy"], "1-D"),
-        "absent ids": (["score", tiny, "--ids", tmp_path / "none.npy", "--out", tmp_path / "o.npy"], "no such ids file"),
-        "not npy": (["score", tiny, "--ids", tmp_path / "text_ids.npy", "--out", tmp_path / "o.npy"], "not a readable"),
-        "id out of vocab": (["score", tiny, "--ids", tmp_path / "big_ids.npy", "--out", tmp_path / "o.npy"], "outside the vocabulary"),
-        "bad prompt": (["run", "--model", tiny, "--prompt-ids", "1,x"], "comma-separated"),
-        "bad backend": (["run", "--model", tiny, "--backend", "gpu9000"], "unknown"),
-        "bad arch": (["synth", "--arch", "llama", "--out", tmp_path / "s"], "not supported"),
+        "missing dir": (["info", tmp_path / "nope"], "not a directory", moetier_here),
+        "unsupported arch": (["info", llama], "llama", moetier_here),
+        "float ids": (["score", tiny, "--ids", tmp_path / "float_ids.npy", "--out", tmp_path / "o.npy"], "integer", moetier_here),
+        "2-D ids": (["score", tiny, "--ids", tmp_path / "matrix_ids.npy", "--out", tmp_path / "o.npy"], "1-D", moetier_here),
+        "absent ids": (["score", tiny, "--ids", tmp_path / "none.npy", "--out", tmp_path / "o.npy"], "no such ids file", moetier_here),
+        "not npy": (["score", tiny, "--ids", tmp_path / "text_ids.npy", "--out", tmp_path / "o.npy"], "not a readable", moetier_here),
+        "id out of vocab": (["score", tiny, "--ids", tmp_path / "big_ids.npy", "--out", tmp_path / "o.npy"], "outside the vocabulary",
+                            moetier),
+        "bad prompt": (["run", "--model", tiny, "--prompt-ids", "1,x"], "comma-separated", moetier),
+        "bad backend": (["run", "--model", tiny, "--backend", "gpu9000"], "unknown", moetier_here),
+        "bad arch": (["synth", "--arch", "llama", "--out", tmp_path / "s"], "not supported", moetier_here),
     }
 
 
 def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path):
-    for args, words in _bad(tmp_path, tiny).values():
-        refused(moetier(*args), words)
+    for args, words, run in _bad(tmp_path, tiny).values():
+        refused(run(*args), words)
     assert not (tmp_path / "o.npy").exists()
 
 

@@ -7,7 +7,9 @@ folder's, every tensor the engine reads equals the HF one bit for bit, and the
 engine's teacher-forced logits match within 1e-6. F16, BF16 and Q8_0 files
 dequantize bit for bit as gguf.quants does. Split sets, the GLM NextN block,
 whole-or-nothing writing and the tensor names against gguf's TensorNameMap are
-checked too, and every bad file is one line and exit code 2 through the CLI.
+checked too, and every bad file is one line and exit code 2 through the CLI
+(in this process, cli_runs.moetier_here: GGUF headers are read in Python; one
+as a real process).
 Qwen3-Next (qwen3next) comes from transformers-saved checkpoints
 (tests/qwen3_next_files): the same round trip (its GGUF logits equal the HF
 folder's), the file against what llama.cpp's converter wrote for one of them,
@@ -30,7 +32,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from cli_runs import moetier, refused
+from cli_runs import moetier, moetier_here, refused
 from moetier.engine import Engine, generate, score
 from moetier.model import CheckpointError, SpecError, open_checkpoint
 from moetier.model.gguf_file import GgufCheckpoint
@@ -363,7 +365,8 @@ def test_bad_gguf_input_gives_one_line_and_exit_2(models, tmp_path):
     for label, (path, words) in _bad_files(models, tmp_path).items():
         with pytest.raises((CheckpointError, SpecError)):  # the library raises the one error type; the CLI prints it
             open_checkpoint(path)
-        refused(moetier("info", path), words, path.name)
+        run = moetier if label == "truncated" else moetier_here  # one as a real process: its exit status and stderr
+        refused(run("info", path), words, path.name)
 
 
 # -- qwen3next ------------------------------------------------------------------------------

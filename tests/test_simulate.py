@@ -1,4 +1,8 @@
-"""The layout simulator: layout -> tier loads -> prediction on hand-checked cases, sweeps, the CLI, the seed."""
+"""The layout simulator: layout -> tier loads -> prediction on hand-checked cases, sweeps, the CLI, the seed.
+
+`moetier simulate` runs as a real process, but for its refusals of bad input (in this process, cli_runs.moetier_here,
+one of them as a real process).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli_runs import moetier, refused
+from cli_runs import moetier, moetier_here, refused
 from moetier.config import load_layout
 from moetier.sched.cost import Calibration
 from moetier.sim.layout_sim import (ModelShape, hit_rate_curves, inclusion_probabilities, load_trace,
@@ -185,9 +189,9 @@ def test_run_traces_load_and_shapes_must_match(tmp_path):
         simulate(make_layout(tmp_path), replace(SHAPE, num_experts=8), CAL, trace)
 
 
-def moetier_simulate(*args) -> subprocess.CompletedProcess:
-    """`moetier simulate ARGS` from the repository root."""
-    return moetier("simulate", *args, cwd=REPO)
+def moetier_simulate(*args, run=moetier) -> subprocess.CompletedProcess:
+    """`moetier simulate ARGS` from the repository root; run is moetier (a real process) or moetier_here."""
+    return run("simulate", *args, cwd=REPO)
 
 
 def test_cli_json_sweep_and_plots(tmp_path):
@@ -227,7 +231,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     layout = make_layout(tmp_path)
     synthetic_trace(20, 2, 4, 2, seed=5).save(tmp_path / "trace.npz")
     base = ["--layout", layout.path] + ([] if "--trace" in args else ["--trace", tmp_path / "trace.npz"])
-    refused(moetier_simulate(*base, *[tmp_path / a if a == "missing.npz" else a for a in args]), message)
+    run = moetier if message == "missing.npz" else moetier_here  # one as a real process: its exit status and stderr
+    refused(moetier_simulate(*base, *[tmp_path / a if a == "missing.npz" else a for a in args], run=run), message)
 
 
 def test_the_seed_example_loads():

@@ -77,7 +77,7 @@ def test_run_refuses_text_for_a_model_without_tokenizer(tmp_path):
     folder = write_synthetic(tmp_path / "bare", arch="qwen3_moe", preset="tiny")
     for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint without its tokenizer
         (folder / name).unlink(missing_ok=True)
-    refused(moetier("run", "--model", folder, "--prompt", "hi", "--max-new-tokens", 2), "tokenizer")
+    refused(moetier("run", "--model", folder, "--prompt", "hi", "--max-new-tokens", 2), "tokenizer")  # after the engine is built
 
 
 def test_chat_answers_each_turn_and_reuses_the_history(model):

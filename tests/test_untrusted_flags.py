@@ -1,7 +1,9 @@
 """Untrusted layouts and flags: one line `moetier: error: ...` on stderr, exit code 2, never a traceback or a signal.
 
 Layout values are refused when the layout loads (so `moetier layout check` catches them), naming the file
-and the key; flags are refused before anything is loaded, naming the flag.
+and the key; flags are refused before anything is loaded, naming the flag. What is refused before an engine or a
+layout's runtime is built runs in this process (cli_runs.moetier_here); what is refused after, and the worker,
+run as real processes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import moetier, refused
+from cli_runs import moetier, moetier_here, refused
 from layouts import cache_layout
 from moetier.config import MAX_THREADS, ConfigError, load_layout, thread_limit
 from moetier.engine import Engine, Sampling, generate
@@ -46,7 +48,7 @@ ISSUE_CASES = {  # the cases the issue names; each passed `layout check` before
 def test_layout_check_refuses_bad_values_naming_file_and_key(tmp_path, case):
     text, key, expected = ISSUE_CASES[case]
     path = _layout(tmp_path, text)
-    line = refused(moetier("layout", "check", path), str(path), key, expected)
+    line = refused(moetier_here("layout", "check", path), str(path), key, expected)
     assert line.startswith(f"moetier: error: {path}: {key}: is ")
 
 
@@ -84,14 +86,15 @@ def test_lane_threads_at_the_bound_load(tmp_path):
 def test_run_with_a_bad_layout_is_one_line_not_a_traceback(tmp_path, tiny, case):
     text, key, _ = ISSUE_CASES[case]
     path = _layout(tmp_path, text)
-    refused(moetier("run", "--model", tiny, "--layout", path, "--max-new-tokens", 2), str(path), key)
+    refused(moetier_here("run", "--model", tiny, "--layout", path, "--max-new-tokens", 2), str(path), key)
 
 
 def test_run_refuses_more_lane_threads_than_this_machine_can_start(tmp_path, tiny):
     """A layout may carry up to MAX_THREADS (it may be meant for a bigger machine); building it here bounds it by this one."""
     threads = thread_limit() + 1
     path = _layout(tmp_path, cache_layout(slots=4, cpu_threads=threads))
-    refused(moetier("run", "--model", tiny, "--layout", path, "--max-new-tokens", 2), str(path), "[tiers.1].threads", str(threads))
+    refused(moetier_here("run", "--model", tiny, "--layout", path, "--max-new-tokens", 2), str(path), "[tiers.1].threads",
+            str(threads))  # checked before any tier starts a thread
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -116,10 +119,11 @@ def test_run_refuses_more_lane_threads_than_this_machine_can_start(tmp_path, tin
     ],
 )
 def test_run_refuses_bad_flags(tiny, flags, flag):
-    refused(moetier("run", "--model", tiny, "--max-new-tokens", 2, *flags), flag)
+    refused(moetier_here("run", "--model", tiny, "--max-new-tokens", 2, *flags), flag)
 
 
 def test_run_refuses_generating_past_the_model_context(tiny):
+    """Refused after the engine is built and warmed up (its native kernels run): a real process."""
     context = open_checkpoint(tiny).spec.max_position_embeddings
     assert context is not None
     refused(moetier("run", "--model", tiny, "--prompt-ids", "5,6,7", "--max-new-tokens", context, timeout=60),
@@ -138,7 +142,7 @@ def test_score_refuses_bad_device_and_threads_and_writes_nothing(tmp_path, tiny,
 
     np.save(tmp_path / "ids.npy", np.array([3, 9, 27], dtype=np.int64))
     out = tmp_path / "logits.npy"
-    refused(moetier("score", tiny, "--ids", tmp_path / "ids.npy", "--out", out, *flags), flags[0])
+    refused(moetier_here("score", tiny, "--ids", tmp_path / "ids.npy", "--out", out, *flags), flags[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy"]
 
 
@@ -148,7 +152,7 @@ def test_worker_refuses_threads_it_cannot_start(tiny):
 
 def test_calibrate_refuses_zero_threads_and_writes_nothing(tmp_path, tiny):
     out = tmp_path / "calibration.json"
-    refused(moetier("calibrate", "--model", tiny, "--out", out, "--threads", 0), "--threads")
+    refused(moetier_here("calibrate", "--model", tiny, "--out", out, "--threads", 0), "--threads")
     assert not out.exists()
 
 
@@ -171,8 +175,8 @@ def test_sampling_accepts_its_edges():
 
 
 def test_run_refuses_a_penalty_outside_openai_s_range(tiny):
-    refused(moetier("run", "--model", tiny, "--presence-penalty", 2.5), "--presence-penalty")
-    refused(moetier("run", "--model", tiny, "--frequency-penalty", -2.01), "--frequency-penalty")
+    refused(moetier_here("run", "--model", tiny, "--presence-penalty", 2.5), "--presence-penalty")
+    refused(moetier_here("run", "--model", tiny, "--frequency-penalty", -2.01), "--frequency-penalty")
 
 
 def test_generate_stops_at_the_context_before_computing(tiny):

@@ -1,10 +1,12 @@
 """Untrusted model inputs: a bad config.json, safetensors header or shard index is refused in one line.
 
 Every spec rule lives in ModelSpec.validate, whatever the spec was read from; the
-known bad configs of the issue go through the CLI in real processes (`moetier
-run`, `moetier score`): one line `moetier: error: <file>: ... <key> ...` on
-stderr, exit code 2, no traceback, no signal, no output file. Headers and
-indexes are crafted byte by byte.
+known bad configs of the issue go through the CLI (`moetier run`, `moetier
+score`): one line `moetier: error: <file>: ... <key> ...` on stderr, exit code
+2, no traceback, no signal, no output file. They are refused in Python as the
+checkpoint opens, so they run in this process (cli_runs.moetier_here), but for
+the one that crashed the native router and the FIFO, which run as real
+processes. Headers and indexes are crafted byte by byte.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_runs import moetier, refused
+from cli_runs import moetier, moetier_here, refused
 from moetier.model import CheckpointError, ModelSpec, SpecError, open_checkpoint
 from moetier.model.safetensors_mmap import SafetensorsFile
 from moetier.model.spec import MAX_COUNT, MAX_LAYERS
@@ -64,8 +66,9 @@ def spec_error(arch: str, change: dict) -> str:
 
 # -- config.json through the CLI: the cases of the issue -------------------------------------------------------
 NAN_THETA = {"rope_theta": math.nan, "rope_parameters": {"rope_type": "default", "rope_theta": math.nan}}
+SEGFAULTED = {"num_experts_per_tok": 0}  # runs as a real process: were it let through again, a crash is an exit status
 ISSUE_CASES = [
-    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok"),  # SIGSEGV in the native router
+    ("qwen3_moe", SEGFAULTED, "num_experts_per_tok"),  # SIGSEGV in the native router
     ("qwen3_moe", {"rms_norm_eps": -1}, "rms_norm_eps"),
     ("qwen3_moe", NAN_THETA, "rope_theta"),
     ("qwen3_moe", {"num_hidden_layers": 0}, "num_hidden_layers"),
@@ -78,25 +81,26 @@ ISSUE_CASES = [
 @pytest.mark.parametrize("arch, change, key", ISSUE_CASES, ids=[f"{a}-{k}-{next(iter(c.values()))}" for a, c, k in ISSUE_CASES])
 def test_a_bad_config_is_one_line_from_run_and_score(synthetic, tmp_path, arch, change, key):
     folder = edited(synthetic, tmp_path, arch, change)
-    refused(moetier("run", "--model", folder, "--max-new-tokens", 3), "config.json", key)
+    run = moetier if change is SEGFAULTED else moetier_here
+    refused(run("run", "--model", folder, "--max-new-tokens", 3), "config.json", key)
     ids, out = tmp_path / "ids.npy", tmp_path / "out.npy"
     np.save(ids, np.arange(5))
-    refused(moetier("score", folder, "--ids", ids, "--out", out), "config.json", key)
+    refused(run("score", folder, "--ids", ids, "--out", out), "config.json", key)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{arch}-edited", "ids.npy"])
 
 
 def test_a_config_that_is_not_utf8_or_nests_absurdly_deep_is_one_line(synthetic, tmp_path):
     folder = edited(synthetic, tmp_path, "qwen3_moe", {})
     (folder / "config.json").write_bytes(b'{"model_type": "qwen3_moe\xff\xfe"}')  # read_text raised UnicodeDecodeError
-    refused(moetier("run", "--model", folder, "--max-new-tokens", 3), "config.json", "UTF-8")
+    refused(moetier_here("run", "--model", folder, "--max-new-tokens", 3), "config.json", "UTF-8")
     (folder / "config.json").write_text('{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}")  # RecursionError
-    refused(moetier("run", "--model", folder, "--max-new-tokens", 3), "config.json", "nests deeper")
+    refused(moetier_here("run", "--model", folder, "--max-new-tokens", 3), "config.json", "nests deeper")
 
 
 def test_a_config_that_is_a_fifo_is_refused_not_waited_on(synthetic, tmp_path):
     folder = edited(synthetic, tmp_path, "qwen3_moe", {})
     (folder / "config.json").unlink()
-    os.mkfifo(folder / "config.json")  # reading it used to block for ever, waiting for a writer
+    os.mkfifo(folder / "config.json")  # reading it used to block for ever, waiting for a writer: a real process, timed out
     refused(moetier("run", "--model", folder, "--max-new-tokens", 3, timeout=60), "config.json", "not a regular file")
 
 
@@ -211,7 +215,7 @@ def test_a_malformed_header_is_one_checkpoint_error(tmp_path, header, word):
 def test_a_header_nested_100000_deep_is_one_line_from_the_cli(synthetic, tmp_path):
     folder = edited(synthetic, tmp_path, "qwen3_moe", {})
     write_safetensors(folder / "model.safetensors", b"[" * 100_000 + b"]" * 100_000)
-    refused(moetier("run", "--model", folder, "--max-new-tokens", 3), "model.safetensors", "nests deeper")
+    refused(moetier_here("run", "--model", folder, "--max-new-tokens", 3), "model.safetensors", "nests deeper")
 
 
 def test_adjacent_and_empty_tensors_do_not_overlap(tmp_path):
@@ -287,7 +291,7 @@ def test_an_index_cannot_name_a_shard_outside_the_folder(synthetic, tmp_path, ca
 def test_a_weight_map_that_is_not_names_to_file_names_is_one_line(synthetic, tmp_path, weight_map):
     folder, _ = sharded(synthetic, tmp_path)
     write_index(folder, weight_map)  # a list raised AttributeError, a number TypeError
-    refused(moetier("run", "--model", folder, "--max-new-tokens", 3), "model.safetensors.index.json", "weight_map")
+    refused(moetier_here("run", "--model", folder, "--max-new-tokens", 3), "model.safetensors.index.json", "weight_map")
 
 
 def test_a_tensor_the_index_places_in_the_wrong_shard_is_refused(synthetic, tmp_path):
@@ -301,4 +305,4 @@ def test_a_tensor_the_index_places_in_the_wrong_shard_is_refused(synthetic, tmp_
 def test_an_index_that_is_not_utf8_names_the_file(synthetic, tmp_path):
     folder, _ = sharded(synthetic, tmp_path)
     (folder / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"\xff": "x"}}')
-    refused(moetier("run", "--model", folder, "--max-new-tokens", 3), "model.safetensors.index.json", "UTF-8")
+    refused(moetier_here("run", "--model", folder, "--max-new-tokens", 3), "model.safetensors.index.json", "UTF-8")

@@ -1,9 +1,10 @@
 """What moetier writes: whole or nothing, never onto its own inputs, nothing left behind after a signal.
 
-Real processes throughout. The signal tests run the real CLI with one step of
-the write held open (a sleep wrapped around one function, set up by a few lines
-given to `python -c`), so that the signal lands while the output is staged,
-every time, however fast the machine.
+The signal tests run the real CLI with one step of the write held open (a
+sleep wrapped around one function, set up by a few lines given to `python -c`),
+so that the signal lands while the output is staged, every time, however fast
+the machine. Every output is checked before any work, in Python: the refusals
+run in this process (cli_runs.moetier_here), one of them as a real process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli_runs import moetier, refused
+from cli_runs import moetier, moetier_here, refused
 from moetier.model import synth
 from moetier.model.output import OutputError, check_output, new_file, new_folder
 from moetier.model.synth import write_synthetic
@@ -187,7 +188,7 @@ def _ids(tmp_path: Path) -> Path:
 def test_score_refuses_an_out_that_is_a_directory(tiny, tmp_path):
     ids = _ids(tmp_path)
     (tmp_path / "logits").mkdir()
-    refused(moetier("score", tiny, "--ids", ids, "--out", tmp_path / "logits"), "--out", "is a directory")
+    refused(moetier("score", tiny, "--ids", ids, "--out", tmp_path / "logits"), "--out", "is a directory")  # a real process
     assert leftovers(tmp_path) == ["ids.npy", "logits"] and leftovers(tmp_path / "logits") == []
 
 
@@ -197,14 +198,14 @@ def test_score_refuses_an_out_that_is_the_ids_file(tiny, tmp_path):
     (tmp_path / "link.npy").symlink_to(ids)
     before = ids.read_bytes()
     for out in (ids, tmp_path / "sub" / ".." / "ids.npy", tmp_path / "link.npy"):
-        refused(moetier("score", tiny, "--ids", ids, "--out", out), "is the --ids file")
-    refused(moetier("score", tiny, "--ids", ids, "--out", "ids.npy", cwd=tmp_path), "is the --ids file")  # relative
+        refused(moetier_here("score", tiny, "--ids", ids, "--out", out), "is the --ids file")
+    refused(moetier_here("score", tiny, "--ids", ids, "--out", "ids.npy", cwd=tmp_path), "is the --ids file")  # relative
     assert ids.read_bytes() == before and leftovers(tmp_path) == ["ids.npy", "link.npy", "sub"]
 
 
 def test_score_refuses_an_out_inside_the_model_folder(tiny, tmp_path):
     before = sorted(p.name for p in tiny.iterdir())
-    refused(moetier("score", tiny, "--ids", _ids(tmp_path), "--out", tiny / "model.safetensors"), "inside the MODEL folder")
+    refused(moetier_here("score", tiny, "--ids", _ids(tmp_path), "--out", tiny / "model.safetensors"), "inside the MODEL folder")
     assert sorted(p.name for p in tiny.iterdir()) == before
 
 
@@ -221,7 +222,7 @@ def test_bias_write_refuses_its_inputs_as_out(glm, tmp_path):
     table_bytes = table.read_bytes()
     for out, words in ((model, "is the --model folder"), (model / "copy", "inside the --model folder"),
                        (model / ".." / model.name, "is the --model folder"), (table, "is the --table file")):
-        refused(moetier("bias", "write", "--model", model, "--table", table, "--out", out), "--out", words)
+        refused(moetier_here("bias", "write", "--model", model, "--table", table, "--out", out), "--out", words)
     assert sorted(p.name for p in model.iterdir()) == before and table.read_bytes() == table_bytes
 
 
@@ -229,9 +230,9 @@ def test_synth_refuses_a_full_folder_and_a_file(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     (tmp_path / "file").write_text("x")
-    refused(moetier("synth", "--out", tmp_path / "full"), "--out", "not empty")
-    refused(moetier("synth", "--out", tmp_path / "file"), "--out", "is a file")
-    refused(moetier("synth", "--out", tmp_path / "file" / "m"), "--out", "is not a folder")
+    refused(moetier_here("synth", "--out", tmp_path / "full"), "--out", "not empty")
+    refused(moetier_here("synth", "--out", tmp_path / "file"), "--out", "is a file")
+    refused(moetier_here("synth", "--out", tmp_path / "file" / "m"), "--out", "is not a folder")
     assert leftovers(tmp_path) == ["file", "full"] and leftovers(tmp_path / "full") == ["keep.txt"]
 
 
@@ -254,7 +255,7 @@ def test_profile_refuses_a_directory_an_input_or_a_wrong_suffix_as_out(glm, tmp_
                         (["--out", tmp_path / "p.txt"], "expected a .npz or .safetensors file"),
                         (["--out", tmp_path / "p.npz", "--npy", sessions], "--npy"),
                         (["--out", tmp_path / "p.npz", "--npy", tmp_path / "p.npz"], "is the --npy file")):
-        refused(moetier("profile", sessions, "--model", model, *args), words)
+        refused(moetier_here("profile", sessions, "--model", model, *args), words)
     assert sessions.read_bytes() == before and leftovers(tmp_path) == ["dir.npz"]
 
 
@@ -270,17 +271,17 @@ def test_bias_build_refuses_the_profile_as_out(glm, tmp_path):
 
     profile = Profile.load(glm[1].parent / "profile.npz").save(tmp_path / "profile.safetensors")
     before = profile.read_bytes()
-    refused(moetier("bias", "--profile", profile, "--hot", 4, "--out", profile), "--out", "is the --profile file")
+    refused(moetier_here("bias", "--profile", profile, "--hot", 4, "--out", profile), "--out", "is the --profile file")
     (tmp_path / "t.safetensors").mkdir()
-    refused(moetier("bias", "--profile", profile, "--hot", 4, "--out", tmp_path / "t.safetensors"), "is a directory")
+    refused(moetier_here("bias", "--profile", profile, "--hot", 4, "--out", tmp_path / "t.safetensors"), "is a directory")
     assert profile.read_bytes() == before
 
 
 def test_example_sessions_refuses_a_directory_and_the_model_folder(glm, tmp_path):
     model = glm[0]
     config = (model / "config.json").read_bytes()
-    refused(moetier("example-sessions", "--model", model, "--out", tmp_path), "--out", "is a directory")
-    refused(moetier("example-sessions", "--model", model, "--out", model / "config.json"), "inside the --model folder")
+    refused(moetier_here("example-sessions", "--model", model, "--out", tmp_path), "--out", "is a directory")
+    refused(moetier_here("example-sessions", "--model", model, "--out", model / "config.json"), "inside the --model folder")
     assert (model / "config.json").read_bytes() == config and leftovers(tmp_path) == []
 
 
@@ -291,8 +292,8 @@ def test_run_trace_refuses_the_layout_and_a_directory(glm, tmp_path):
     layout.write_text(cache_layout())
     text = layout.read_text()
     common = ["run", "--model", glm[0], "--layout", layout, "--max-new-tokens", 2]
-    refused(moetier(*common, "--trace", layout), "--trace", "is the --layout file")
-    refused(moetier(*common, "--trace", tmp_path), "--trace", "is a directory")
+    refused(moetier_here(*common, "--trace", layout), "--trace", "is the --layout file")
+    refused(moetier_here(*common, "--trace", tmp_path), "--trace", "is a directory")
     assert layout.read_text() == text and leftovers(tmp_path) == ["cluster.toml"]
 
 
@@ -302,9 +303,9 @@ def test_calibrate_refuses_its_layout_as_out_however_named(glm, tmp_path):
     layout = tmp_path / "cluster.toml"
     layout.write_text(cache_layout(scheduler='calibration = "cluster.toml"\n'))
     text = layout.read_text()
-    refused(moetier("calibrate", "--layout", layout, "--model", glm[0]), "[scheduler].calibration", "is the --layout file")
-    refused(moetier("calibrate", "--layout", layout, "--model", glm[0], "--out", layout), "--out", "is the --layout file")
-    refused(moetier("calibrate", "--model", glm[0], "--out", tmp_path), "--out", "is a directory")
+    refused(moetier_here("calibrate", "--layout", layout, "--model", glm[0]), "[scheduler].calibration", "is the --layout file")
+    refused(moetier_here("calibrate", "--layout", layout, "--model", glm[0], "--out", layout), "--out", "is the --layout file")
+    refused(moetier_here("calibrate", "--model", glm[0], "--out", tmp_path), "--out", "is a directory")
     assert layout.read_text() == text and leftovers(tmp_path) == ["cluster.toml"]
 
 
@@ -314,9 +315,9 @@ def test_sweep_refuses_an_input_as_out(glm, tmp_path):
     model, _, sessions = glm
     layout = tmp_path / "cluster.toml"
     layout.write_text(cache_layout())
-    refused(moetier("sweep", "--sessions", sessions, "--layout", layout, "--model", model, "--out", layout),
+    refused(moetier_here("sweep", "--sessions", sessions, "--layout", layout, "--model", model, "--out", layout),
             "--out", "is the --layout file")
-    refused(moetier("sweep", "--sessions", sessions, "--layout", layout, "--model", model, "--out", model),
+    refused(moetier_here("sweep", "--sessions", sessions, "--layout", layout, "--model", model, "--out", model),
             "--out", "is the --model folder")
     assert leftovers(tmp_path) == ["cluster.toml"]
 

@@ -5,7 +5,9 @@ speaks; a ZeroMQ peer that never answers HELLO), is refused within the
 client's connect timeout; ports out of range are refused wherever an endpoint
 is parsed (`worker --listen`, `ping`, a layout's address); `ping` checks its
 sizes against the protocol's limit before allocating; `launch` shows a failed
-worker's own last lines. Real processes, real sockets on 127.0.0.1.
+worker's own last lines. Real processes, real sockets on 127.0.0.1; `ping`'s
+refusals, all in Python before its client exists, run in this process
+(cli_runs.moetier_here).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import pytest
 import zmq
 
-from cli_runs import moetier, refused
+from cli_runs import moetier, moetier_here, refused
 from layouts import REMOTE_TIER
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
@@ -46,7 +48,7 @@ kind = "cpu"
 
 
 def timed(run, *args, **options) -> tuple[subprocess.CompletedProcess, float]:
-    """(run(*args), seconds it took)."""
+    """(run(*args), seconds it took): run is moetier or moetier_here."""
     begin = time.monotonic()
     result = run(*args, **options)
     return result, time.monotonic() - begin
@@ -200,7 +202,7 @@ def test_worker_listen_port_out_of_range_is_refused():
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "not-an-endpoint"])
 def test_ping_refuses_a_bad_address(address):
-    result, elapsed_s = timed(moetier, "ping", address, "--count", "1")
+    result, elapsed_s = timed(moetier_here, "ping", address, "--count", "1")
     refused(result, repr(address), "expected")
     assert elapsed_s < 20  # refused before any connection attempt
 
@@ -208,7 +210,7 @@ def test_ping_refuses_a_bad_address(address):
 def test_run_refuses_a_layout_address_out_of_range(tiny, tmp_path):
     layout = tmp_path / "layout.toml"
     layout.write_text(LAYOUT.format(address="tcp://127.0.0.1:99999"))
-    result = moetier("run", "--layout", layout, "--model", tiny, "--max-new-tokens", "2", timeout=60)
+    result = moetier("run", "--layout", layout, "--model", tiny, "--max-new-tokens", "2", timeout=60)  # after the lane starts
     refused(result, str(layout), "[tiers.1]", "'i5'", "tcp://127.0.0.1:99999", "1-65535")
     assert "within 5 s" not in result.stderr  # refused as written, not after a connect attempt to port 34463
 
@@ -228,7 +230,7 @@ def test_run_refuses_a_layout_address_out_of_range(tiny, tmp_path):
 ])
 def test_ping_checks_its_options_before_connecting_or_allocating(args, names):
     address = f"tcp://127.0.0.1:{free_port()}"  # nobody there: a refusal after connecting would say "cannot connect"
-    line = refused(moetier("ping", address, *args), *names)
+    line = refused(moetier_here("ping", address, *args), *names)
     assert "cannot connect" not in line
 
 
