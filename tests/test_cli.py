@@ -1,6 +1,6 @@
 """The `moetier` command line as a user runs it: real subprocesses, exit codes, JSON.
 
-What is refused in Python before an engine is built runs in this process
+What is refused (or read from headers) in Python before an engine is built runs in this process
 (cli_runs.moetier_here, checked against the real process here); refusals that come after the engine has loaded its
 native kernels, and every command that does its work, run as real processes.
 """
@@ -63,7 +63,7 @@ def test_score_writes_float32_logits_equal_to_the_library(tiny, tmp_path):
 
 
 def test_info_json(tiny):
-    info = json.loads(moetier("info", tiny, "--json").stdout)
+    info = json.loads(moetier_here("info", tiny, "--json").stdout)  # headers only; the real process: the test below
     checkpoint = open_checkpoint(tiny)
     assert info["router"] == "sigmoid" and info["experts_per_layer"] == checkpoint.spec.num_experts
     assert info["fingerprint"] == checkpoint.fingerprint
