@@ -141,7 +141,11 @@ def _stream_text(engine, tokenizer, ids: list[int], max_new_tokens: int, samplin
         sys.stdout.flush()
 
     params = TextParams(max_new_tokens, sampling, ignore_eos=not stop_ids)
-    result = generate_text(engine, tokenizer, ids, params, on_text=write)
+    try:
+        result = generate_text(engine, tokenizer, ids, params, on_text=write)
+    except BaseException:
+        sys.stderr.write("\n")  # the prompt's line ends, so an error is a line of its own
+        raise
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats.to_dict()
