@@ -17,15 +17,17 @@
  *
  * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
  * into registers serves the tile's tokens, and the tile's rows stay in L1 while the other token tiles pass, so
- * each weight byte comes from memory once for all T. Tiles are 4 rows x up to 4 tokens (AVX2: 2; F32 / F16 on
- * AVX-512: 6, 24 accumulators beside 4 weight vectors: 47 -> 58-60 GMAC/s a thread at T = 64), an accumulator
- * each; at T = 1 block formats take 8 rows (AVX2: 4; Q8_0: 1, its decode is cheap next to its bytes), floats 1
- * row with four accumulators (one FMA chain would wait on its latency). Each tile prefetches the next tile's
+ * each weight byte comes from memory once for all T. Tiles are 4 rows x up to 4 tokens (AVX2: 2; the float
+ * formats on AVX-512: 6, 24 accumulators beside 6 activation vectors and a weight vector, the activations packed
+ * per token tile first so a step loads 10 vectors for 24 FMAs: tile_floats), an accumulator each; at T = 1 block
+ * formats take 8 rows (AVX2: 4; Q8_0: 1, its decode is cheap next to its bytes), floats 1 row with four
+ * accumulators (one FMA chain would wait on its latency). Each block-format tile prefetches the next tile's
  * rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew every tile,
  * and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without, 36 with).
  * The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32; AVX-512 also
  * each block pair's -o * sums of four and its scale lanes, which a row-at-a-time Q8_0 tile would redo per row) into
- * scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none).
+ * scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none); the
+ * float formats at T > 1 pack theirs per token tile (AVX-512: malloc, or the scalar path).
  * No threads here: callers split rows.
  *
  * SIMD paths, chosen at compile time (the library is built with -march=native):
@@ -435,29 +437,47 @@ INLINE void floats_store(const int R, const int TT, const int K, __m512 acc[FLOA
 }
 
 /* R rows x TT tokens: an accumulator each, or four (k in 64s) for a lone row and token, whose one FMA chain would
- * wait on its latency; the last 16s into the first, the very last masked. The next tile's rows are prefetched
- * when R > 1; one row at a time is one sequential stream, which the hardware follows better alone (F32 from
- * DRAM 31 -> 37 GB/s without it, as llama.cpp's vec_dot) */
+ * wait on its latency; the last 16s into the first, the very last masked. A lone row and token reads x as it is and
+ * prefetches nothing: one row at a time is one sequential stream, which the hardware follows better alone (F32
+ * from DRAM 31 -> 37 GB/s without it, as llama.cpp's vec_dot). Every other tile reads x packed (floats_packed:
+ * [n16 / 16][TT][16], zeros past n), its TT vectors of a step loaded once into registers and held there by an
+ * empty asm (else GCC folds each load into every row's FMA: 28 loads a step where 10 do, and this core issues
+ * about one 64-byte load a cycle: F32 [1024, 2048] at T = 64, 1 thread, 50 -> 79 GMAC/s). The same FMAs on the
+ * same values in the same order as x unpacked: the same bits. */
 INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
                         int64_t n, float *y, int64_t ldy) {
-    const int K = R * TT == 1 ? 4 : 1, size = f == F32 ? 4 : 2;
+    const int K = R * TT == 1 ? 4 : 1;
     __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
     floats_clear(R, TT, acc);
     int64_t k = 0;
-    for (; k + 16 * K <= n; k += 16 * K)
-        for (int j = 0; j < K; j++)
-            for (int r = 0; r < R; r++) {
-                const int64_t at = k + 16 * j;
-                const __m512 wv = float_weights(f, w + r * row_bytes, at, 0, 0);
-                if (R > 1 && (size == 4 || (at & 16))) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * size, _MM_HINT_T0);
-                for (int t = 0; t < TT; t++) acc[r][t][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * n + at), acc[r][t][j]);
+    if (K == 1) {
+        const float *xp = x;
+        for (; k + 16 <= n; k += 16, xp += TT * 16) {
+            __m512 xv[FLOAT_TOKENS];
+            for (int t = 0; t < TT; t++) {
+                xv[t] = _mm512_load_ps(xp + 16 * t);
+                __asm__("" : "+v"(xv[t]));  /* in a register, not folded into the FMAs below */
             }
+            for (int r = 0; r < R; r++) {
+                const __m512 wv = float_weights(f, w + r * row_bytes, k, 0, 0);
+                for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, xv[t], acc[r][t][0]);
+            }
+        }
+        if (k < n) {  /* the last n % 16: x's zeros beside the masked weights */
+            const __mmask16 live = (__mmask16)((1u << (n - k)) - 1);
+            for (int r = 0; r < R; r++) {
+                const __m512 wv = float_weights(f, w + r * row_bytes, k, 1, live);
+                for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, _mm512_load_ps(xp + 16 * t), acc[r][t][0]);
+            }
+        }
+        floats_store(R, TT, K, acc, y, ldy);
+        return;
+    }
+    for (; k + 64 <= n; k += 64)
+        for (int j = 0; j < 4; j++) acc[0][0][j] = _mm512_fmadd_ps(float_weights(f, w, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[0][0][j]);
     for (; k < n; k += 16) {
         const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
-        for (int r = 0; r < R; r++) {
-            const __m512 wv = float_weights(f, w + r * row_bytes, k, 1, live);
-            for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(live, x + t * n + k), acc[r][t][0]);
-        }
+        acc[0][0][0] = _mm512_fmadd_ps(float_weights(f, w, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[0][0][0]);
     }
     floats_store(R, TT, K, acc, y, ldy);
 }
@@ -754,11 +774,52 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
 #undef AT
 }
 
-INLINE void floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
-                        int64_t T, float *y, int64_t ldy) {
-#define AT(t) (x + (t) * n)
+/* The float tiles over x's T rows, `stride` floats apart (a packed token tile of x when stride is n16, below) */
+INLINE void floats_tiles(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
+                         int64_t stride, int64_t T, float *y, int64_t ldy) {
+#define AT(t) (x + (t) * stride)
     TILES(tile_floats, f, FLOAT_ROWS, 1, FLOAT_TOKENS, AT, n);
 #undef AT
+}
+
+#if defined(PATH_AVX512)
+enum { FLOAT_CHUNK_BYTES = 262144 };  /* packed activations a chunk: with a granule's rows, within L2 */
+
+/* x [T, n] -> packed: token tile j (FLOAT_TOKENS tokens, the last fewer) at j * FLOAT_TOKENS * n16, as [n16 / 16]
+ * [its tokens][16], zeros past n */
+INLINE void floats_pack(const float *x, int64_t n, int64_t n16, int64_t T, float *packed) {
+    for (int64_t t0 = 0; t0 < T; t0 += FLOAT_TOKENS) {
+        const int64_t tt = T - t0 < FLOAT_TOKENS ? T - t0 : FLOAT_TOKENS;
+        float *p = packed + t0 * n16;
+        for (int64_t k = 0; k < n16; k += 16) {
+            const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
+            for (int64_t j = 0; j < tt; j++, p += 16) _mm512_store_ps(p, _mm512_maskz_loadu_ps(live, x + (t0 + j) * n + k));
+        }
+    }
+}
+#endif
+
+/* -> 1, or 0 when the packed activations' memory would not come. T > 1 on AVX-512: tokens in chunks of about
+ * FLOAT_CHUNK_BYTES of packed activations, each packed once for all the rows. */
+INLINE int floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
+                       int64_t T, float *y, int64_t ldy) {
+#if defined(PATH_AVX512)
+    if (T > 1) {
+        const int64_t n16 = (n + 15) & ~(int64_t)15, fit = FLOAT_CHUNK_BYTES / (n16 * 4) / FLOAT_TOKENS * FLOAT_TOKENS;
+        const int64_t chunk = fit < FLOAT_TOKENS ? FLOAT_TOKENS : fit > T ? T : fit;
+        float *packed = aligned_alloc(64, (size_t)(chunk * n16) * sizeof(float));
+        if (packed == NULL) return 0;
+        for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+            const int64_t tc = T - c0 < chunk ? T - c0 : chunk;
+            floats_pack(x + c0 * n, n, n16, tc, packed);
+            floats_tiles(f, n, w, row_bytes, rows, packed, n16, tc, y + c0 * ldy, ldy);
+        }
+        free(packed);
+        return 1;
+    }
+#endif
+    floats_tiles(f, n, w, row_bytes, rows, x, n, T, y, ldy);
+    return 1;
 }
 
 #if defined(PATH_BF16_PAIRS)
@@ -849,10 +910,15 @@ static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t
             for (int64_t i = 0; i < T * n; i++) xf[i] = float_at(act, xq, i);
             x = xf;
         }
+        int done = 0;
         switch (f) {
-        case F32: floats_simd(F32, n, w, row_bytes, rows, x, T, y, ldy); break;
-        case F16: floats_simd(F16, n, w, row_bytes, rows, x, T, y, ldy); break;
-        case BF16: floats_simd(BF16, n, w, row_bytes, rows, x, T, y, ldy); break;
+        case F32: done = floats_simd(F32, n, w, row_bytes, rows, x, T, y, ldy); break;
+        case F16: done = floats_simd(F16, n, w, row_bytes, rows, x, T, y, ldy); break;
+        case BF16: done = floats_simd(BF16, n, w, row_bytes, rows, x, T, y, ldy); break;
+        }
+        if (!done) {
+            if (scratch != stack) free(scratch);
+            return 0;
         }
     }
     if (scratch != stack) free(scratch);
