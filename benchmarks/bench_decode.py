@@ -21,8 +21,9 @@ file's stored bytes (every trunk matrix, one embedding row, top_k of each MoE
 layer's experts, from the GGUF's tensor sizes; the KV cache not counted), over
 the read bandwidth measured in the same run on the same threads (a reduction
 over a float32 buffer of max(1 GiB, 8 x the LLC) by torch.sum and by moetier's
-native read probe, the faster, best of 5, each run, retried the same way: a
-bound, so the highest rate read). Prints a table, then one JSON line.
+native read probe, the faster, best of 5, before every timed pass, retried the
+same way: a bound, so the highest rate read in the whole run; the VM's
+bandwidth moves from minute to minute). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -305,14 +306,18 @@ def main() -> None:
     bandwidth: dict[int, list[tuple[dict, float | None]]] = {args.threads: [], 1: []}  # (reader -> bytes/s, others' share)
     timings: dict[tuple[str, str], list[tuple[dict, float | None]]] = {key: [] for key in order}
     waited_s = 0.0
+    def sample_bandwidth(threads: int) -> None:
+        nonlocal waited_s
+        tries, waited = quietly(functools.partial(read_bandwidth, threads, bandwidth_bytes), [os.getpid()], args.quiet_wait, args.retries)
+        bandwidth[threads] += tries
+        waited_s += waited
+
     for run in range(args.runs):
-        for threads in sorted(bandwidth):
-            tries, waited = quietly(functools.partial(read_bandwidth, threads, bandwidth_bytes), [os.getpid()], args.quiet_wait, args.retries)
-            bandwidth[threads] += tries
-            waited_s += waited
+        sample_bandwidth(1)
         for key in order:
             if key not in workers:
                 continue
+            sample_bandwidth(args.threads)  # beside every pass: this host's bandwidth moves from minute to minute
             log(f"run {run + 1}/{args.runs}: {key[0]} {key[1]}")
             try:
                 tries, waited = quietly(functools.partial(workers[key].measure, prompt, args.tokens), [workers[key].pid, os.getpid()],
