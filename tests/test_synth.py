@@ -300,7 +300,7 @@ def test_configs_carry_the_arch_features():
     assert nxt["rope_parameters"]["partial_rotary_factor"] == 0.25 and nxt["norm_topk_prob"] is True
     assert nxt["shared_expert_intermediate_size"] == nxt["moe_intermediate_size"] and nxt["mlp_only_layers"] == []
     assert nxt["linear_num_key_heads"] < nxt["linear_num_value_heads"]
-    assert nxt["linear_key_head_dim"] != nxt["linear_value_head_dim"]              # a loader mixing them up fails
+    assert nxt["linear_key_head_dim"] == nxt["linear_value_head_dim"]              # llama.cpp's qwen3next loads it
     g5 = synth._config("glm5_next", synth.arch_preset("glm5_next", PRESETS["tiny"]))
     text = g5["text_config"]
     assert g5["architectures"] == ["Glm5NextForConditionalGeneration"] and g5["vision_config"]["depth"] == 1
