@@ -8,7 +8,8 @@ verify passes of `rows_per_pass` rows, plans every pass's MoE layers with the ru
 `plan_layer` (hits to VRAM, misses to the CPU lane or a holder, tail skip past the budget),
 and times each sampled pass with `predict_pass`. Invariant: the costs are `tier_cost` of the
 same layout and calibration the runtime plans with, and the hit counts equal `replay`'s.
-A profile (expert shares) instead of a trace is sampled into one (`sample_trace`).
+A profile (expert shares) instead of a trace is sampled into one (`sample_trace`), whose
+consecutive tokens may share experts as real ones do (`reuse`, measured by `moetier.sim.reuse`).
 """
 
 from __future__ import annotations
@@ -89,9 +90,13 @@ def inclusion_probabilities(shares: np.ndarray, top_k: int) -> np.ndarray:
 
 
 def sample_trace(shares: np.ndarray, top_k: int, tokens: int, seed: int = 0, layer_ids: Sequence[int] | None = None,
-                 source: str = "profile") -> RoutingTrace:
-    """Independent tokens whose k distinct picks hit each expert with `inclusion_probabilities` exactly
-    (systematic sampling over a random order of the experts)."""
+                 source: str = "profile", reuse: float = 0.0) -> RoutingTrace:
+    """Tokens whose k distinct picks hit each expert with `inclusion_probabilities` exactly (systematic sampling
+    over a random order of the experts). `reuse`: the chance that a token repeats the previous token's picks at a
+    layer, as consecutive tokens do (`moetier.sim.reuse`); each token's marginal stays the same, since a repeat
+    copies an earlier token drawn the same way. 0 (the default): independent tokens."""
+    if not 0.0 <= reuse < 1.0:
+        raise ValueError(f"reuse: expected a chance in [0, 1), got {reuse}")
     q = inclusion_probabilities(shares, top_k)  # [L, E]
     L, E = q.shape
     rng = np.random.default_rng(seed)
@@ -100,6 +105,11 @@ def sample_trace(shares: np.ndarray, top_k: int, tokens: int, seed: int = 0, lay
     points = rng.random((tokens, L, 1)) + np.arange(top_k)  # [T, L, k] one per unit of mass
     slot = np.minimum((cum[:, :, None, :] <= points[..., None]).sum(-1), E - 1)  # [T, L, k]
     picks = np.take_along_axis(order, slot, -1)
+    if reuse:  # its own stream, so the fresh draws are the same as without reuse
+        repeat = np.random.default_rng([seed, 1]).random((tokens, L)) < reuse  # [T, L]
+        repeat[0] = False
+        fresh = np.maximum.accumulate(np.where(repeat, 0, np.arange(tokens)[:, None]), axis=0)  # [T, L] the token it copies
+        picks = picks[fresh, np.arange(L)[None, :]]  # [T, L, k]
     weights = np.full(picks.shape, 1.0 / top_k)
     return RoutingTrace(picks=picks, weights=weights, num_experts=E, layer_ids=tuple(layer_ids or range(L)), source=source)
 
