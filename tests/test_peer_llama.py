@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_runs import moetier
 from moetier.engine import Engine, score
 from moetier.model import open_checkpoint
 from moetier.model.gguf_write import write_gguf
@@ -212,3 +213,18 @@ def test_quantized_gguf_top1_agrees_with_llama_cpp(model, quantized_logits):
         assert not below, (arch, below)
     elif below:
         pytest.xfail(f"{arch} {preset}: top-1 below 99% on {below}")
+
+
+@pytest.mark.parametrize("arch", ARCHES + ("qwen3_next", "glm5_next"))
+def test_synth_gguf_of_every_arch_loads_in_llama_cpp(arch, tmp_path):
+    """`moetier synth --format gguf` with its default preset (tiny) writes a file llama.cpp loads and runs as moetier
+    does: F32 logits within 1e-4 of the logit scale over 64 positions (the real command, a real process)."""
+    path = tmp_path / f"{arch}.gguf"
+    result = moetier("synth", "--arch", arch, "--format", "gguf", "--out", path)
+    assert result.returncode == 0, result.stderr
+    spec = open_checkpoint(path).spec
+    ids = np.random.default_rng(5).integers(0, spec.vocab_size, 64).tolist()
+    reference = llama_logits(path, ids)  # [T, V]
+    error, scale = float(np.abs(moetier_logits(path, ids) - reference).max()), float(np.abs(reference).max())
+    print(f"{arch} synth tiny F32: max |dlogit| {error:.3g}, logit scale {scale:.3g}")
+    assert reference.shape == (64, spec.vocab_size) and error <= 1e-4 * scale, (arch, error, scale)
