@@ -9,7 +9,8 @@ past spin_s: a futex wake). Decode: 8 experts of [1536, 2048] gate_up /
 [2048, 768] down per call, picked in turn from a set of >= 512 MB so every
 call reads DRAM, as GB/s of the stored bytes read. Read bandwidth: the faster
 of torch.sum and the native read probe over a 1 GiB float32 buffer with the
-same thread count (best of 5; moetier.calibrate.read_probes), in the same block as each format's decode. The machine may be shared: a sample during
+same thread count (best of 5; moetier.calibrate.read_probes), in the same
+block as each format's decode. The machine may be shared: a sample during
 which other processes used over 5% of a CPU (/proc/stat) is taken again, and a
 format's block is measured while `second_cpu_free` holds before and after it
 (else marked disturbed).
