@@ -196,7 +196,7 @@ def test_native_hyper_weights_are_the_torch_ops_within_float32_rounding(streams,
     """cpu_hyper.h against hyper_weights (transformers' ops), on projections large enough to saturate the gates."""
     from moetier.backends import cpu_kernels
     from moetier.engine.hyper import HyperWeights, hyper_weights
-    from moetier.model.spec import HyperConnections
+    from moetier.model.spec_hybrid import HyperConnections
 
     kernel = cpu_kernels.decode_kernel()
     if kernel is None:
@@ -248,7 +248,7 @@ def test_native_kda_prefill_is_the_chunked_form_within_float32_rounding(lower_bo
     from moetier.engine.deltanet import DeltaNetState
     from moetier.engine.kda import KdaWeights, kda_layer
     from moetier.engine.linear import StoredLinear
-    from moetier.model.spec import LinearAttention
+    from moetier.model.spec_hybrid import LinearAttention
 
     kernel = cpu_kernels.decode_kernel()
     if kernel is None:

@@ -139,7 +139,7 @@ def test_the_native_mixer_is_the_torch_mixer(key_heads, value_heads, dk, dv):
     too, and bit for bit whatever the pool size (each key head is one thread's)."""
     from moetier.backends import cpu_kernels
     from moetier.engine.deltanet import DeltaNetState, DeltaNetWeights, deltanet_layer
-    from moetier.model.spec import LinearAttention
+    from moetier.model.spec_hybrid import LinearAttention
 
     kernel = cpu_kernels.decode_kernel()
     if kernel is None:

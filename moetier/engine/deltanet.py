@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.engine.linear import StoredLinear
-from moetier.model.spec import LinearAttention
+from moetier.model.spec_hybrid import LinearAttention
 
 CHUNK = 64  # tokens per chunk of the prefill form (transformers' and FLA's default)
 L2_EPS = 1e-6  # the q/k L2 normalisation's epsilon (transformers' l2norm)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moetier.model.spec import HyperConnections
+from moetier.model.spec_hybrid import HyperConnections
 
 
 @dataclass(frozen=True)

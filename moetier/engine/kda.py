@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from moetier.engine.deltanet import DeltaNetState
 from moetier.engine.layers import torch_threads
 from moetier.engine.linear import StoredLinear
-from moetier.model.spec import LinearAttention
+from moetier.model.spec_hybrid import LinearAttention
 
 L2_EPS = 1e-6
 # Prefill's chunk: transformers' 64. The chunked form is the same sum for any size and 32 costs less (its

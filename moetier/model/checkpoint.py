@@ -30,8 +30,9 @@ import torch
 
 from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
 from moetier.model.formats import BY_DTYPE, F32
+from moetier.model.hf_config import read_config
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
-from moetier.model.spec import ModelSpec, read_config
+from moetier.model.spec import ModelSpec
 from moetier.model.untrusted import read_json
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from moetier.model.spec import MAX_LAYERS, HyperConnections, LatentAttention, LinearAttention, ModelSpec, SparseIndexer, SpecError
+from moetier.model.spec import MAX_LAYERS, ModelSpec, SpecError
+from moetier.model.spec_hybrid import HyperConnections, LatentAttention, LinearAttention, SparseIndexer
 
 # GGUF general.architecture -> moetier arch; llama is read only with experts (Mixtral)
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "llama": "mixtral", "qwen3next": "qwen3_next",
