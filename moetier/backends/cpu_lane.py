@@ -18,7 +18,8 @@ from array import array
 
 import torch
 
-from moetier.backends.cpu_kernels import RECORD, DecodeKernel, status_error
+from moetier.backends.cpu_kernels import RECORD, DecodeKernel
+from moetier.backends.cpu_status import status_error
 
 
 class NativeLane:

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetier.backends import cpu_kernels
-from moetier.backends.cpu_kernels import expert_record, matrix_error, status_error
+from moetier.backends.cpu_kernels import expert_record, matrix_error
+from moetier.backends.cpu_status import status_error
 from moetier.engine.layers import KVCache
 from moetier.engine.router import Route
 from moetier.model.formats import F32
