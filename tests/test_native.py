@@ -210,7 +210,8 @@ def router_spec(router: str, experts: int, k: int, n_group: int = 1, topk_group:
     from dataclasses import replace
 
     from moetier.model.spec import ModelSpec
-    from moetier.model.synth import PRESETS, _config, arch_preset
+    from moetier.model.synth import PRESETS, arch_preset
+    from moetier.model.synth_config import _config
 
     arch = "glm4_moe" if router == "sigmoid" else "qwen3_moe"  # a real spec, then the router's fields
     base = ModelSpec.from_hf_config(_config(arch, arch_preset(arch, PRESETS["tiny"])))

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetier.model import synth
+from moetier.model import synth, synth_config
 from moetier.model.synth import (
     ARCHES,
     PRESETS,
@@ -287,21 +287,21 @@ def test_sharded_write_loads_the_same_as_one_file(models, tmp_path, monkeypatch)
 
 
 def test_configs_carry_the_arch_features():
-    glm = synth._config("glm4_moe", synth.arch_preset("glm4_moe", PRESETS["tiny"]))
+    glm = synth_config._config("glm4_moe", synth.arch_preset("glm4_moe", PRESETS["tiny"]))
     assert [glm[k] for k in ("first_k_dense_replace", "n_shared_experts", "n_group", "topk_group")] == [1, 1, 4, 2]
     assert glm["routed_scaling_factor"] != 1.0 and glm["partial_rotary_factor"] == 0.5
-    qwen = synth._config("qwen3_moe", PRESETS["small"])
+    qwen = synth_config._config("qwen3_moe", PRESETS["small"])
     assert qwen["norm_topk_prob"] is True
     for preset in PRESETS:
         mixtral = synth.arch_preset("mixtral", PRESETS[preset])
         assert (mixtral.num_experts, mixtral.top_k) == (8, 2)
-    nxt = synth._config("qwen3_next", synth.arch_preset("qwen3_next", PRESETS["tiny"]))
+    nxt = synth_config._config("qwen3_next", synth.arch_preset("qwen3_next", PRESETS["tiny"]))
     assert nxt["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]     # tiny's 3 layers made 4
     assert nxt["rope_parameters"]["partial_rotary_factor"] == 0.25 and nxt["norm_topk_prob"] is True
     assert nxt["shared_expert_intermediate_size"] == nxt["moe_intermediate_size"] and nxt["mlp_only_layers"] == []
     assert nxt["linear_num_key_heads"] < nxt["linear_num_value_heads"]
     assert nxt["linear_key_head_dim"] == nxt["linear_value_head_dim"]              # llama.cpp's qwen3next loads it
-    g5 = synth._config("glm5_next", synth.arch_preset("glm5_next", PRESETS["tiny"]))
+    g5 = synth_config._config("glm5_next", synth.arch_preset("glm5_next", PRESETS["tiny"]))
     text = g5["text_config"]
     assert g5["architectures"] == ["Glm5NextForConditionalGeneration"] and g5["vision_config"]["depth"] == 1
     assert text["layer_types"] == ["linear_attention"] * 3 + ["indexed_attention"] and text["indexer_types"] == ["full"] * 4
@@ -336,7 +336,7 @@ def test_every_preset_has_glm5_next_dims_and_seed_has_glm5s_routing_geometry():
         assert dims.num_kv_heads == dims.num_heads and dims.glm5.kv_rank % 2 == 0, name     # latent: key half, value half
         assert dims.linear.key_heads == dims.linear.value_heads and dims.linear.key_head_dim == dims.linear.value_head_dim
         for arch in ("qwen3_moe", "glm4_moe", "mixtral", "qwen3_next"):   # their versions do not see the glm5 fields
-            assert not {"glm5", "glm5_routing"} & set(synth._dims_dict(synth.arch_preset(arch, preset))), (name, arch)
+            assert not {"glm5", "glm5_routing"} & set(synth_config._dims_dict(synth.arch_preset(arch, preset))), (name, arch)
     seed = synth.arch_preset("glm5_next", PRESETS["seed"])
     assert (seed.num_layers, seed.glm5.dense_layers, seed.num_experts, seed.top_k) == (45, 3, 288, 8)
     assert synth.synth_version("glm5_next", "seed") != synth.synth_version("glm4_moe", "seed")

@@ -27,7 +27,8 @@ from cli_runs import moetier, moetier_here, refused
 from moetier.model import CheckpointError, ModelSpec, SpecError, open_checkpoint
 from moetier.model.safetensors_mmap import SafetensorsFile
 from moetier.model.spec import MAX_COUNT, MAX_LAYERS
-from moetier.model.synth import PRESETS, _config, arch_preset, write_synthetic
+from moetier.model.synth import PRESETS, arch_preset, write_synthetic
+from moetier.model.synth_config import _config
 
 
 @pytest.fixture(scope="module")
