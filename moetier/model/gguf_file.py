@@ -26,8 +26,8 @@ which every tier holds and computes from, and so do the trunk's matrices
 dequantized by `dequantize` (gguf.quants, numpy): the norms and the router.
 A layer's gate and up stacks must share a format (they are stacked into one
 matrix).
-Every read of the file is bounds-checked before it is made, so a truncated or
-malformed file is one CheckpointError naming it, never a traceback or a hang.
+Every read of the file is bounds-checked before it is made (moetier.model.gguf_read, which also finds a split
+set's files), so a truncated or malformed file is one CheckpointError naming it, never a traceback or a hang.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -46,15 +45,14 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFValueType
 
 from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
 from moetier.model.formats import BF16, F16, F32, FORMATS
 from moetier.model.gguf_shapes import required_tensors
 from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
+from moetier.model.gguf_read import _first_file, _metadata, _read, _split_paths
 from moetier.model.gguf_undo import exp_preimage, kv_b_proj, unpermute
 from moetier.model.safetensors_mmap import CheckpointError
-from moetier.model.untrusted import open_regular
 
 # the GGML types moetier reads experts in: the stored formats (moetier.model.formats, the one table to extend)
 EXPERT_TYPES = tuple(QType(qtype) for qtype in FORMATS)
@@ -62,14 +60,12 @@ EXPERT_TYPES = tuple(QType(qtype) for qtype in FORMATS)
 # attn_q in IQ2_S), each dequantized to float32 once at load
 DEQUANTIZED = EXPERT_TYPES + (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M, QType.TQ1_0,
                               QType.TQ2_0, QType.MXFP4)
-SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _KEPT = {name for names in CONVERTED["qwen3_next"].values() for name in names}  # by GGUF name: no HF tensor holds these
 # tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
 _NOT_YET = {"attn_qkv.weight": "fused Q/K/V (convert_hf_to_gguf.py --fuse-qkv)",
             "ffn_gate_up_exps.weight": "fused gate/up experts (--fuse-gate-up-exps)",
             "rope_freqs.weight": "RoPE frequency factors (llama3 rope scaling)"}
-_READER_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError)  # what GGUFReader raises on garbage
 
 
 def dequantize(raw: np.ndarray, qtype: QType) -> np.ndarray:
@@ -78,109 +74,6 @@ def dequantize(raw: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype not in DEQUANTIZED:
         raise CheckpointError(f"GGML type {qtype.name} is not supported yet (expected one of {', '.join(t.name for t in DEQUANTIZED)})")
     return gguf.quants.dequantize(raw, qtype)
-
-
-class _PastEnd(Exception):
-    def __init__(self, where: str, end: int):
-        super().__init__(where)
-        self.where, self.end = where, end
-
-
-class _Malformed(Exception):
-    def __init__(self, where: str, error: Exception):
-        super().__init__(where)
-        self.where, self.error = where, error
-
-
-class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader whose every read is bounds-checked first (the reader itself slices the mapping short, which
-    turns a truncated file into a confusing error, or an array of 2**60 empty reads into a hang), and which
-    remembers what it was reading when an error came."""
-
-    where = "the header"
-
-    def __init__(self, path: Path):
-        try:
-            super().__init__(path, "r")  # a shared read-only mapping: not charged against the commit limit
-        except _READER_ERRORS as err:
-            raise _Malformed(self.where, err) from None
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > self.data.nbytes:
-            raise _PastEnd(self.where, end)
-        return super()._get(offset, dtype, count, override_order)
-
-    def _build_fields(self, offs, count):
-        self.where = "the metadata"
-        return super()._build_fields(offs, count)
-
-    def _build_tensor_info(self, offs, count):
-        self.where = "the tensor index"
-        return super()._build_tensor_info(offs, count)
-
-    def _build_tensors(self, start_offs, fields):
-        tensors = []
-        for field in fields:  # one at a time, so an error names the tensor
-            self.where = f"tensor {field.name!r}"
-            kind = int(field.parts[4][0])  # the parts of a tensor info: name length, name, n_dims, dims, type, offset
-            try:
-                QType(kind)
-            except ValueError:
-                raise ValueError(f"unknown GGML type {kind}") from None
-            super()._build_tensors(start_offs, [field])
-            tensors += self.tensors
-        names = [t.name for t in tensors]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
-        self.tensors = tensors
-
-
-def _read(path: Path) -> gguf.GGUFReader:
-    with open_regular(path, CheckpointError) as handle:
-        size = os.fstat(handle.fileno()).st_size
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (expected a GGUF file)")
-    try:
-        reader = _CheckedReader(path)
-    except _PastEnd as err:
-        raise CheckpointError(f"{path}: {err.where} runs past the end of the file (to byte {err.end} of {size}: "
-                              "truncated, or not a GGUF file)") from None
-    except _Malformed as err:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({err.where}: {err.error})") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
-    if reader.byte_order != "I":
-        raise CheckpointError(f"{path}: a GGUF file of the other byte order (big-endian): not supported")
-    return reader
-
-
-def _float32(value: float) -> float:
-    """The shortest decimal that rounds to this float32 (a config's 1e-06 comes back as 1e-06, not 9.99e-07)."""
-    return float(str(np.float32(value)))
-
-
-def _metadata(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """(key -> value, array key -> length): scalars, strings and the numeric arrays outside tokenizer.*
-    (per-layer counts); string arrays (the vocabulary) only by their length."""
-    meta: dict[str, Any] = {}
-    lengths: dict[str, int] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or not field.types:
-            continue
-        kind = field.types[0]
-        try:
-            if kind == GGUFValueType.ARRAY:
-                lengths[key] = len(field.data)
-                element = field.types[1] if len(field.types) > 1 else None
-                if not key.startswith("tokenizer.") and element not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
-                    values = field.contents() if element is not None else []
-                    meta[key] = [_float32(v) for v in values] if element == GGUFValueType.FLOAT32 else values
-            else:
-                meta[key] = _float32(field.contents()) if kind == GGUFValueType.FLOAT32 else field.contents()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{path}: key {key!r} is not UTF-8 text") from None
-    return meta, lengths
 
 
 @dataclass(frozen=True, eq=False)
@@ -442,49 +335,6 @@ class GgufCheckpoint(NamedWeights):
 
 
 # -- opening ----------------------------------------------------------------------
-
-
-def _first_file(folder: Path) -> Path:
-    """The one GGUF set in a folder: its file, or its split set's first file."""
-    sets: dict[tuple[str, str | None], list[Path]] = {}
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or path.suffix.lower() != ".gguf" or not path.is_file():
-            continue
-        match = SPLIT_NAME.fullmatch(path.name)
-        sets.setdefault((match.group(1), match.group(3)) if match else (path.name, None), []).append(path)
-    if not sets:
-        raise CheckpointError(f"{folder}: no config.json and no .gguf file (expected a HF model folder or a GGUF file)")
-    if len(sets) > 1:
-        names = ", ".join(name if count is None else f"{name}-*-of-{count}.gguf" for name, count in sets)
-        raise CheckpointError(f"{folder}: holds {len(sets)} GGUF sets ({names}; expected exactly one: name the file to open)")
-    (name, count), = sets
-    if count is None:
-        return folder / name
-    first = folder / f"{name}-00001-of-{count}.gguf"
-    if not first.exists():
-        raise CheckpointError(f"{first}: split file 1 of {int(count)} is missing (the set's first file holds its metadata)")
-    return first
-
-
-def _split_paths(first: Path, meta: dict[str, Any]) -> list[Path]:
-    """Every file of the set `first` opens (itself alone unless its split.count says more)."""
-    count, number = meta.get("split.count", 1), meta.get("split.no", 0)
-    if not (isinstance(count, int) and isinstance(number, int)) or count < 1 or not 0 <= number < count:
-        raise CheckpointError(f"{first}: keys 'split.count' = {count!r}, 'split.no' = {number!r} (expected 0 <= split.no < split.count)")
-    if number != 0:
-        raise CheckpointError(f"{first}: file {number + 1} of a {count}-file split set (expected the first file, "
-                              f"NAME-00001-of-{count:05d}.gguf, which holds the metadata)")
-    if count == 1:
-        return [first]
-    match = SPLIT_NAME.fullmatch(first.name)
-    if not match or int(match.group(3)) != count:
-        raise CheckpointError(f"{first}: the first of {count} split files (key 'split.count'), not named "
-                              f"NAME-00001-of-{count:05d}.gguf (expected llama.cpp's split names, to find the others)")
-    paths = [first.with_name(f"{match.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    for i, path in enumerate(paths[1:], start=2):
-        if not path.exists():
-            raise CheckpointError(f"{first}: split file {i} of {count} is missing (expected {path.name} beside it)")
-    return paths
 
 
 def open_gguf(path: str | Path) -> GgufCheckpoint:
