@@ -4,10 +4,12 @@ The seed (../shared/DESIGN.md, "Facts from the field") ran GLM-5.3-Flash (UD-IQ3
 machines examples/i7-i5.toml describes. This script builds each of its layouts from that file
 (DEFER_CPU, affinity, tail skip, the helper GPU, the i5 over the LAN), samples routing traces
 from expert profiles whose static caches hit at the rates the seed states (the only hit rates
-used as inputs), and predicts each with `moetier.sim.layout_sim.simulate`. Hardware rates come
-from data sheets (DDR4, GPU bandwidth, PCIe, 2.5 GbE); the eight free parameters below were
-fitted once on this table and are the same for every row; `--fit` reruns that fit from them
-(Nelder-Mead on the largest error).
+used as inputs), and predicts each with `moetier.sim.layout_sim.simulate`. The rows of a verify
+pass (consecutive tokens) share experts as real consecutive tokens do: REUSE, measured on the real
+Qwen1.5-MoE decode trace of shared/traces (`moetier.sim.reuse`; checked against the file when it
+is present). Hardware rates come from data sheets (DDR4, GPU bandwidth, PCIe, 2.5 GbE); the nine
+free parameters below were fitted once on this table and are the same for every row; `--fit`
+reruns that fit from them (Nelder-Mead on the largest error).
 Units as the seed reports them (docs/reproduction.md): tok/s counts accepted tokens; the CPU
 lane and its waits are ms per accepted token; the GPU times are ms per verify pass.
 
@@ -33,6 +35,7 @@ from moetier.config import PartConfig, TierConfig, load_layout  # noqa: E402
 from moetier.sched.cost import Calibration  # noqa: E402
 from moetier.sched.placement import place  # noqa: E402
 from moetier.sim.layout_sim import SHAPES, inclusion_probabilities, sample_trace, simulate  # noqa: E402
+from moetier.sim.reuse import distinct_per_window  # noqa: E402
 
 LAYOUT = REPO / "examples" / "i7-i5.toml"
 SHAPE = SHAPES["glm-5.3-flash-ud-iq3_xxs"]
@@ -48,20 +51,24 @@ GPU_US_PER_TOKEN_EXPERT = 2.0  # an extra row through an expert on the GPU: comp
 ROWS_PER_PASS = 4  # multi-token prediction: 1 token + 3 drafts verified per pass
 HELPER_CACHE_SLOTS = 785  # gpu0's expert slots beside the whole trunk (seed)
 
+# -- consecutive tokens share experts (assumption 2): measured on a real trace, not fitted ---------------------
+REUSE_TRACE = REPO.parent / "shared" / "traces" / "qwen15moe_gsm8k_layers_0_8_12_18_23.npz"  # not shipped: checked when present
+REUSE = 0.045  # its decode steps' excess overlap, the 5 layers' mean (moetier.sim.reuse): the chance a row repeats the last
+
 # -- inputs the seed states ------------------------------------------------------------------
 HIT_BIAS, HIT_PLAIN, HIT_HELPER = 0.845, 0.575, 0.46  # 84-85% with bias, 57-58% without; 46% at 785 slots
 
 # -- the free parameters: fitted once, shared by every row --------------------------------------
 FITTED = {
-    "tokens_per_pass": 2.336,  # tokens accepted per verify pass (MTP acceptance)
-    "cpu_efficiency": 0.715,  # share of DDR4 bandwidth the CPU lane streams experts at
-    "attention_us_per_layer": 832.7,  # trunk per layer and verify pass on a 4060 Ti (attention, shared expert, norms)
-    "head_us": 571.8,  # per pass: final norm, lm head, drafting
-    "dispatch_us_per_layer": 0.1,  # per MoE layer on the GPU's clock: routing and launching the hits
-    "lane_fixed_us": 691.4,  # per CPU-lane call: rows and picks to the host, the lane's wake-up, its partial back
-    "affinity_hit_rate": 0.897,  # VRAM hit rate under live-cache affinity lambda 0.25 (the seed gives none)
-    "skip_budget_us": 2823.8,  # the tail-skip budget per MoE layer and pass
-    "helper_bytes": 1.258e+10,  # what gpu1 (16 GiB) holds of experts when it carries no trunk: the helper layout
+    "tokens_per_pass": 2.3369,  # tokens accepted per verify pass (MTP acceptance)
+    "cpu_efficiency": 0.7298,  # share of DDR4 bandwidth the CPU lane streams experts at
+    "attention_us_per_layer": 845.7,  # trunk per layer and verify pass on a 4060 Ti (attention, shared expert, norms)
+    "head_us": 599.9,  # per pass: final norm, lm head, drafting
+    "dispatch_us_per_layer": 1.6,  # per MoE layer on the GPU's clock: routing and launching the hits
+    "lane_fixed_us": 747.2,  # per CPU-lane call: rows and picks to the host, the lane's wake-up, its partial back
+    "affinity_hit_rate": 0.8979,  # VRAM hit rate under live-cache affinity lambda 0.25 (the seed gives none)
+    "skip_budget_us": 2735.2,  # the tail-skip budget per MoE layer and pass
+    "helper_bytes": 1.263e+10,  # what gpu1 (16 GiB) holds of experts when it carries no trunk: the helper layout
 }
 
 SEED = [  # key, what, seed figure, unit
@@ -82,6 +89,15 @@ SEED = [  # key, what, seed figure, unit
     ("lan_ms", "LAN round trips, 42 per pass", 6.6, "ms/pass"),
     ("lan_speedup", "i5 over the LAN, best case", 1.15, "x"),
 ]
+
+
+def measured_reuse(path: Path = REUSE_TRACE) -> float:
+    """The share of a decode token's picks that repeat the previous token's beyond chance, on the real Qwen1.5-MoE
+    trace (a request's rows in consecutive vLLM decode calls), averaged over its layers: what REUSE holds."""
+    from moetier.sim.reuse import excess_overlap
+    from moetier.sim.traces import from_qwen15moe
+
+    return float(excess_overlap(from_qwen15moe(path)).mean())
 
 
 def calibration(f: dict = FITTED) -> Calibration:
@@ -163,8 +179,8 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
     helper_slots = place(layouts["helper"], SHAPE)["vram0"].slots
     prof = profiles(split_slots, helper_slots, f["affinity_hit_rate"])
     tau = f["tokens_per_pass"]
-    traces = {name: sample_trace(np.tile(share, (L, 1)), K, passes * ROWS_PER_PASS, seed=0, source=f"profile:{name}")
-              for name, share in prof.items()}  # one sampling per profile, shared by its layouts
+    traces = {name: sample_trace(np.tile(share, (L, 1)), K, passes * ROWS_PER_PASS, seed=0, source=f"profile:{name}",
+                               reuse=REUSE) for name, share in prof.items()}  # one sampling per profile, shared by its layouts
 
     def run(layout, profile: str):
         table, trace = np.tile(prof[profile], (L, 1)), traces[profile]  # [L, E], its sampled passes
@@ -194,7 +210,9 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
              "plain_hit_rate": sims["plain"].hit_rate, "affinity_hit_rate": sims["affinity"].hit_rate,
              "split_slots_per_layer": split_slots, "helper_cache_slots_per_layer": helper_slots,
              "helper_share_per_token": sims["helper"].served_per_token.get("helper", 0.0),
-             "lan_remote_experts_per_token": sims["lan"].served_per_token.get("i5", 0.0)}
+             "lan_remote_experts_per_token": sims["lan"].served_per_token.get("i5", 0.0),
+             "distinct_experts_per_pass": distinct_per_window(traces["bias"], ROWS_PER_PASS),  # bias profile, per layer
+             "distinct_experts_per_pass_independent": float((1 - (1 - inclusion_probabilities(prof["bias"][None], K)) ** ROWS_PER_PASS).sum())}
     return model, extra
 
 
@@ -211,7 +229,7 @@ def plot(folder: Path, passes: int = 200) -> list[str]:
     layouts = variants(base)
     placed = place(base, SHAPE)
     prof = profiles([(placed[t].slots, len(placed[t].layers)) for t in ("vram0", "vram1")], place(layouts["helper"], SHAPE)["vram0"].slots)
-    trace = sample_trace(np.tile(prof["bias"], (L, 1)), K, passes * ROWS_PER_PASS, seed=0)
+    trace = sample_trace(np.tile(prof["bias"], (L, 1)), K, passes * ROWS_PER_PASS, seed=0, reuse=REUSE)
 
     def speed(layout) -> float:
         served = {name: placed.layers for name, placed in place(layout, SHAPE).items()}
@@ -324,6 +342,9 @@ def main() -> None:
         target.write_text(calibration().to_json() + "\n")
     elif Calibration.load(target) != calibration():
         raise SystemExit(f"{target} differs from this script's derivation (run with --write-calibration)")
+    reuse = measured_reuse() if REUSE_TRACE.exists() else None
+    if reuse is not None and round(reuse, 3) != REUSE:
+        raise SystemExit(f"{REUSE_TRACE.name}: measured reuse {reuse:.4f} differs from REUSE = {REUSE}")
     if load_layout(LAYOUT).scheduler.budget_us != FITTED["skip_budget_us"]:
         raise SystemExit(f"{LAYOUT}: [scheduler].budget_us differs from FITTED['skip_budget_us']")
     started = time.perf_counter()
@@ -332,6 +353,7 @@ def main() -> None:
     rows = [{"key": key, "what": what, "unit": unit, "seed": seed, "model": model[key], "error": error[key]} for key, what, seed, unit in SEED]
     summary = {"rows": rows, "figures": len(rows), "free_parameters": len(FITTED), "fitted": FITTED,
                "inputs": {"hit_rate_bias": HIT_BIAS, "hit_rate_plain": HIT_PLAIN, "hit_rate_helper_cache": HIT_HELPER},
+               "reuse": {"value": REUSE, "trace": REUSE_TRACE.name, "measured": reuse},
                "checks": extra, "within_10_percent": sum(abs(r["error"]) <= 0.10 for r in rows),
                "seconds": time.perf_counter() - started}
     if not args.json:
@@ -342,7 +364,10 @@ def main() -> None:
         print(f"{summary['within_10_percent']} of {len(rows)} figures within 10%; {len(FITTED)} free parameters "
               f"({', '.join(FITTED)}); inputs: hit rates {HIT_BIAS:.1%} / {HIT_PLAIN:.1%} / {HIT_HELPER:.0%}")
         print(f"outputs to check: helper cache hit rate {extra['helper_hit_rate']:.1%} (input 46%), affinity hit rate "
-              f"{extra['affinity_hit_rate']:.1%}; {summary['seconds']:.1f} s")
+              f"{extra['affinity_hit_rate']:.1%}; distinct experts per pass and layer {extra['distinct_experts_per_pass']:.2f} "
+              f"(independent rows: {extra['distinct_experts_per_pass_independent']:.2f}) at reuse {REUSE} "
+              f"({'measured ' + format(reuse, '.4f') if reuse is not None else 'trace absent, not checked'} on {REUSE_TRACE.name}); "
+              f"{summary['seconds']:.1f} s")
     if args.plot is not None:
         summary["plots"] = plot(args.plot)
     print(json.dumps(summary))
