@@ -21,9 +21,14 @@ file's stored bytes (every trunk matrix, one embedding row, top_k of each MoE
 layer's experts, from the GGUF's tensor sizes; the KV cache not counted), over
 the read bandwidth measured in the same run on the same threads (a reduction
 over a float32 buffer of max(1 GiB, 8 x the LLC) by torch.sum and by moetier's
-native read probe, the faster, best of 5, before every timed pass, retried the
-same way: a bound, so the highest rate read in the whole run; the VM's
-bandwidth moves from minute to minute). Prints a table, then one JSON line.
+native read probe, the faster, best of 5, before and after every timed pass,
+retried the same way: a bound, so the highest rate read in the whole run).
+The VM's bandwidth moves between levels from minute to minute (on the Zen
+host: ~33 and ~57 GB/s at 2 threads, as if its two vCPUs shared one memory
+link or not), so a second table keeps only the passes both of whose
+neighbouring samples read at least TOP_LEVEL of the best: engines compared at
+the same level, and shares of a roofline the host held during the pass. Prints
+the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ ENGINES = ("moetier", "llama.cpp", "transformers")
 PREFILL_TOKENS = 256
 QUIET = 0.1  # a timed call during which other processes used more of the machine's CPUs than this is retried
 NOT_RUN = "n/a: transformers runs the HF float32 checkpoint (row F32)"
+TOP_LEVEL = 0.85  # a pass ran at the host's top bandwidth level when the samples before and after it both read this share of the best
 
 
 def log(message: str) -> None:
@@ -312,20 +318,28 @@ def main() -> None:
         bandwidth[threads] += tries
         waited_s += waited
 
+    def latest(threads: int) -> float:
+        return bandwidth[threads][-1][0]["best"]
+
+    beside: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in order}  # per pass: samples before, after
     for run in range(args.runs):
         sample_bandwidth(1)
+        sample_bandwidth(args.threads)
         for key in order:
             if key not in workers:
                 continue
-            sample_bandwidth(args.threads)  # beside every pass: this host's bandwidth moves from minute to minute
             log(f"run {run + 1}/{args.runs}: {key[0]} {key[1]}")
+            before = latest(args.threads)
             try:
                 tries, waited = quietly(functools.partial(workers[key].measure, prompt, args.tokens), [workers[key].pid, os.getpid()],
                                         args.quiet_wait, args.retries)
-                timings[key] += tries
                 waited_s += waited
             except WorkerFailed as error:
                 errors[key] = str(error)
+                continue
+            sample_bandwidth(args.threads)  # after every pass (the next one's before): this host's bandwidth moves
+            timings[key] += tries
+            beside[key] += [(before, latest(args.threads))] * len(tries)
     for worker in workers.values():
         worker.close()
 
@@ -342,8 +356,14 @@ def main() -> None:
             decode = [args.tokens / r["decode_s"] for r, _ in runs]
             prefill = [PREFILL_TOKENS / r["prefill_s"] for r, _ in runs]
             best = max(range(len(runs)), key=decode.__getitem__)
+            local = [max(pair) for pair in beside[engine, f]]  # the host's level around each pass, bytes/s
+            top = [i for i, pair in enumerate(beside[engine, f]) if min(pair) >= TOP_LEVEL * best_bandwidth[args.threads]]
             cells[engine][f] = {"decode_tok_per_s": decode[best], "prefill_tok_per_s": max(prefill),
                                 "roofline_share": decode[best] / roofline[f]["tok_per_s"],
+                                "bandwidth_beside_runs": beside[engine, f],
+                                "local_roofline_share_runs": [d * roofline[f]["weight_bytes_per_token"] / b for d, b in zip(decode, local)],
+                                "top_level": {"passes": len(top), "decode_tok_per_s": max((decode[i] for i in top), default=None),
+                                              "prefill_tok_per_s": max((prefill[i] for i in top), default=None)},
                                 "decode_runs": decode, "prefill_runs": prefill, "ids": runs[best][0]["ids"],
                                 "others_cpu_share": runs[best][1], "others_cpu_share_runs": [share for _, share in runs],
                                 "error": errors.get((engine, f))}
@@ -357,6 +377,10 @@ def main() -> None:
                 mine[f"speedup_vs_{peer}"] = mine["decode_tok_per_s"] / cell["decode_tok_per_s"]
                 mine[f"prefill_speedup_vs_{peer}"] = mine["prefill_tok_per_s"] / cell["prefill_tok_per_s"]
                 mine[f"same_greedy_tokens_as_{peer}"] = same_prefix(mine["ids"], cell["ids"])  # leading tokens equal
+                if mine["top_level"]["passes"] and cell["top_level"]["passes"]:
+                    mine["top_level"][f"speedup_vs_{peer}"] = mine["top_level"]["decode_tok_per_s"] / cell["top_level"]["decode_tok_per_s"]
+                    mine["top_level"][f"prefill_speedup_vs_{peer}"] = (mine["top_level"]["prefill_tok_per_s"]
+                                                                       / cell["top_level"]["prefill_tok_per_s"])
 
     result = {
         "bench": "decode", "arch": args.arch, "preset": args.preset, "models": str(args.models),
@@ -414,6 +438,20 @@ def print_table(result: dict, formats: list[str]) -> None:
             print(row(f, engine, f"{cell['decode_tok_per_s']:.1f}", f"{cell['prefill_tok_per_s']:.1f}", f"{cell['roofline_share']:.1%}",
                       llama, transformers, "-" if cell["others_cpu_share"] is None else f"{cell['others_cpu_share']:.0%}")
                   + (f"  (a run failed: {cell['error'][:60]})" if cell["error"] else ""))
+    print(f"at the top bandwidth level (passes whose samples before and after both read >= {TOP_LEVEL:.0%} of the best; "
+          "the host's level can change from minute to minute): decode tok/s, % read roofline, vs llama.cpp, prefill tok/s, vs llama.cpp")
+    for f in formats:
+        roof = result["roofline"].get(f)
+        for engine in ENGINES:
+            top = result["cells"][engine][f].get("top_level")
+            if top is None or roof is None:
+                continue
+            if not top["passes"]:
+                print(f"  {f:<8}{engine:<14}no pass at the top level")
+                continue
+            vs, pvs = (f"{top[k]:.2f}x" if k in top else "-" for k in ("speedup_vs_llama_cpp", "prefill_speedup_vs_llama_cpp"))
+            print(f"  {f:<8}{engine:<14}{top['decode_tok_per_s']:>8.1f} {top['decode_tok_per_s'] / roof['tok_per_s']:>7.1%} {vs:>7}"
+                  f" {top['prefill_tok_per_s']:>9.1f} {pvs:>7}   ({top['passes']} pass(es))")
     for f in formats:
         roof = result["roofline"].get(f)
         if roof is not None:

@@ -45,5 +45,13 @@ def test_bench_decode_runs_on_the_tiny_preset(repo_root, tmp_path):
             for key in ("decode_tok_per_s", "prefill_tok_per_s"):
                 assert math.isfinite(cell[key]) and cell[key] > 0, (engine, fmt, key, cell[key])
             assert 0 < cell["roofline_share"] <= 10, (engine, fmt, cell["roofline_share"])
+            # every pass between two bandwidth samples (the one before it, the one after), its share against them
+            best = last["read_bandwidth"]["bytes_per_s"]["2"]
+            assert len(cell["bandwidth_beside_runs"]) == len(cell["decode_runs"]) == len(cell["local_roofline_share_runs"])
+            assert all(0 < b <= best for pair in cell["bandwidth_beside_runs"] for b in pair)
+            assert min(cell["local_roofline_share_runs"]) >= cell["roofline_share"] * min(cell["decode_runs"]) / cell["decode_tok_per_s"] * (1 - 1e-9)
+            top = cell["top_level"]
+            assert top["passes"] == sum(min(pair) >= 0.85 * best for pair in cell["bandwidth_beside_runs"])
+            assert (top["decode_tok_per_s"] is None) == (top["passes"] == 0) and (top["decode_tok_per_s"] or 0) <= cell["decode_tok_per_s"]
     assert last["cells"]["transformers"]["F32"].get("decode_tok_per_s"), "transformers on the HF float32 checkpoint did not run"
-    assert "read roofline" in run.stdout and "use_extra_bufts" in run.stdout
+    assert "read roofline" in run.stdout and "use_extra_bufts" in run.stdout and "at the top bandwidth level" in run.stdout
