@@ -322,9 +322,9 @@ def main() -> None:
         return bandwidth[threads][-1][0]["best"]
 
     beside: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in order}  # per pass: samples before, after
+    sample_bandwidth(args.threads)  # the first pass's before; each pass's after is the next one's before
     for run in range(args.runs):
         sample_bandwidth(1)
-        sample_bandwidth(args.threads)
         for key in order:
             if key not in workers:
                 continue
@@ -337,7 +337,7 @@ def main() -> None:
             except WorkerFailed as error:
                 errors[key] = str(error)
                 continue
-            sample_bandwidth(args.threads)  # after every pass (the next one's before): this host's bandwidth moves
+            sample_bandwidth(args.threads)  # after every pass: this host's bandwidth moves
             timings[key] += tries
             beside[key] += [(before, latest(args.threads))] * len(tries)
     for worker in workers.values():

@@ -35,7 +35,8 @@ from moetier.config import PartConfig, TierConfig, load_layout  # noqa: E402
 from moetier.sched.cost import Calibration  # noqa: E402
 from moetier.sched.placement import place  # noqa: E402
 from moetier.sim.layout_sim import SHAPES, inclusion_probabilities, sample_trace, simulate  # noqa: E402
-from moetier.sim.reuse import distinct_per_window  # noqa: E402
+from moetier.sim.reuse import distinct_per_window, excess_overlap  # noqa: E402
+from moetier.sim.traces import from_qwen15moe  # noqa: E402
 
 LAYOUT = REPO / "examples" / "i7-i5.toml"
 SHAPE = SHAPES["glm-5.3-flash-ud-iq3_xxs"]
@@ -94,9 +95,6 @@ SEED = [  # key, what, seed figure, unit
 def measured_reuse(path: Path = REUSE_TRACE) -> float:
     """The share of a decode token's picks that repeat the previous token's beyond chance, on the real Qwen1.5-MoE
     trace (a request's rows in consecutive vLLM decode calls), averaged over its layers: what REUSE holds."""
-    from moetier.sim.reuse import excess_overlap
-    from moetier.sim.traces import from_qwen15moe
-
     return float(excess_overlap(from_qwen15moe(path)).mean())
 
 
