@@ -35,6 +35,24 @@ def traces_dir(shared_dir: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def synth_models(tmp_path_factory):
+    """(arch, preset, fused) -> model dir, each written once per session."""
+    from moetier.model.synth import write_synthetic
+
+    root = tmp_path_factory.mktemp("synth")
+    cache = {}
+
+    def get(arch, preset="tiny", fused=False):
+        key = (arch, preset, fused)
+        if key not in cache:
+            out = root / f"{arch}-{preset}-{int(fused)}"
+            cache[key] = write_synthetic(out, arch, preset, seed=0, fused=fused)
+        return cache[key]
+
+    return get
+
+
 @functools.cache
 def _cuda_available() -> bool:
     import torch  # lazily: collecting tests must not pay for (or need) torch
