@@ -15,7 +15,8 @@
  * (vector lanes, blocks in turn): float32 rounding. IQ3_XXS's factor 0.25 is folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory
- * bound): row by row, block by block. T > 1 (prefill): the activation blocks are first copied so their quants
+ * bound): row by row, block by block, STREAM_AHEAD bytes prefetched; Q4_K with AVX-512 has its own gemv, which
+ * reads the quant bytes as they lie and the activations reordered to match (see "Q4_K at T = 1"). T > 1 (prefill): the activation blocks are first copied so their quants
  * sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
  * the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in L1 for every row
  * and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows on a
@@ -798,6 +799,10 @@ static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, 
 /* AHEAD: bytes of each row prefetched ahead when rows are walked together (T > 1): the hardware prefetchers lose
  * 4 slow interleaved streams (seen: a 9.4 MB Q4_K matrix at T = 8, 4.1 ns a block and token without, 1.8 with) */
 enum { TILE = 64, ROW_GROUP = 4, AHEAD = 1024 };
+/* STREAM_AHEAD: bytes prefetched ahead at T = 1, where each row is one stream: the pool's granules are ~64 KiB
+ * runs the hardware prefetcher finds anew each time (seen: Q4_K from DRAM, 2 threads, 60-row granules, 23-25 GB/s
+ * without, 29-32 with; Q5_K and Q6_K +10-15%; 2048 to 8192 about alike) */
+enum { STREAM_AHEAD = 4096 };
 
 /* T activation rows (Q8_K) -> packed blocks, block-major: out[i][t] */
 static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *out) {
@@ -826,6 +831,8 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
                     acc_t acc = acc_zero();                                                                          \
                     for (int64_t i = 0; i < blocks; i++) {                                                           \
                         wblock wb;                                                                                   \
+                        for (int line = 0; line < (block_bytes); line += 64)                                         \
+                            __builtin_prefetch(row + (block_bytes) * i + STREAM_AHEAD + line);                       \
                         decode(row + (block_bytes) * i, &wb);                                                        \
                         acc = apply_block(&wb, x + Q8K_BYTES * i, acc, kind, 0);                                     \
                     }                                                                                                \
@@ -867,6 +874,89 @@ ROWS(rows_q6k, decode_q6k, 210, HAS_OFF)
 ROWS(rows_iq3xxs, decode_iq3xxs, 98, HAS_OFF)
 ROWS(rows_iq3s, decode_iq3s, 110, HAS_OFF)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
+
+#if defined(DOTK_AVX512)
+/* ---- Q4_K at T = 1 with AVX-512: the weights' bytes as they lie, the activations reordered once per call -----
+ * Decode's Q4_K gemv is compute-bound on a fast host (the generic loop above: ~25 cycles a block, most of them
+ * shuffles that broadcast each 32 quant bytes to both halves of a vector and spread the scales). Here a block's
+ * 128 quant bytes are two plain 64-byte loads: the low nibbles of bytes 0..63 are values 0..31 and 64..95 (sub-
+ * blocks 0 and 2), their high nibbles 32..63 and 96..127 (1, 3), and bytes 64..127 the same for sub-blocks
+ * 4..7. The token's Q8_K quants are copied once per call into that order (x_q4k), with the sum of each sub-
+ * block's 32 quants (for the mins) and d. Per block: the six-bit scales and mins unpacked in one xmm, each
+ * vector's two scales spread by one zero-masked vpermb, the mins' dot against the sums in an xmm, and d * dx,
+ * dmin * dx as floats. Numerics as the loop above (integer sums exact, then d_w * d_x and dmin_w * d_x in
+ * float32); the mins' share is gathered in its own 4 lanes: float32 order only. */
+enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = 320, XQ4_ON_STACK = 64 };
+
+static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
+    static const int from[8] = {0, 64, 32, 96, 128, 192, 160, 224};  /* the quants of each 32 bytes of out */
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *xb = x + Q8K_BYTES * i;
+        uint8_t *o = out + XQ4_BYTES * i;
+        for (int k = 0; k < 8; k++) _mm256_store_si256((__m256i *)(o + 32 * k), _mm256_loadu_si256((const __m256i *)(xb + 4 + from[k])));
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(xb + 260)), hi = _mm_loadu_si128((const __m128i *)(xb + 276));
+        _mm_store_si128((__m128i *)(o + XQ4_SUMS), _mm_hadd_epi16(lo, hi));  /* |sum| <= 32 * 128: int16 */
+        memcpy(o + XQ4_D, xb, 4);
+    }
+}
+
+/* bytes 0..7: the 8 sub-block scales; 8..15: the 8 mins (scales_mins_k in one xmm) */
+static inline __m128i q4k_scales_mins(const uint8_t *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));  /* dwords a0, a1, a2 (and 4 quant bytes) */
+    __m128i lo = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));    /* a0, a2, a1, a2 >> 4: the low bits */
+    lo = _mm_and_si128(_mm_srlv_epi32(lo, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  /* a0 >> 2, a1 >> 2: bits 4, 5 */
+    return _mm_or_si128(lo, hi);
+}
+
+static void gemv_q4k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xp, float *y) {
+    const int64_t blocks = n / QK;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i pick[4] = {bits8(0, 2), bits8(1, 3), bits8(4, 6), bits8(5, 7)};  /* vector c's sub-blocks */
+    const __mmask64 even = 0x5555555555555555ull;  /* int16 lanes: the scale byte, a zero above it */
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 acc = _mm512_setzero_ps();
+        __m128 mins = _mm_setzero_ps();
+        for (int64_t i = 0; i < blocks; i++) {
+            const uint8_t *b = row + 144 * i, *x = xp + XQ4_BYTES * i;
+            for (int line = 0; line < 192; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 144 bytes: 3 lines */
+            const __m128i sm = q4k_scales_mins(b);
+            const __m512i sz = _mm512_castsi128_si512(sm);
+            const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
+            const __m512i q[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                                  _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
+            __m512i p[4], sc[4];
+            for (int c = 0; c < 4; c++) {
+                p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + 64 * c));
+                sc[c] = _mm512_maskz_permutexvar_epi8(even, pick[c], sz);
+            }
+            const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
+                                               dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
+            const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
+            const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(x + XQ4_D)));
+            acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), acc);
+            mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), mins);
+        }
+        __m128 m2 = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));
+        m2 = _mm_add_ss(m2, _mm_movehdup_ps(m2));
+        y[r] = _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m2);
+    }
+}
+
+/* the Q4_K gemv with its activation copy; 0 if out of memory (the caller takes the loop above) */
+static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
+    const int64_t blocks = n / QK;
+    uint8_t stack[XQ4_ON_STACK * XQ4_BYTES] __attribute__((aligned(64)));
+    uint8_t *xp = blocks <= XQ4_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XQ4_BYTES));
+    if (xp == NULL) return 0;
+    x_q4k(xq, blocks, xp);
+    gemv_q4k(n, w, row_bytes, rows, xp, y);
+    if (xp != stack) free(xp);
+    return 1;
+}
+#endif
 
 
 #if defined(DOTK_AVX512) && defined(__AVX512VNNI__)
@@ -1055,6 +1145,9 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         free(acc);
         return;
     }
+#endif
+#if defined(DOTK_AVX512)
+    if (loop == rows_q4k && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
 #endif
     if (loop != NULL) {
         loop(n, wb, row_bytes, rows, x, T, y, ldy);
