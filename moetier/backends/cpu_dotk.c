@@ -251,6 +251,22 @@ typedef struct {
 typedef __m512 acc_t;     /* HAS_MIN: lanes 8..15 gather the mins' share; the row's dot is the sum of all lanes */
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
 static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
+/* lane r: the sum of a[r]'s lanes, for 16 rows at once (30 shuffles, against ~4 a row for acc_sum) */
+static inline __m512 sums16(const __m512 a[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int r = 0; r < 8; r++) w[r] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * r], a[2 * r + 1]), _mm512_unpackhi_ps(a[2 * r], a[2 * r + 1]));
+    for (int r = 0; r < 4; r++) {  /* 128-bit lane L of x[r]: rows 4r..4r+3, each its lane L's sum */
+        const __m512d lo = _mm512_castps_pd(w[2 * r]), hi = _mm512_castps_pd(w[2 * r + 1]);
+        x[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    for (int r = 0; r < 2; r++) y[r] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * r], x[2 * r + 1], 0x88), _mm512_shuffle_f32x4(x[2 * r], x[2 * r + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+/* y[r] = the sum of acc[r] for r < rr <= 16; acc[rr..15] may be anything */
+static inline void acc_store(acc_t acc[16], int64_t rr, float *y) {
+    for (int64_t r = rr; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y, (__mmask16)((1u << rr) - 1u), sums16(acc));
+}
 
 static inline __m512i lane16(int c) {  /* int16 lanes: which of the 16 groups each lane of vector c belongs to */
     const __m512i iota = _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014,
@@ -478,6 +494,7 @@ static inline float acc_sum(acc_t a) {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+static inline void acc_store(acc_t acc[16], int64_t rr, float *y) { for (int64_t r = 0; r < rr; r++) y[r] = acc_sum(acc[r]); }
 
 static inline void spread_scales(wblock *w, __m256i s16) {
     const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
@@ -675,6 +692,7 @@ typedef struct {
 typedef float acc_t;
 static inline acc_t acc_zero(void) { return 0.f; }
 static inline float acc_sum(acc_t a) { return a; }
+static inline void acc_store(acc_t acc[16], int64_t rr, float *y) { for (int64_t r = 0; r < rr; r++) y[r] = acc_sum(acc[r]); }
 
 static inline void set_pairs(int32_t *dst, const uint8_t *v8) {  /* 8 sub-block values -> 16 groups */
     for (int g = 0; g < 16; g++) dst[g] = v8[g / 2];
@@ -826,17 +844,21 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
         uint8_t *packed = T > 1 ? aligned_alloc(64, (size_t)(TILE * blocks * PACKED_BYTES)) : NULL;                  \
         if (packed == NULL) {                                                                                        \
             for (int64_t t = 0; t < T; t++)                                                                          \
-                for (int64_t r = 0; r < rows; r++) {                                                                 \
-                    const uint8_t *row = w + r * row_bytes, *x = xq + t * xrow;                                      \
-                    acc_t acc = acc_zero();                                                                          \
-                    for (int64_t i = 0; i < blocks; i++) {                                                           \
-                        wblock wb;                                                                                   \
-                        for (int line = 0; line < (block_bytes); line += 64)                                         \
-                            __builtin_prefetch(row + (block_bytes) * i + STREAM_AHEAD + line);                       \
-                        decode(row + (block_bytes) * i, &wb);                                                        \
-                        acc = apply_block(&wb, x + Q8K_BYTES * i, acc, kind, 0);                                     \
+                for (int64_t r0 = 0; r0 < rows; r0 += 16) {  /* 16 rows' sums folded together */                     \
+                    const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;                                              \
+                    acc_t acc[16];                                                                                   \
+                    for (int64_t r = 0; r < rr; r++) {                                                               \
+                        const uint8_t *row = w + (r0 + r) * row_bytes, *x = xq + t * xrow;                           \
+                        acc[r] = acc_zero();                                                                         \
+                        for (int64_t i = 0; i < blocks; i++) {                                                       \
+                            wblock wb;                                                                               \
+                            for (int line = 0; line < (block_bytes); line += 64)                                     \
+                                __builtin_prefetch(row + (block_bytes) * i + STREAM_AHEAD + line);                   \
+                            decode(row + (block_bytes) * i, &wb);                                                    \
+                            acc[r] = apply_block(&wb, x + Q8K_BYTES * i, acc[r], kind, 0);                           \
+                        }                                                                                            \
                     }                                                                                                \
-                    y[t * ldy + r] = acc_sum(acc);                                                                   \
+                    acc_store(acc, rr, y + t * ldy + r0);                                                            \
                 }                                                                                                    \
             return;                                                                                                  \
         }                                                                                                            \
@@ -910,38 +932,43 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
     return _mm_or_si128(lo, hi);
 }
 
-static void gemv_q4k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xp, float *y) {
-    const int64_t blocks = n / QK;
+/* one row's sum in the lanes of a vector (the mins' share off the first 4) */
+static inline __attribute__((always_inline)) __m512 q4k_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
     const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i pick[4] = {bits8(0, 2), bits8(1, 3), bits8(4, 6), bits8(5, 7)};  /* vector c's sub-blocks */
     const __mmask64 even = 0x5555555555555555ull;  /* int16 lanes: the scale byte, a zero above it */
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * row_bytes;
-        __m512 acc = _mm512_setzero_ps();
-        __m128 mins = _mm_setzero_ps();
-        for (int64_t i = 0; i < blocks; i++) {
-            const uint8_t *b = row + 144 * i, *x = xp + XQ4_BYTES * i;
-            for (int line = 0; line < 192; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 144 bytes: 3 lines */
-            const __m128i sm = q4k_scales_mins(b);
-            const __m512i sz = _mm512_castsi128_si512(sm);
-            const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
-            const __m512i q[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
-                                  _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
-            __m512i p[4], sc[4];
-            for (int c = 0; c < 4; c++) {
-                p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + 64 * c));
-                sc[c] = _mm512_maskz_permutexvar_epi8(even, pick[c], sz);
-            }
-            const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
-                                               dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
-            const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
-            const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(x + XQ4_D)));
-            acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), acc);
-            mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), mins);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 mins = _mm_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = row + 144 * i, *x = xp + XQ4_BYTES * i;
+        for (int line = 0; line < 192; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 144 bytes: 3 lines */
+        const __m128i sm = q4k_scales_mins(b);
+        const __m512i sz = _mm512_castsi128_si512(sm);
+        const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
+        const __m512i q[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                              _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
+        __m512i p[4], sc[4];
+        for (int c = 0; c < 4; c++) {
+            p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + 64 * c));
+            sc[c] = _mm512_maskz_permutexvar_epi8(even, pick[c], sz);
         }
-        __m128 m2 = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));
-        m2 = _mm_add_ss(m2, _mm_movehdup_ps(m2));
-        y[r] = _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m2);
+        const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
+                                           dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
+        const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(x + XQ4_D)));
+        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), acc);
+        mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), mins);
+    }
+    return _mm512_sub_ps(acc, _mm512_zextps128_ps512(mins));
+}
+
+/* 16 rows at a time, their sums folded together (one core, Q4_K [4096, 512] in L2: 22.6 -> 27.0 GB/s) */
+static void gemv_q4k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xp, float *y) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
+        __m512 sums[16];
+        for (int64_t r = 0; r < rr; r++) sums[r] = q4k_row(w + (r0 + r) * row_bytes, n / QK, xp);
+        acc_store(sums, rr, y + r0);
     }
 }
 
