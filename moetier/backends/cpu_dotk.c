@@ -10,8 +10,8 @@
  * dmin_w * d_x * sum(min * bsum) for the formats with mins (Q2_K, Q4_K, Q5_K). Every format is decoded to one
  * shape (the struct wblock): 256 unsigned quants u < 128 with w = u - offset, 16 group scales, the offset's
  * share (offset * scale * bsum, an integer: Q3_K 4, Q6_K 32, IQ3_XXS 64, IQ3_S 16) taken off through the
- * bsums, so every product is a u8 x s8 pair (maddubs) that cannot saturate. IQ4_XS keeps signed values
- * (|w| <= 127) and moves their signs onto the activations. Only the float sums' order differs from llama.cpp's
+ * bsums, so every product is a u8 x s8 pair (maddubs) that cannot saturate. IQ4_XS, and with AVX-512 IQ3_XXS
+ * and IQ3_S, keep signed values (|w| <= 127) and move their signs onto the activations (|q| <= 127 in Q8_K). Only the float sums' order differs from llama.cpp's
  * (vector lanes, blocks in turn): float32 rounding. IQ3_XXS's factor 0.25 is folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory
@@ -53,6 +53,13 @@ enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 26
 enum { PACKED_QS = 0, PACKED_BSUMS = 256, PACKED_D = 288, PACKED_BYTES = 320 };
 enum { HAS_OFF = 1, HAS_MIN = 2, SIGNED = 4 };  /* what a format's decoded block carries */
 enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigned: offset + sign * grid value */
+/* The IQ3 formats' decoded form: with AVX-512 the grid values' magnitudes and signs (SIGNED: one vpshufb a vector
+ * where offset +- value took two, and no offset's share); elsewhere offset + sign * value (HAS_OFF) */
+#if defined(DOTK_AVX512)
+#define IQ3_KIND SIGNED
+#else
+#define IQ3_KIND HAS_OFF
+#endif
 
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static int8_t kvalues[16];
@@ -61,7 +68,7 @@ static int tables_ready;
  * IQ3_S 1..15 odd), so an entry is 4 level numbers, kept as two bytes in two planes: [0][e] holds values 0 and 1
  * of entry e (low, high nibble), [1][e] values 2 and 3. levels_*[0][k] = offset + level k, [1][k] = offset - it. */
 static uint8_t code_xxs[2][256] __attribute__((aligned(64))), code_s[2][512] __attribute__((aligned(64)));
-static uint8_t levels_xxs[2][16], levels_s[2][16];
+static uint8_t levels_xxs[16], levels_s[16];  /* each grid's distinct values, ascending */
 static uint8_t sign_table[128] __attribute__((aligned(64)));  /* IQ3_XXS's sign patterns, from their rule */
 
 static inline uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -88,17 +95,17 @@ static inline float f16_at(const uint8_t *p) {
 /* IQ3_XXS's sign pattern of 8 values from its 7-bit index: the index, and bit 7 set when its parity is odd */
 static inline uint8_t sign_pattern(unsigned i) { return (uint8_t)(i | (unsigned)(__builtin_popcount(i) & 1) << 7); }
 
-/* grid [entries][4] (values <= offset) -> offset +- its distinct values (ascending) in levels and each entry's 4
- * level numbers as nibbles in two planes; 0 if the grid has more than 8 distinct values (a level must keep a
- * nibble's top bit clear: the expansion shifts codes without masking them) */
-static int level_codes(const uint8_t *grid, int entries, int offset, uint8_t levels[2][16], uint8_t *codes) {
+/* grid [entries][4] -> its distinct values (ascending) in levels and each entry's 4 level numbers as nibbles in
+ * two planes; 0 if the grid has more than 8 distinct values (a level must keep a nibble's top bit clear: the
+ * expansion shifts codes without masking them) */
+static int level_codes(const uint8_t *grid, int entries, uint8_t levels[16], uint8_t *codes) {
     int seen[256] = {0}, count = 0;
     for (int i = 0; i < 4 * entries; i++) seen[grid[i]] = 1;
-    memset(levels, 0, 32);
+    memset(levels, 0, 16);
     for (int v = 0; v < 256; v++)
         if (seen[v]) {
             if (count == 8) return 0;
-            levels[0][count] = (uint8_t)(offset + v), levels[1][count] = (uint8_t)(offset - v);
+            levels[count] = (uint8_t)v;
             seen[v] = count++;
         }
     for (int e = 0; e < entries; e++)
@@ -116,7 +123,7 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
         if (signs[i] != sign_pattern(i)) return 1;
     for (int i = 0; i < 4 * 512; i++)
         if ((i < 4 * 256 && iq3_xxs[i] > OFFSET_XXS) || iq3_s[i] > OFFSET_S) return 2;
-    if (!level_codes(iq3_xxs, 256, OFFSET_XXS, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, OFFSET_S, levels_s, code_s[0])) return 2;
+    if (!level_codes(iq3_xxs, 256, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, levels_s, code_s[0])) return 2;
     memcpy(grid_xxs, iq3_xxs, sizeof grid_xxs);
     memcpy(grid_s, iq3_s, sizeof grid_s);
     memcpy(kvalues, kv, sizeof kvalues);
@@ -378,12 +385,12 @@ static inline __m512i code_plane(const uint8_t *table, int entries, __m512i idx,
     return r;
 }
 
-/* The 64 grid entries of a block (qs: their index bytes; ninth: bit 8 of each index) -> its 4 vectors: offset +-
- * value by the signs. The two code planes are unpacked into 4 nibbles per entry within 128-bit lanes, which
+/* The 64 grid entries of a block (qs: their index bytes; ninth: bit 8 of each index) -> its 4 vectors: the values'
+ * magnitudes, their signs in w->neg (the SIGNED form: the signs go onto the activations). The two code planes are unpacked into 4 nibbles per entry within 128-bit lanes, which
  * leaves lane L of the q-th result holding positions 16L + 4q .. 16L + 4q + 3; the entries are first permuted so
  * that position to be entry 16q + 4L + s: then result q is values 64q .. 64q + 63 in order. */
-static inline void grid_values(wblock *w, const uint8_t *codes, int entries, uint8_t levels[2][16], __m512i qs,
-                               __mmask64 ninth, const __mmask64 neg[4]) {
+static inline void grid_values(wblock *w, const uint8_t *codes, int entries, const uint8_t levels[16], __m512i qs,
+                               __mmask64 ninth) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
         0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
         8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
@@ -391,13 +398,11 @@ static inline void grid_values(wblock *w, const uint8_t *codes, int entries, uin
     const __mmask64 bit7 = _mm512_movepi8_mask(idx);
     const __mmask64 bit8 = entries == 512 ? _mm512_movepi8_mask(_mm512_permutexvar_epi8(perm, _mm512_movm_epi8(ninth))) : 0;
     const __m512i lo = code_plane(codes, entries, idx, bit7, bit8), hi = code_plane(codes + entries, entries, idx, bit7, bit8);
-    const __m512i plus = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels[0]));
-    const __m512i minus = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels[1]));
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels));
     for (int h = 0; h < 2; h++) {  /* levels < 8: vpshufb reads a nibble's level from its low 4 bits, top bit clear */
         const __m512i c = h ? _mm512_unpackhi_epi8(lo, hi) : _mm512_unpacklo_epi8(lo, hi), c4 = _mm512_srli_epi16(c, 4);
-        const __m512i v[2] = {_mm512_unpacklo_epi8(c, c4), _mm512_unpackhi_epi8(c, c4)};
-        for (int j = 0; j < 2; j++)
-            w->q[2 * h + j] = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(plus, v[j]), neg[2 * h + j], minus, v[j]);
+        w->q[2 * h] = _mm512_shuffle_epi8(values, _mm512_unpacklo_epi8(c, c4));
+        w->q[2 * h + 1] = _mm512_shuffle_epi8(values, _mm512_unpackhi_epi8(c, c4));
     }
 }
 
@@ -407,7 +412,6 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     s = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));  /* 2 * scale + 1 in both int16 halves: 16 group scales */
     w->dd = _mm512_set1_ps(0.25f * f16_at(b));
     spread_scales(w, s);
-    w->negoff = neg_off(s, OFFSET_XXS);
     /* the 32 seven-bit fields, a byte each (vpmultishiftqb), through the 128 patterns (vpermi2b): 256 sign bits
      * in value order; vector c's mask is bit v % 8 of byte 8c + v / 8 of them, spread by vpermb */
     const __m256i fields = _mm256_multishift_epi64_epi8(_mm256_set1_epi64x(0x352e2720150e0700ll), a);
@@ -415,10 +419,9 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
                                                       _mm512_load_si512(sign_table + 64));
     const __m512i byte = _mm512_srli_epi16(_mm512_and_si512(iota8(), _mm512_set1_epi8(0x38)), 3);
     const __m512i bit = _mm512_set1_epi64((long long)0x8040201008040201ull);
-    __mmask64 neg[4];
     for (int c = 0; c < 4; c++)
-        neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(_mm512_add_epi8(byte, _mm512_set1_epi8((char)(8 * c))), patterns), bit);
-    grid_values(w, code_xxs[0], 256, levels_xxs, _mm512_loadu_si512(b + 2), 0, neg);
+        w->neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(_mm512_add_epi8(byte, _mm512_set1_epi8((char)(8 * c))), patterns), bit);
+    grid_values(w, code_xxs[0], 256, levels_xxs, _mm512_loadu_si512(b + 2), 0);
 }
 
 static inline void decode_iq3s(const uint8_t *b, wblock *w) {
@@ -427,9 +430,8 @@ static inline void decode_iq3s(const uint8_t *b, wblock *w) {
     s16 = _mm256_add_epi16(_mm256_slli_epi16(s16, 1), _mm256_set1_epi16(1));
     w->dd = _mm512_set1_ps(f16_at(b));
     spread_scales(w, s16);
-    w->negoff = neg_off(s16, OFFSET_S);
-    const __mmask64 neg[4] = {u64_at(b + 74), u64_at(b + 82), u64_at(b + 90), u64_at(b + 98)};  /* a bit per value */
-    grid_values(w, code_s[0], 512, levels_s, _mm512_loadu_si512(b + 2), u64_at(b + 66), neg);
+    for (int c = 0; c < 4; c++) w->neg[c] = u64_at(b + 74 + 8 * c);  /* a bit per value */
+    grid_values(w, code_s[0], 512, levels_s, _mm512_loadu_si512(b + 2), u64_at(b + 66));
 }
 
 static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
@@ -893,8 +895,8 @@ ROWS(rows_q3k, decode_q3k, 110, HAS_OFF)
 ROWS(rows_q4k, decode_q4k, 144, HAS_MIN)
 ROWS(rows_q5k, decode_q5k, 176, HAS_MIN)
 ROWS(rows_q6k, decode_q6k, 210, HAS_OFF)
-ROWS(rows_iq3xxs, decode_iq3xxs, 98, HAS_OFF)
-ROWS(rows_iq3s, decode_iq3s, 110, HAS_OFF)
+ROWS(rows_iq3xxs, decode_iq3xxs, 98, IQ3_KIND)
+ROWS(rows_iq3s, decode_iq3s, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 
 #if defined(DOTK_AVX512)
@@ -1132,8 +1134,8 @@ TILED_ROWS(tiled_q3k, decode_q3k, 110, HAS_OFF, 4, 2)
 TILED_ROWS(tiled_q4k, decode_q4k, 144, HAS_MIN, 8, 0)
 TILED_ROWS(tiled_q5k, decode_q5k, 176, HAS_MIN, 8, 0)
 TILED_ROWS(tiled_q6k, decode_q6k, 210, HAS_OFF, 4, 5)
-TILED_ROWS(tiled_iq3xxs, decode_iq3xxs, 98, HAS_OFF, 8, 6)
-TILED_ROWS(tiled_iq3s, decode_iq3s, 110, HAS_OFF, 8, 4)
+TILED_ROWS(tiled_iq3xxs, decode_iq3xxs, 98, SIGNED, 8, 7)
+TILED_ROWS(tiled_iq3s, decode_iq3s, 110, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq4xs, decode_iq4xs, 136, SIGNED, 8, 7)
 #endif
 
