@@ -11,13 +11,15 @@
  * shape (the struct wblock): 256 unsigned quants u < 128 with w = u - offset, 16 group scales, the offset's
  * share (offset * scale * bsum, an integer: Q3_K 4, Q6_K 32, IQ3_XXS 64, IQ3_S 16) taken off through the
  * bsums, so every product is a u8 x s8 pair (maddubs) that cannot saturate. IQ4_XS, and with AVX-512 IQ3_XXS
- * and IQ3_S, keep signed values (|w| <= 127) and move their signs onto the activations (|q| <= 127 in Q8_K). Only the float sums' order differs from llama.cpp's
- * (vector lanes, blocks in turn): float32 rounding. IQ3_XXS's factor 0.25 is folded into d (exact).
+ * and IQ3_S, keep signed values (|w| <= 127) and move their signs onto the activations (|q| <= 127 in Q8_K).
+ * Only the float sums' order differs from llama.cpp's (vector lanes, blocks in turn): float32 rounding.
+ * IQ3_XXS's factor 0.25 is folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory
- * bound): row by row, block by block, STREAM_AHEAD bytes prefetched; Q4_K with AVX-512 has its own gemv, which
- * reads the quant bytes as they lie and the activations reordered to match (see "Q4_K at T = 1"). T > 1 (prefill): the activation blocks are first copied so their quants
- * sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
+ * bound): row by row, block by block, STREAM_AHEAD bytes prefetched, 16 rows' sums folded at once; Q4_K with
+ * AVX-512 has its own gemv, which reads the quant bytes as they lie and the activations reordered to match
+ * (see "Q4_K at T = 1"). T > 1 (prefill): the activation blocks are first copied so their quants sit on
+ * 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
  * the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in L1 for every row
  * and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows on a
  * vector's lanes, one vpdpbusd per token and 4 values (see "T > 1 with AVX-512 VNNI" below). No threads here:
@@ -66,7 +68,7 @@ static int8_t kvalues[16];
 static int tables_ready;
 /* The grids again for in-register lookups (AVX-512): each value is one of 8 levels (gguf's grids: IQ3_XXS 4..62,
  * IQ3_S 1..15 odd), so an entry is 4 level numbers, kept as two bytes in two planes: [0][e] holds values 0 and 1
- * of entry e (low, high nibble), [1][e] values 2 and 3. levels_*[0][k] = offset + level k, [1][k] = offset - it. */
+ * of entry e (low, high nibble), [1][e] values 2 and 3; levels_*[k] is level k's value. */
 static uint8_t code_xxs[2][256] __attribute__((aligned(64))), code_s[2][512] __attribute__((aligned(64)));
 static uint8_t levels_xxs[16], levels_s[16];  /* each grid's distinct values, ascending */
 static uint8_t sign_table[128] __attribute__((aligned(64)));  /* IQ3_XXS's sign patterns, from their rule */
@@ -385,9 +387,9 @@ static inline __m512i code_plane(const uint8_t *table, int entries, __m512i idx,
     return r;
 }
 
-/* The 64 grid entries of a block (qs: their index bytes; ninth: bit 8 of each index) -> its 4 vectors: the values'
- * magnitudes, their signs in w->neg (the SIGNED form: the signs go onto the activations). The two code planes are unpacked into 4 nibbles per entry within 128-bit lanes, which
- * leaves lane L of the q-th result holding positions 16L + 4q .. 16L + 4q + 3; the entries are first permuted so
+/* The 64 grid entries of a block (qs: their index bytes; ninth: bit 8 of each index) -> its 4 vectors: the
+ * values' magnitudes (the SIGNED form: the decoder sets the signs in w->neg, and they go onto the activations).
+ * The two code planes are unpacked into 4 nibbles per entry within 128-bit lanes, which leaves lane L of the q-th result holding positions 16L + 4q .. 16L + 4q + 3; the entries are first permuted so
  * that position to be entry 16q + 4L + s: then result q is values 64q .. 64q + 63 in order. */
 static inline void grid_values(wblock *w, const uint8_t *codes, int entries, const uint8_t levels[16], __m512i qs,
                                __mmask64 ninth) {
