@@ -25,10 +25,11 @@ native read probe, the faster, best of 5, before and after every timed pass,
 retried the same way: a bound, so the highest rate read in the whole run).
 The VM's bandwidth moves between levels from minute to minute (on the Zen
 host: ~33 and ~57 GB/s at 2 threads, as if its two vCPUs shared one memory
-link or not), so a second table keeps only the passes both of whose
-neighbouring samples read at least TOP_LEVEL of the best: engines compared at
-the same level, and shares of a roofline the host held during the pass. Prints
-the tables, then one JSON line.
+link or not), so two more tables keep only the passes both of whose
+neighbouring samples read at least TOP_LEVEL of the best (the top level), and
+those both of whose samples are within USUAL_BAND of the median sample (the
+level the host held most): engines compared at one level, and shares of a
+roofline the host held during the pass. Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import importlib.metadata
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +61,7 @@ PREFILL_TOKENS = 256
 QUIET = 0.1  # a timed call during which other processes used more of the machine's CPUs than this is retried
 NOT_RUN = "n/a: transformers runs the HF float32 checkpoint (row F32)"
 TOP_LEVEL = 0.85  # a pass ran at the host's top bandwidth level when the samples before and after it both read this share of the best
+USUAL_BAND = 0.15  # ... at its usual level when both are within this share of the median sample
 
 
 def log(message: str) -> None:
@@ -344,6 +347,7 @@ def main() -> None:
         worker.close()
 
     best_bandwidth = {threads: max(b["best"] for b, _ in samples) for threads, samples in bandwidth.items()}  # a busy machine only slows it
+    usual_bandwidth = statistics.median(b["best"] for b, _ in bandwidth[args.threads])  # the level the host held most
     roofline = {f: {"weight_bytes_per_token": b, "expert_tensor_types": types,
                     "tok_per_s": best_bandwidth[args.threads] / b} for f, (b, types) in per_token.items()}
     cells: dict[str, dict[str, dict]] = {engine: {} for engine in ENGINES}
@@ -357,13 +361,15 @@ def main() -> None:
             prefill = [PREFILL_TOKENS / r["prefill_s"] for r, _ in runs]
             best = max(range(len(runs)), key=decode.__getitem__)
             local = [max(pair) for pair in beside[engine, f]]  # the host's level around each pass, bytes/s
-            top = [i for i, pair in enumerate(beside[engine, f]) if min(pair) >= TOP_LEVEL * best_bandwidth[args.threads]]
+            pairs = beside[engine, f]
+            top = [i for i, pair in enumerate(pairs) if min(pair) >= TOP_LEVEL * best_bandwidth[args.threads]]
+            usual = [i for i, pair in enumerate(pairs) if all(abs(b / usual_bandwidth - 1) <= USUAL_BAND for b in pair)]
             cells[engine][f] = {"decode_tok_per_s": decode[best], "prefill_tok_per_s": max(prefill),
                                 "roofline_share": decode[best] / roofline[f]["tok_per_s"],
                                 "bandwidth_beside_runs": beside[engine, f],
                                 "local_roofline_share_runs": [d * roofline[f]["weight_bytes_per_token"] / b for d, b in zip(decode, local)],
-                                "top_level": {"passes": len(top), "decode_tok_per_s": max((decode[i] for i in top), default=None),
-                                              "prefill_tok_per_s": max((prefill[i] for i in top), default=None)},
+                                "top_level": level_cell(decode, prefill, top),
+                                "usual_level": level_cell(decode, prefill, usual),
                                 "decode_runs": decode, "prefill_runs": prefill, "ids": runs[best][0]["ids"],
                                 "others_cpu_share": runs[best][1], "others_cpu_share_runs": [share for _, share in runs],
                                 "error": errors.get((engine, f))}
@@ -377,10 +383,10 @@ def main() -> None:
                 mine[f"speedup_vs_{peer}"] = mine["decode_tok_per_s"] / cell["decode_tok_per_s"]
                 mine[f"prefill_speedup_vs_{peer}"] = mine["prefill_tok_per_s"] / cell["prefill_tok_per_s"]
                 mine[f"same_greedy_tokens_as_{peer}"] = same_prefix(mine["ids"], cell["ids"])  # leading tokens equal
-                if mine["top_level"]["passes"] and cell["top_level"]["passes"]:
-                    mine["top_level"][f"speedup_vs_{peer}"] = mine["top_level"]["decode_tok_per_s"] / cell["top_level"]["decode_tok_per_s"]
-                    mine["top_level"][f"prefill_speedup_vs_{peer}"] = (mine["top_level"]["prefill_tok_per_s"]
-                                                                       / cell["top_level"]["prefill_tok_per_s"])
+                for level in LEVELS:
+                    if mine[level]["passes"] and cell[level]["passes"]:
+                        mine[level][f"speedup_vs_{peer}"] = mine[level]["decode_tok_per_s"] / cell[level]["decode_tok_per_s"]
+                        mine[level][f"prefill_speedup_vs_{peer}"] = mine[level]["prefill_tok_per_s"] / cell[level]["prefill_tok_per_s"]
 
     result = {
         "bench": "decode", "arch": args.arch, "preset": args.preset, "models": str(args.models),
@@ -391,6 +397,7 @@ def main() -> None:
         "read_bandwidth": {"method": f"a reduction over {bandwidth_bytes / 2**30:.2f} GiB float32 by torch.sum and by moetier's "
                                      "native read probe, the faster, best of 5 per run, best run",
                            "bytes_per_s": {str(t): v for t, v in best_bandwidth.items()},
+                           "usual_bytes_per_s": usual_bandwidth,
                            "samples_bytes_per_s": {str(t): [b for b, _ in v] for t, v in bandwidth.items()},
                            "samples_others_cpu_share": {str(t): [share for _, share in v] for t, v in bandwidth.items()}},
         "roofline": roofline, "cells": cells, "machine": machine(args.threads) | {"loadavg_before": loadavg_before},
@@ -403,6 +410,15 @@ def main() -> None:
         staged.write_text(line + "\n")
         os.replace(staged, args.json)
     print(line)
+
+
+LEVELS = ("top_level", "usual_level")
+
+
+def level_cell(decode: list[float], prefill: list[float], passes: list[int]) -> dict:
+    """The passes that ran at one bandwidth level: how many, and their best decode and prefill tok/s."""
+    return {"passes": len(passes), "decode_tok_per_s": max((decode[i] for i in passes), default=None),
+            "prefill_tok_per_s": max((prefill[i] for i in passes), default=None)}
 
 
 def print_table(result: dict, formats: list[str]) -> None:
@@ -438,20 +454,27 @@ def print_table(result: dict, formats: list[str]) -> None:
             print(row(f, engine, f"{cell['decode_tok_per_s']:.1f}", f"{cell['prefill_tok_per_s']:.1f}", f"{cell['roofline_share']:.1%}",
                       llama, transformers, "-" if cell["others_cpu_share"] is None else f"{cell['others_cpu_share']:.0%}")
                   + (f"  (a run failed: {cell['error'][:60]})" if cell["error"] else ""))
-    print(f"at the top bandwidth level (passes whose samples before and after both read >= {TOP_LEVEL:.0%} of the best; "
-          "the host's level can change from minute to minute): decode tok/s, % read roofline, vs llama.cpp, prefill tok/s, vs llama.cpp")
-    for f in formats:
-        roof = result["roofline"].get(f)
-        for engine in ENGINES:
-            top = result["cells"][engine][f].get("top_level")
-            if top is None or roof is None:
-                continue
-            if not top["passes"]:
-                print(f"  {f:<8}{engine:<14}no pass at the top level")
-                continue
-            vs, pvs = (f"{top[k]:.2f}x" if k in top else "-" for k in ("speedup_vs_llama_cpp", "prefill_speedup_vs_llama_cpp"))
-            print(f"  {f:<8}{engine:<14}{top['decode_tok_per_s']:>8.1f} {top['decode_tok_per_s'] / roof['tok_per_s']:>7.1%} {vs:>7}"
-                  f" {top['prefill_tok_per_s']:>9.1f} {pvs:>7}   ({top['passes']} pass(es))")
+    best, usual = bandwidth["bytes_per_s"][str(result["threads"])], bandwidth["usual_bytes_per_s"]
+    headings = {"top_level": (best, f"at the top bandwidth level (passes whose samples before and after both read >= {TOP_LEVEL:.0%} "
+                                    f"of the best, {best / 1e9:.1f} GB/s; the host's level can change from minute to minute)"),
+                "usual_level": (usual, f"at the usual bandwidth level (passes whose samples before and after are both within "
+                                       f"{USUAL_BAND:.0%} of the median sample, {usual / 1e9:.1f} GB/s)")}
+    for level in LEVELS:
+        level_bytes_per_s, heading = headings[level]
+        print(f"{heading}: decode tok/s, % of that level's roofline, vs llama.cpp, prefill tok/s, vs llama.cpp")
+        for f in formats:
+            roof = result["roofline"].get(f)
+            for engine in ENGINES:
+                at = result["cells"][engine][f].get(level)
+                if at is None or roof is None:
+                    continue
+                if not at["passes"]:
+                    print(f"  {f:<8}{engine:<14}no pass at this level")
+                    continue
+                share = at["decode_tok_per_s"] * roof["weight_bytes_per_token"] / level_bytes_per_s
+                vs, pvs = (f"{at[k]:.2f}x" if k in at else "-" for k in ("speedup_vs_llama_cpp", "prefill_speedup_vs_llama_cpp"))
+                print(f"  {f:<8}{engine:<14}{at['decode_tok_per_s']:>8.1f} {share:>7.1%} {vs:>7}"
+                      f" {at['prefill_tok_per_s']:>9.1f} {pvs:>7}   ({at['passes']} pass(es))")
     for f in formats:
         roof = result["roofline"].get(f)
         if roof is not None:

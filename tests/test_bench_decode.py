@@ -50,8 +50,15 @@ def test_bench_decode_runs_on_the_tiny_preset(repo_root, tmp_path):
             assert len(cell["bandwidth_beside_runs"]) == len(cell["decode_runs"]) == len(cell["local_roofline_share_runs"])
             assert all(0 < b <= best for pair in cell["bandwidth_beside_runs"] for b in pair)
             assert min(cell["local_roofline_share_runs"]) >= cell["roofline_share"] * min(cell["decode_runs"]) / cell["decode_tok_per_s"] * (1 - 1e-9)
-            top = cell["top_level"]
+            top, usual = cell["top_level"], cell["usual_level"]
+            median = last["read_bandwidth"]["usual_bytes_per_s"]
             assert top["passes"] == sum(min(pair) >= 0.85 * best for pair in cell["bandwidth_beside_runs"])
-            assert (top["decode_tok_per_s"] is None) == (top["passes"] == 0) and (top["decode_tok_per_s"] or 0) <= cell["decode_tok_per_s"]
+            assert usual["passes"] == sum(all(abs(b / median - 1) <= 0.15 for b in pair) for pair in cell["bandwidth_beside_runs"])
+            for level in (top, usual):
+                assert (level["decode_tok_per_s"] is None) == (level["passes"] == 0)
+                assert (level["decode_tok_per_s"] or 0) <= cell["decode_tok_per_s"]
     assert last["cells"]["transformers"]["F32"].get("decode_tok_per_s"), "transformers on the HF float32 checkpoint did not run"
+    samples = [s["best"] for s in last["read_bandwidth"]["samples_bytes_per_s"]["2"]]
+    assert sorted(samples)[(len(samples) - 1) // 2] <= last["read_bandwidth"]["usual_bytes_per_s"] <= sorted(samples)[len(samples) // 2]
     assert "read roofline" in run.stdout and "use_extra_bufts" in run.stdout and "at the top bandwidth level" in run.stdout
+    assert "at the usual bandwidth level" in run.stdout
