@@ -254,6 +254,7 @@ typedef struct {
     __mmask64 neg[4];     /* SIGNED: the negative values */
     __m512i negoff;       /* HAS_OFF: -offset * scale per group (int16) in the low half, zeros above */
     __m256i mn;           /* HAS_MIN: each group's min (int16) */
+    __m128i mn8;          /* Q4_K, Q5_K: each 32-value sub-block's min (int16), for the tiles */
     __m256i s16;          /* each group's scale (int16): the tiles' copy */
     __m512 dd;            /* d in lanes 0..7; lanes 8..15: -dmin (HAS_MIN), else d */
 } wblock;
@@ -313,6 +314,7 @@ static inline void scales_mins_head(const uint8_t *b, wblock *w) {
     w->dd = d_dmin(f16_at(b), f16_at(b + 2));
     spread_scales(w, dup8_16(v, 0));
     w->mn = dup8_16(v, 1);
+    w->mn8 = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
 }
 
 static inline void decode_q4k(const uint8_t *b, wblock *w) {
@@ -1009,14 +1011,15 @@ enum { TILE_ROWS = 16, TILE_TOKENS = 8 };
 typedef struct {
     __m512i q[64];            /* dword k: values 4k..4k+3 of the 16 rows (unsigned) */
     __m512i sc[16];           /* group g (16 values): the rows' scales (int32) */
-    __m512i scp[8], mnp[8];   /* groups 2p, 2p + 1: the rows' scales, mins (HAS_MIN) as int16 pairs */
+    __m512i scp[8], mnp[8];   /* groups 2p, 2p + 1: the rows' scales, mins (HAS_MIN) as int16 pairs; with mins per
+                               * 32 values (span 8), mnp[0..3] pair sub-blocks 2p, 2p + 1 */
     __m512 d, dmin;           /* the rows' d; dmin (HAS_MIN) */
 } wtile;
 
 /* dpbusd_bcast, dpwssd_bcast, transpose16: cpu_vnni.h */
 
 /* rows[r] is row r's decoded block (r < rr; the others are zeros: they add nothing) -> the tile */
-static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind) {
+static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind, int span) {
     __m512i v[16];
     float d[TILE_ROWS] = {0}, dmin[TILE_ROWS] = {0};
     for (int c = 0; c < 4; c++) {
@@ -1035,15 +1038,19 @@ static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind)
     for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_cvtepi16_epi32(rows[r].s16) : _mm512_setzero_si512();
     transpose16(v);
     for (int g = 0; g < 16; g++) t->sc[g] = v[g];
-    if (kind & (HAS_OFF | SIGNED)) {  /* a row's 16 int16 scales are 8 dwords: the pairs */
-        for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_zextsi256_si512(rows[r].s16) : _mm512_setzero_si512();
+    if (kind & (HAS_OFF | SIGNED)) {  /* a row's 16 int16 scales are 8 dwords: the pairs; span 8: each scale comes
+                                       * twice, so its even lanes are the 8 sub-blocks' (4 pairs) */
+        for (int64_t r = 0; r < TILE_ROWS; r++)
+            v[r] = r >= rr ? _mm512_setzero_si512() : span == 8 ? _mm512_zextsi128_si512(_mm256_cvtepi32_epi16(rows[r].s16))
+                                                               : _mm512_zextsi256_si512(rows[r].s16);
         transpose16(v);
-        for (int p = 0; p < 8; p++) t->scp[p] = v[p];
+        for (int p = 0; p < (span == 8 ? 4 : 8); p++) t->scp[p] = v[p];
     }
-    if (kind & HAS_MIN) {
-        for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_zextsi256_si512(rows[r].mn) : _mm512_setzero_si512();
+    if (kind & HAS_MIN) {  /* span 8: the 8 sub-block mins (4 pairs), against the tokens' sub-block sums */
+        for (int64_t r = 0; r < TILE_ROWS; r++)
+            v[r] = r >= rr ? _mm512_setzero_si512() : span == 8 ? _mm512_zextsi128_si512(rows[r].mn8) : _mm512_zextsi256_si512(rows[r].mn);
         transpose16(v);
-        for (int p = 0; p < 8; p++) t->mnp[p] = v[p];
+        for (int p = 0; p < (span == 8 ? 4 : 8); p++) t->mnp[p] = v[p];
     }
     for (int64_t r = 0; r < rr; r++) {
         float lanes[16];
@@ -1056,8 +1063,8 @@ static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind)
 /* acc[j] (the 16 rows' sums for token j < tn) += the tile times token j's block (Q8_K at x + j * xrow).
  * span: dwords per scale group (4: 16 values; 8: 32, the formats whose scales come in 32s); shift: log2 of the
  * unsigned form's offset (HAS_OFF, SIGNED) */
-static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, const uint8_t *x, int64_t xrow, int tn,
-                                                              int kind, int span, int shift, __m512 *acc) {
+static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, const uint8_t *x, int64_t xrow, const uint8_t *m8,
+                                                              int64_t m8row, int tn, int kind, int span, int shift, __m512 *acc) {
     __m512i s1[TILE_TOKENS], s2[TILE_TOKENS];
     for (int j = 0; j < TILE_TOKENS; j++) s1[j] = s2[j] = _mm512_setzero_si512();
     for (int g = 0; g < 64 / span; g++) {
@@ -1077,11 +1084,18 @@ static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, co
         const uint8_t *bs = x + j * xrow + 260;
         if (kind & (HAS_OFF | SIGNED)) {
             __m512i c = _mm512_setzero_si512();
-            for (int p = 0; p < 8; p++) c = dpwssd_bcast(c, t->scp[p], bs + 4 * p);
+            if (span == 8)
+                for (int p = 0; p < 4; p++) c = dpwssd_bcast(c, t->scp[p], m8 + j * m8row + 4 * p);
+            else
+                for (int p = 0; p < 8; p++) c = dpwssd_bcast(c, t->scp[p], bs + 4 * p);
             s1[j] = _mm512_sub_epi32(s1[j], _mm512_slli_epi32(c, shift));
         }
-        if (kind & HAS_MIN)
-            for (int p = 0; p < 8; p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], bs + 4 * p);
+        if (kind & HAS_MIN) {  /* span 8: token j's 8 sub-block sums at m8 (sums8), half the products */
+            if (span == 8)
+                for (int p = 0; p < 4; p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], m8 + j * m8row + 4 * p);
+            else
+                for (int p = 0; p < 8; p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], bs + 4 * p);
+        }
         const __m512 dx = _mm512_set1_ps(f32_at(x + j * xrow));
         __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[j]), _mm512_mul_ps(t->d, dx));
         if (kind & HAS_MIN) f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[j]), _mm512_mul_ps(t->dmin, dx), f);
@@ -1089,31 +1103,42 @@ static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, co
     }
 }
 
+/* blocks Q8_K blocks -> their 8 sub-block sums each (pairs of bsums; |sum| <= 32 * 127: int16), 16 bytes a block */
+static void sub_block_sums(const uint8_t *xq, int64_t blocks, uint8_t *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *bs = xq + b * Q8K_BYTES + 260;
+        _mm_storeu_si128((__m128i *)(out + 16 * b), _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 16))));
+    }
+}
+
 /* The token passes of one tile: TILE_TOKENS at a time, the tail as its own specialised call */
 #define TILE_PASSES(kind, span, shift)                                                                             \
     for (int64_t t0 = 0; t0 < T; t0 += TILE_TOKENS) {                                                              \
         const int tn = T - t0 < TILE_TOKENS ? (int)(T - t0) : TILE_TOKENS;                                         \
-        const uint8_t *x = xq + t0 * xrow + Q8K_BYTES * i;                                                         \
+        const uint8_t *x = xq + t0 * xrow + Q8K_BYTES * i, *m8 = sums8 + (t0 * blocks + i) * 16;                   \
         switch (tn) {                                                                                              \
-        case 8: tile_tokens(&tile, x, xrow, 8, kind, span, shift, acc + t0); break;                                \
-        case 7: tile_tokens(&tile, x, xrow, 7, kind, span, shift, acc + t0); break;                                \
-        case 6: tile_tokens(&tile, x, xrow, 6, kind, span, shift, acc + t0); break;                                \
-        case 5: tile_tokens(&tile, x, xrow, 5, kind, span, shift, acc + t0); break;                                \
-        case 4: tile_tokens(&tile, x, xrow, 4, kind, span, shift, acc + t0); break;                                \
-        case 3: tile_tokens(&tile, x, xrow, 3, kind, span, shift, acc + t0); break;                                \
-        case 2: tile_tokens(&tile, x, xrow, 2, kind, span, shift, acc + t0); break;                                \
-        default: tile_tokens(&tile, x, xrow, 1, kind, span, shift, acc + t0); break;                               \
+        case 8: tile_tokens(&tile, x, xrow, m8, m8row, 8, kind, span, shift, acc + t0); break;                   \
+        case 7: tile_tokens(&tile, x, xrow, m8, m8row, 7, kind, span, shift, acc + t0); break;                   \
+        case 6: tile_tokens(&tile, x, xrow, m8, m8row, 6, kind, span, shift, acc + t0); break;                   \
+        case 5: tile_tokens(&tile, x, xrow, m8, m8row, 5, kind, span, shift, acc + t0); break;                   \
+        case 4: tile_tokens(&tile, x, xrow, m8, m8row, 4, kind, span, shift, acc + t0); break;                   \
+        case 3: tile_tokens(&tile, x, xrow, m8, m8row, 3, kind, span, shift, acc + t0); break;                   \
+        case 2: tile_tokens(&tile, x, xrow, m8, m8row, 2, kind, span, shift, acc + t0); break;                   \
+        default: tile_tokens(&tile, x, xrow, m8, m8row, 1, kind, span, shift, acc + t0); break;                    \
         }                                                                                                          \
     }
 
 /* T > 1: 16 rows at a time; per block the rows decoded into the tile once, then every token's pass over it.
- * acc: [T] vectors of the 16 rows' sums (T x 64 bytes, from the caller's scratch) */
+ * acc: [T] vectors of the 16 rows' sums (T x 64 bytes, from the caller's scratch); sums8: [T][blocks] x 8 int16
+ * (16 bytes a token and block), each 32-value sub-block's quant sum, filled here for the formats whose scales and mins
+ * come per 32 values (span 8) */
 #define TILED_ROWS(name, decode, block_bytes, kind, span, shift)                                                   \
     static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,   \
-                     float *y, int64_t ldy, __m512 *acc) {                                                         \
-        const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                  \
+                     float *y, int64_t ldy, __m512 *acc, uint8_t *sums8) {                                         \
+        const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES, m8row = blocks * 16;                             \
         wtile tile;                                                                                                \
         wblock dec[TILE_ROWS];                                                                                     \
+        if (span == 8) sub_block_sums(xq, T * blocks, sums8);                                                      \
         for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                         \
             const int64_t rr = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;                                      \
             for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();                                          \
@@ -1123,7 +1148,7 @@ static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, co
                     for (int line = 0; line < (block_bytes); line += 64) __builtin_prefetch(block + AHEAD + line); \
                     decode(block, &dec[r]);                                                                        \
                 }                                                                                                  \
-                fill_tile(&tile, dec, rr, kind);                                                                   \
+                fill_tile(&tile, dec, rr, kind, span);                                                             \
                 TILE_PASSES(kind, span, shift)                                                                     \
             }                                                                                                      \
             const __mmask16 keep = (__mmask16)((1u << rr) - 1u);                                                   \
@@ -1147,7 +1172,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     typedef void (*row_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t);
     row_loop loop = NULL;
 #if defined(DOTK_TILED)
-    typedef void (*tile_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t, __m512 *);
+    typedef void (*tile_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t, __m512 *, uint8_t *);
     tile_loop tiles = NULL;
 #define PICK(rows_fn, tiled_fn) (loop = rows_fn, tiles = tiled_fn)
 #else
@@ -1170,9 +1195,10 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     /* from how many tokens the tiles beat the row loop (its decoding is spread over fewer products): the IQ
      * formats' costlier decoding pays sooner (measured on Zen 5, 2048 columns) */
     const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ4_XS ? 4 : 8;
-    __m512 *acc = tiles != NULL && T >= from ? aligned_alloc(64, (size_t)T * sizeof(__m512)) : NULL;
+    const size_t acc_bytes = (size_t)T * sizeof(__m512), sums_bytes = (size_t)(T * (n / QK) * 16 + 63) & ~(size_t)63;
+    __m512 *acc = tiles != NULL && T >= from ? aligned_alloc(64, acc_bytes + sums_bytes) : NULL;
     if (acc != NULL) {  /* else (out of memory too) the row loop */
-        tiles(n, wb, row_bytes, rows, x, T, y, ldy, acc);
+        tiles(n, wb, row_bytes, rows, x, T, y, ldy, acc, (uint8_t *)acc + acc_bytes);
         free(acc);
         return;
     }
