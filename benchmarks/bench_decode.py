@@ -360,13 +360,13 @@ def main() -> None:
             decode = [args.tokens / r["decode_s"] for r, _ in runs]
             prefill = [PREFILL_TOKENS / r["prefill_s"] for r, _ in runs]
             best = max(range(len(runs)), key=decode.__getitem__)
-            local = [max(pair) for pair in beside[engine, f]]  # the host's level around each pass, bytes/s
             pairs = beside[engine, f]
+            local = [max(pair) for pair in pairs]  # the host's level around each pass, bytes/s
             top = [i for i, pair in enumerate(pairs) if min(pair) >= TOP_LEVEL * best_bandwidth[args.threads]]
             usual = [i for i, pair in enumerate(pairs) if all(abs(b / usual_bandwidth - 1) <= USUAL_BAND for b in pair)]
             cells[engine][f] = {"decode_tok_per_s": decode[best], "prefill_tok_per_s": max(prefill),
                                 "roofline_share": decode[best] / roofline[f]["tok_per_s"],
-                                "bandwidth_beside_runs": beside[engine, f],
+                                "bandwidth_beside_runs": pairs,
                                 "local_roofline_share_runs": [d * roofline[f]["weight_bytes_per_token"] / b for d, b in zip(decode, local)],
                                 "top_level": level_cell(decode, prefill, top),
                                 "usual_level": level_cell(decode, prefill, usual),

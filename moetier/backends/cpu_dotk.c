@@ -254,7 +254,6 @@ typedef struct {
     __mmask64 neg[4];     /* SIGNED: the negative values */
     __m512i negoff;       /* HAS_OFF: -offset * scale per group (int16) in the low half, zeros above */
     __m256i mn;           /* HAS_MIN: each group's min (int16) */
-    __m128i mn8;          /* Q4_K, Q5_K: each 32-value sub-block's min (int16), for the tiles */
     __m256i s16;          /* each group's scale (int16): the tiles' copy */
     __m512 dd;            /* d in lanes 0..7; lanes 8..15: -dmin (HAS_MIN), else d */
 } wblock;
@@ -314,7 +313,6 @@ static inline void scales_mins_head(const uint8_t *b, wblock *w) {
     w->dd = d_dmin(f16_at(b), f16_at(b + 2));
     spread_scales(w, dup8_16(v, 0));
     w->mn = dup8_16(v, 1);
-    w->mn8 = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
 }
 
 static inline void decode_q4k(const uint8_t *b, wblock *w) {
@@ -916,14 +914,18 @@ ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
  * float32); the mins' share is gathered in its own 4 lanes: float32 order only. */
 enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = 320, XQ4_ON_STACK = 64 };
 
+/* a Q8_K block's 8 sub-block sums (pairs of its bsums; |sum| <= 32 * 127: int16) */
+static inline __m128i sub_block_sums8(const uint8_t *xb) {
+    return _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)), _mm_loadu_si128((const __m128i *)(xb + 276)));
+}
+
 static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
     static const int from[8] = {0, 64, 32, 96, 128, 192, 160, 224};  /* the quants of each 32 bytes of out */
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *xb = x + Q8K_BYTES * i;
         uint8_t *o = out + XQ4_BYTES * i;
         for (int k = 0; k < 8; k++) _mm256_store_si256((__m256i *)(o + 32 * k), _mm256_loadu_si256((const __m256i *)(xb + 4 + from[k])));
-        const __m128i lo = _mm_loadu_si128((const __m128i *)(xb + 260)), hi = _mm_loadu_si128((const __m128i *)(xb + 276));
-        _mm_store_si128((__m128i *)(o + XQ4_SUMS), _mm_hadd_epi16(lo, hi));  /* |sum| <= 32 * 128: int16 */
+        _mm_store_si128((__m128i *)(o + XQ4_SUMS), sub_block_sums8(xb));
         memcpy(o + XQ4_D, xb, 4);
     }
 }
@@ -955,7 +957,7 @@ static inline __attribute__((always_inline)) __m512 q4k_row(const uint8_t *row, 
                               _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
         __m512i p[4], sc[4];
         for (int c = 0; c < 4; c++) {
-            p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + 64 * c));
+            p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + XQ4_QS + 64 * c));
             sc[c] = _mm512_maskz_permutexvar_epi8(even, pick[c], sz);
         }
         const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
@@ -1011,12 +1013,20 @@ enum { TILE_ROWS = 16, TILE_TOKENS = 8 };
 typedef struct {
     __m512i q[64];            /* dword k: values 4k..4k+3 of the 16 rows (unsigned) */
     __m512i sc[16];           /* group g (16 values): the rows' scales (int32) */
-    __m512i scp[8], mnp[8];   /* groups 2p, 2p + 1: the rows' scales, mins (HAS_MIN) as int16 pairs; with mins per
-                               * 32 values (span 8), mnp[0..3] pair sub-blocks 2p, 2p + 1 */
+    __m512i scp[8], mnp[8];   /* groups 2p, 2p + 1: the rows' scales, mins (HAS_MIN) as int16 pairs (span 8: sub-
+                               * blocks 2p, 2p + 1, in [0..3]) */
     __m512 d, dmin;           /* the rows' d; dmin (HAS_MIN) */
 } wtile;
 
 /* dpbusd_bcast, dpwssd_bcast, transpose16: cpu_vnni.h */
+
+#define PAIRS(span) (32 / (span))  /* the dwords of scale (min) pairs a row's block has against the sums: 8, or 4 */
+
+/* A row's 16 group scales (or mins, int16) as the dwords of their pairs, against the bsums; span 8: each value comes
+ * twice, so its even lanes are the 8 sub-blocks' (4 pairs), against the sub-block sums */
+static inline __m512i group_pairs(__m256i v16, int span) {
+    return span == 8 ? _mm512_zextsi128_si512(_mm256_cvtepi32_epi16(v16)) : _mm512_zextsi256_si512(v16);
+}
 
 /* rows[r] is row r's decoded block (r < rr; the others are zeros: they add nothing) -> the tile */
 static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind, int span) {
@@ -1038,19 +1048,15 @@ static inline void fill_tile(wtile *t, const wblock *rows, int64_t rr, int kind,
     for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? _mm512_cvtepi16_epi32(rows[r].s16) : _mm512_setzero_si512();
     transpose16(v);
     for (int g = 0; g < 16; g++) t->sc[g] = v[g];
-    if (kind & (HAS_OFF | SIGNED)) {  /* a row's 16 int16 scales are 8 dwords: the pairs; span 8: each scale comes
-                                       * twice, so its even lanes are the 8 sub-blocks' (4 pairs) */
-        for (int64_t r = 0; r < TILE_ROWS; r++)
-            v[r] = r >= rr ? _mm512_setzero_si512() : span == 8 ? _mm512_zextsi128_si512(_mm256_cvtepi32_epi16(rows[r].s16))
-                                                               : _mm512_zextsi256_si512(rows[r].s16);
+    if (kind & (HAS_OFF | SIGNED)) {
+        for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? group_pairs(rows[r].s16, span) : _mm512_setzero_si512();
         transpose16(v);
-        for (int p = 0; p < (span == 8 ? 4 : 8); p++) t->scp[p] = v[p];
+        for (int p = 0; p < PAIRS(span); p++) t->scp[p] = v[p];
     }
-    if (kind & HAS_MIN) {  /* span 8: the 8 sub-block mins (4 pairs), against the tokens' sub-block sums */
-        for (int64_t r = 0; r < TILE_ROWS; r++)
-            v[r] = r >= rr ? _mm512_setzero_si512() : span == 8 ? _mm512_zextsi128_si512(rows[r].mn8) : _mm512_zextsi256_si512(rows[r].mn);
+    if (kind & HAS_MIN) {
+        for (int64_t r = 0; r < TILE_ROWS; r++) v[r] = r < rr ? group_pairs(rows[r].mn, span) : _mm512_setzero_si512();
         transpose16(v);
-        for (int p = 0; p < (span == 8 ? 4 : 8); p++) t->mnp[p] = v[p];
+        for (int p = 0; p < PAIRS(span); p++) t->mnp[p] = v[p];
     }
     for (int64_t r = 0; r < rr; r++) {
         float lanes[16];
@@ -1080,22 +1086,16 @@ static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, co
     }
     for (int j = 0; j < TILE_TOKENS; j++) {
         if (j >= tn) continue;
-        /* sum over groups of scale (or min) * bsum: the int16 pairs against the token's bsums, a dword at a time */
-        const uint8_t *bs = x + j * xrow + 260;
+        /* sum over groups of scale (or min) * bsum: the int16 pairs against the token's sums, a dword at a time;
+         * span 8: its 8 sub-block sums at m8 (sums8), half the products; else its 16 bsums */
+        const uint8_t *sums = span == 8 ? m8 + j * m8row : x + j * xrow + 260;
         if (kind & (HAS_OFF | SIGNED)) {
             __m512i c = _mm512_setzero_si512();
-            if (span == 8)
-                for (int p = 0; p < 4; p++) c = dpwssd_bcast(c, t->scp[p], m8 + j * m8row + 4 * p);
-            else
-                for (int p = 0; p < 8; p++) c = dpwssd_bcast(c, t->scp[p], bs + 4 * p);
+            for (int p = 0; p < PAIRS(span); p++) c = dpwssd_bcast(c, t->scp[p], sums + 4 * p);
             s1[j] = _mm512_sub_epi32(s1[j], _mm512_slli_epi32(c, shift));
         }
-        if (kind & HAS_MIN) {  /* span 8: token j's 8 sub-block sums at m8 (sums8), half the products */
-            if (span == 8)
-                for (int p = 0; p < 4; p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], m8 + j * m8row + 4 * p);
-            else
-                for (int p = 0; p < 8; p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], bs + 4 * p);
-        }
+        if (kind & HAS_MIN)
+            for (int p = 0; p < PAIRS(span); p++) s2[j] = dpwssd_bcast(s2[j], t->mnp[p], sums + 4 * p);
         const __m512 dx = _mm512_set1_ps(f32_at(x + j * xrow));
         __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[j]), _mm512_mul_ps(t->d, dx));
         if (kind & HAS_MIN) f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[j]), _mm512_mul_ps(t->dmin, dx), f);
@@ -1103,12 +1103,9 @@ static inline __attribute__((always_inline)) void tile_tokens(const wtile *t, co
     }
 }
 
-/* blocks Q8_K blocks -> their 8 sub-block sums each (pairs of bsums; |sum| <= 32 * 127: int16), 16 bytes a block */
+/* blocks Q8_K blocks -> their 8 sub-block sums each, 16 bytes a block */
 static void sub_block_sums(const uint8_t *xq, int64_t blocks, uint8_t *out) {
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *bs = xq + b * Q8K_BYTES + 260;
-        _mm_storeu_si128((__m128i *)(out + 16 * b), _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 16))));
-    }
+    for (int64_t b = 0; b < blocks; b++) _mm_storeu_si128((__m128i *)(out + 16 * b), sub_block_sums8(xq + b * Q8K_BYTES));
 }
 
 /* The token passes of one tile: TILE_TOKENS at a time, the tail as its own specialised call */
@@ -1204,7 +1201,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
 #endif
 #if defined(DOTK_AVX512)
-    if (loop == rows_q4k && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
+    if (loop != NULL && wtype == Q4_K && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
 #endif
     if (loop != NULL) {
         loop(n, wb, row_bytes, rows, x, T, y, ldy);
