@@ -29,6 +29,7 @@ from reference_checks import decode_both, decode_per_pool_size, pieces_both, pyt
 from safetensors.torch import load_file, save_file
 
 from moetier.engine import Engine
+from moetier.engine.generate import NonFiniteLogits, generate, greedy_step
 from moetier.engine.router_bias import RouterBias
 from moetier.model import open_checkpoint
 from moetier.model.gguf_write import write_gguf
@@ -119,6 +120,47 @@ def test_the_router_bias_and_the_observer_see_what_the_python_path_sees(models):
         torch.testing.assert_close(a.probs, b.probs, rtol=1e-5, atol=1e-6)
     engine.set_router_bias(RouterBias(table, damped=True))
     assert not engine._native_decode()  # damped weights: the Python router
+
+
+def test_greedy_decode_picks_what_the_steps_logits_pick(models):
+    """Engine.decode_greedy (the cache's held call: no tensor a token) returns the argmax of the very logits forward
+    gives for the same token, past the cache's first capacity and the rotary table's first length (256), with a router
+    bias; the logits step returns stay the caller's; generate's greedy ids are its keep_logits path's."""
+    engine = Engine(open_checkpoint(models["blocks-mixed"]))
+    spec = engine.spec
+    engine.set_router_bias(RouterBias(torch.randn(len(spec.moe_layers), spec.num_experts,
+                                                  generator=torch.Generator().manual_seed(4)) * 0.3))
+    ids = np.random.default_rng(2).integers(0, 200, 262).tolist()
+    greedy, stepped = engine.new_cache(), engine.new_cache()
+    for cache in (greedy, stepped):
+        engine.forward(torch.tensor(ids[:4]), cache)
+    kept = engine.forward(torch.tensor([ids[4]]), stepped)[0]
+    first = kept.clone()
+    engine.decode_greedy(ids[4], greedy)
+    for token in ids[5:]:
+        top, value = engine.decode_greedy(token, greedy)
+        logits = engine.forward(torch.tensor([token]), stepped)[0]
+        assert top == int(torch.argmax(logits)) and value == float(logits[top])
+    assert greedy.length == stepped.length == len(ids) and torch.equal(kept, first)
+    fast, kept_logits = (generate(engine, ids[:9], 12, keep_logits=keep) for keep in (False, True))
+    assert fast.ids == kept_logits.ids and len(fast.ids) == 12
+
+
+def test_greedy_decode_refuses_a_non_finite_top_logit(models, tmp_path):
+    folder = tmp_path / "nan-head"
+    folder.mkdir()
+    (folder / "config.json").write_text((models["qwen3_moe"] / "config.json").read_text())
+    tensors = load_file(models["qwen3_moe"] / "model.safetensors")
+    tensors["lm_head.weight"][7] = float("nan")
+    save_file(tensors, folder / "model.safetensors")
+    engine = Engine(open_checkpoint(folder))
+    assert engine.decode_path().startswith("native step")
+    cache = engine.new_cache()
+    engine.forward(torch.tensor(RNG_IDS[:4]), cache)
+    top, value = engine.decode_greedy(RNG_IDS[4], cache)
+    assert top == 7 and np.isnan(value)  # a NaN before any number, as torch.argmax
+    with pytest.raises(NonFiniteLogits, match="token 7: nan"):
+        greedy_step(engine, RNG_IDS[5], cache)  # what generate and stream_tokens decode with
 
 
 def test_who_takes_the_python_path_and_why(models, monkeypatch):

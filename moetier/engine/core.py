@@ -305,6 +305,18 @@ class Engine:
         with torch_threads(self.torch_threads):
             return self._forward(ids, cache, all_logits)
 
+    def decode_greedy(self, token: int, cache: KVCache) -> tuple[int, float]:
+        """Feed one token at cache.length (advanced by one) -> (the argmax of its logits, the first of equal ones and
+        a NaN before any number, as torch.argmax takes them; that logit). Through the native step without making a
+        tensor where it serves, else forward."""
+        if self._native_decode():
+            top, value = self.native_step.next_token(int(token), cache, cache.length)
+            cache.length += 1
+            return top, value
+        logits = self.forward(torch.tensor([int(token)], dtype=torch.int64), cache)[0]  # [V]
+        top = int(torch.argmax(logits))
+        return top, float(logits[top])
+
     def _forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool) -> torch.Tensor:
         start, eps, times, spec = cache.length, self.spec.rms_norm_eps, self.times, self.spec
         h = self.embed.rows(ids)  # [T, D]

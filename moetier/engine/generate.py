@@ -53,6 +53,11 @@ class Sampling:
     def penalised(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def greedy(self) -> bool:
+        """The argmax of the logits as they are (what pick_token does then), so decode_greedy can pick."""
+        return self.temperature == 0 and not self.penalised
+
     def __post_init__(self) -> None:
         """Refuse what would sample garbage or crash torch (named as the CLI's flags)."""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -83,15 +88,27 @@ def penalise(logits: torch.Tensor, sampling: Sampling, generated: list[int]) -> 
     return logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def finite_top(top: int, value: float) -> int:
+    """top, the id of the largest logit `value`; NonFiniteLogits when it is NaN or infinite (argmax and max see a NaN)."""
+    if not math.isfinite(value):
+        raise NonFiniteLogits(f"the model's logits are not finite (token {top}: {value}); its weights "
+                              "or config overflow float32 (expected finite logits)")
+    return top
+
+
+def greedy_step(engine: Engine, token: int, cache) -> int:
+    """Feed `token` at cache.length; -> the next token as pick_token picks it greedily (Engine.decode_greedy: no
+    tensor made per token on the native step)."""
+    return finite_top(*engine.decode_greedy(token, cache))
+
+
 def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
                generated: list[int] | None = None) -> int:
     """logits [V] -> next token id, after the penalties for `generated` (the tokens generated so far);
     NonFiniteLogits when the top logit is NaN or infinite (argmax and max see a NaN)."""
     logits = penalise(logits, sampling, generated or [])
     top = int(torch.argmax(logits))
-    if not math.isfinite(float(logits[top])):
-        raise NonFiniteLogits(f"the model's logits are not finite (token {top}: {float(logits[top])}); its weights "
-                              "or config overflow float32 (expected finite logits)")
+    finite_top(top, float(logits[top]))
     if sampling.temperature <= 0 or torch.tensor(sampling.temperature, dtype=logits.dtype) == 0:
         return top  # a temperature the logits' dtype rounds to 0 is greedy, its limit
     # shifted so the largest is 0 first: a tiny temperature then sends the rest to -inf, not the top to +inf (nan)
@@ -150,7 +167,11 @@ def generate(
         before_decode()
     begin = time.perf_counter()
     step = torch.empty(1, dtype=torch.int64)
+    greedy = sampling.greedy and not keep_logits
     while len(new_ids) < max_new_tokens and new_ids[-1] not in stop_ids:
+        if greedy:
+            new_ids.append(greedy_step(engine, new_ids[-1], cache))
+            continue
         step[0] = new_ids[-1]
         logits = engine.forward(step, cache)[0].cpu()  # [V]
         new_ids.append(pick_token(logits, sampling, generator, new_ids))

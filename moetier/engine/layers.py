@@ -56,6 +56,13 @@ class RotaryTable:
             self._grow(max(position + 1, 2 * self.cos.shape[0]))
         return self.cos[position], self.sin[position]
 
+    def row_addresses(self, position: int) -> tuple[int, int]:
+        """The addresses of at(position)'s two rows (float32 [rd] each, in the table's memory), making no tensor."""
+        if position >= self.cos.shape[0]:
+            self._grow(max(position + 1, 2 * self.cos.shape[0]))
+        offset = position * self.rotary_dim * self.cos.element_size()
+        return self.cos.data_ptr() + offset, self.sin.data_ptr() + offset
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x [heads, T, d] at positions start..start+T -> rotated copy."""
         end = start + x.shape[1]

@@ -31,7 +31,10 @@ other orders (attention, norms, router logits, conv taps) and a polynomial
 e^x in the linear layers' silu, so logits agree to float32 rounding, and the
 same bits for any thread count (tests/test_native_step.py).
 Every shape, format and address is checked here, once, at build; a call
-checks its own arguments.
+checks its own arguments. A cache keeps its call record and outputs between
+tokens (`_Held`), so `next_token` (Engine.decode_greedy: greedy generate,
+stream_tokens and the server) decodes without making a tensor; `step` returns
+a copy of the logits, and the observer sees copies of the routes.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from moetier.engine.core import Engine
 
 i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+CPU = torch.device("cpu")
 DV_MAX = 512  # a linear-attention value head's dims, at most (cpu_deltanet.h keeps a head's sums on the stack)
 
 
@@ -133,6 +137,28 @@ def _part(what: str, data: torch.Tensor, qtype: int, cols: int) -> _Part:
     if why is not None:
         raise ValueError(why)
     return _Part(data.data_ptr(), int(qtype), data.shape[0])
+
+
+class _Held:
+    """What a cache keeps of a native step between tokens (KVCache.native): its buffers' and states' addresses as
+    they were taken, and one call record over outputs of its own (the logits, the residual stream, each MoE layer's
+    route), reused token after token. A decoded token then makes no tensor: after a step the Python around the call
+    runs with caches the call has just flushed, where each torch op costs tens of microseconds (the `wide` Q4_K_M
+    model, 2 threads: ~0.4 ms a token outside the native call before, of ~4.5)."""
+
+    def __init__(self, step: NativeStep, grown: int, states: tuple, addresses: tuple, capacity: int, room: int):
+        spec = step.spec
+        self.step, self.grown, self.states, self.addresses = step, grown, states, addresses
+        self.logits, self.h, self.route_logits, self.probs, self.weights = torch.empty(sum(step._sizes)).split(step._sizes)
+        self.logits_array = self.logits.numpy()  # the same memory
+        self.picks = torch.empty(len(spec.moe_layers), spec.top_k, dtype=torch.int64)
+        self.picked = torch.empty(room, dtype=torch.int64)  # the positions a latent layer attends: < room
+        keys, values, conv, recurrent, latents, index = (ctypes.addressof(a) for a in addresses)
+        self.call = _Call(0, self.h.data_ptr(), 0, capacity, spec.sliding_window or 0, None, None, keys, values, None,
+                          self.route_logits.data_ptr(), self.probs.data_ptr(), self.weights.data_ptr(),
+                          self.picks.data_ptr(), step.scratch.data_ptr(), self.logits.data_ptr(), conv, recurrent,
+                          latents, index, self.picked.data_ptr(), step._choose)
+        self.call_ref = ctypes.byref(self.call)
 
 
 class NativeStep:
@@ -343,10 +369,10 @@ class NativeStep:
             return "an expert the native kernels cannot read in place"
         return None
 
-    def _cache_addresses(self, cache: KVCache, end: int) -> tuple:
-        """Room for positions < end in `cache`, and the addresses of its layers' key and value buffers and linear
-        layers' states, kept on the cache (its own: two threads decoding two sequences never share them) until its
-        buffers change or the Python path replaces a state (it assigns new tensors; the step updates in place)."""
+    def _held(self, cache: KVCache, end: int) -> _Held:
+        """Room for positions < end in `cache`, and what the cache keeps of this step (its own: two threads decoding
+        two sequences never share one) until its buffers change or the Python path replaces a state (it assigns new
+        tensors; the step updates in place)."""
         if self._first_attention is not None:
             cache.reserve(end)
         for layer in self._latent_layers:
@@ -354,9 +380,11 @@ class NativeStep:
         states = tuple(t for layer in self.spec.linear_layers for t in (cache.states[layer].conv, cache.states[layer].recurrent))
         states += tuple(t for layer in self._latent_layers for t in (cache.states[layer].latents, cache.states[layer].index))
         held = cache.native
-        if held is None or held[0] != cache.grown or not all(map(operator.is_, held[1], states)):
-            held = cache.native = (cache.grown, states, *self._addresses(cache, states))
-        return held[2:]
+        if held is None or held.step is not self or held.grown != cache.grown or not all(map(operator.is_, held.states, states)):
+            capacity = 0 if self._first_attention is None else cache.keys[self._first_attention].shape[1]
+            room = max((cache.states[layer].latents.shape[0] for layer in self._latent_layers), default=0)
+            held = cache.native = _Held(self, cache.grown, states, self._addresses(cache, states), capacity, room)
+        return held
 
     def _addresses(self, cache: KVCache, states: tuple) -> tuple[ctypes.Array, ...]:
         """`cache`'s key, value, conv and recurrent buffer addresses per layer (None where a layer has none), checked."""
@@ -388,33 +416,39 @@ class NativeStep:
             self._nudge_of = (table, table.to("cpu", torch.float32).contiguous())
         return self._nudge_of[1]
 
-    def step(self, token: int, cache: KVCache, start: int) -> torch.Tensor:
-        """The logits [1, V] of token `token` at position start, through every layer; its keys and values land in
-        `cache` (whose length is the caller's to advance)."""
+    def _run(self, token: int, cache: KVCache, start: int) -> _Held:
+        """Token `token` at position start through every layer into the cache's held outputs; its keys and values
+        land in `cache` (whose length is the caller's to advance). The route observer sees copies of the routes."""
         engine, spec = self.engine, self.spec
         if not 0 <= token < spec.vocab_size:
             raise ValueError(f"native step: token id {token} is outside the vocabulary [0, {spec.vocab_size})")
-        keys, values, conv, recurrent, latents, index = self._cache_addresses(cache, start + 1)
-        capacity = 0 if self._first_attention is None else cache.keys[self._first_attention].shape[1]
-        cos, sin = engine.ropes[torch.device("cpu")].at(start)  # [rotary_dim] each
-        nudge = None if engine.router_bias is None else self._nudge(engine.router_bias.table)
-        logits, h, route_logits, probs, weights = torch.empty(sum(self._sizes)).split(self._sizes)
-        picks = torch.empty(len(spec.moe_layers), spec.top_k, dtype=torch.int64)
-        picked = torch.empty(start + 1 if self._latent_layers else 0, dtype=torch.int64)  # the positions a latent layer attends
-        call = _Call(token, h.data_ptr(), start, capacity, spec.sliding_window or 0, cos.data_ptr(), sin.data_ptr(),
-                     ctypes.addressof(keys), ctypes.addressof(values), nudge.data_ptr() if nudge is not None else None,
-                     route_logits.data_ptr(), probs.data_ptr(), weights.data_ptr(), picks.data_ptr(),
-                     self.scratch.data_ptr(), logits.data_ptr(), ctypes.addressof(conv), ctypes.addressof(recurrent),
-                     ctypes.addressof(latents), ctypes.addressof(index), picked.data_ptr(), self._choose)
+        held = self._held(cache, start + 1)
+        call = held.call
+        call.token, call.position = token, start
+        call.cos, call.sin = engine.ropes[CPU].row_addresses(start)
+        call.nudge = None if engine.router_bias is None else self._nudge(engine.router_bias.table).data_ptr()
         status = self.kernel.library.moe_step(self.kernel.pool.handle, ctypes.byref(self.model), self.layers, spec.num_layers,
-                                              ctypes.byref(call))
+                                              held.call_ref)
         if status == -3:  # the indexer's torch.topk raised: that, not a status
             failure, self._failure = self._failure, None
             raise RuntimeError("native step: the indexer's choice among tied pools failed") from failure
         status_error("native step", status)
-        if engine.observer is not None:
+        if engine.observer is not None:  # copies: the held outputs are the next token's
             E, k = spec.num_experts, spec.top_k
-            route_logits, probs, weights = route_logits.view(-1, E), probs.view(-1, E), weights.view(-1, k)
+            route_logits, probs = held.route_logits.view(-1, E).clone(), held.probs.view(-1, E).clone()
+            picks, weights = held.picks.clone(), held.weights.view(-1, k).clone()
             for i, layer in enumerate(spec.moe_layers):
                 engine.observer(layer, Route(route_logits[i : i + 1], probs[i : i + 1], picks[i : i + 1], weights[i : i + 1]))
-        return logits.view(1, -1)
+        return held
+
+    def step(self, token: int, cache: KVCache, start: int) -> torch.Tensor:
+        """The logits [1, V] (the caller's own) of token `token` at position start, through every layer; its keys and
+        values land in `cache` (whose length is the caller's to advance)."""
+        return self._run(token, cache, start).logits.clone().view(1, -1)
+
+    def next_token(self, token: int, cache: KVCache, start: int) -> tuple[int, float]:
+        """As step, then (the argmax of the logits, that logit) with no tensor made: the first of equal logits, and
+        a NaN before any number, as torch.argmax takes them."""
+        logits = self._run(token, cache, start).logits_array
+        top = int(logits.argmax())
+        return top, float(logits[top])

@@ -27,6 +27,7 @@ import torch
 
 from moetier.engine.core import Engine
 from moetier.engine.deltanet import DeltaNetState
+from moetier.engine.generate import greedy_step
 
 
 @dataclass
@@ -113,6 +114,12 @@ class PrefixCache:
         self.marks.append(Mark(len(prompt), logits.clone(), self._snapshot()))
         self.marks = self.marks[-self.keep:]
         return logits, start
+
+    def next_token(self, token: int) -> int:
+        """Feed one token after the cached ones; -> the greedy pick after it (generate.greedy_step)."""
+        top = greedy_step(self.engine, int(token), self.cache)
+        self.ids.append(int(token))
+        return top
 
     def step(self, token: int) -> torch.Tensor:
         """Feed one token after the cached ones; -> logits [V] (on the host)."""

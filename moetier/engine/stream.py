@@ -68,7 +68,7 @@ def stream_tokens(engine: Engine, prompt_ids: list[int], max_new_tokens: int, sa
     generated = [token]
     while stats.new_tokens < max_new_tokens and token not in stop_ids:
         begin = time.perf_counter()
-        token = pick_token(prefix.step(token), sampling, generator, generated)
+        token = prefix.next_token(token) if sampling.greedy else pick_token(prefix.step(token), sampling, generator, generated)
         generated.append(token)
         decoded += time.perf_counter() - begin
         stats.decode_s = decoded
