@@ -50,24 +50,21 @@ class RotaryTable:
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, rd]
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [rd] at one position (rows of the table, grown to hold it)."""
-        if position >= self.cos.shape[0]:
-            self._grow(max(position + 1, 2 * self.cos.shape[0]))
-        return self.cos[position], self.sin[position]
+    def _reach(self, end: int) -> None:
+        """Rows for positions < end (the table doubled, at least, when it is shorter)."""
+        if end > self.cos.shape[0]:
+            self._grow(max(end, 2 * self.cos.shape[0]))
 
     def row_addresses(self, position: int) -> tuple[int, int]:
-        """The addresses of at(position)'s two rows (float32 [rd] each, in the table's memory), making no tensor."""
-        if position >= self.cos.shape[0]:
-            self._grow(max(position + 1, 2 * self.cos.shape[0]))
+        """The addresses of cos and sin's rows [rd] (float32, in the table's memory) at one position, making no tensor."""
+        self._reach(position + 1)
         offset = position * self.rotary_dim * self.cos.element_size()
         return self.cos.data_ptr() + offset, self.sin.data_ptr() + offset
 
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x [heads, T, d] at positions start..start+T -> rotated copy."""
         end = start + x.shape[1]
-        if end > self.cos.shape[0]:
-            self._grow(max(end, 2 * self.cos.shape[0]))
+        self._reach(end)
         cos, sin = self.cos[start:end], self.sin[start:end]  # [T, rd]
         rd = self.rotary_dim
         rot = x[..., :rd]
