@@ -215,6 +215,7 @@ def _loadavg() -> str:
 
 
 def machine(threads: int) -> dict:
+    from moetier import native  # the standard library only
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     line = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")
     flags = set(line("flags").split())
@@ -229,6 +230,7 @@ def machine(threads: int) -> dict:
         "cpu": line("model name") or "unknown", "cpus": os.cpu_count(), "llc_bytes": last_level_cache_bytes(),
         "flags": {"avx2": "avx2" in flags, "avx512": "avx512f" in flags,
                   "vnni": bool(flags & {"avx512_vnni", "avx_vnni"}), "amx": bool(flags & {"amx_tile", "amx_int8", "amx_bf16"})},
+        "moetier_arch": " ".join(native.arch_flags()), "llama_cpp_lib": os.environ.get("LLAMA_CPP_LIB_PATH", "the package's"),
         "threads": threads, "loadavg": _loadavg(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git("rev-parse", "HEAD"),
         # other engineers' uncommitted work in moetier/ is part of what was measured

@@ -8,7 +8,9 @@ source, the headers beside it, the flags, the link arguments, the compiler's ver
 and its CPU's feature flags, so a changed source or compiler builds anew and
 a home folder shared by hosts of different CPUs never loads another's build; a build is written to a
 temporary name and renamed into place, so processes that race to build never
-load half a file. MOETIER_NATIVE=0 turns every native path off. Each caller
+load half a file. MOETIER_ARCH replaces -march=native with other target flags (e.g.
+"-march=x86-64-v3": the AVX2 + FMA paths on an AVX-512 host, or one build for a cluster's oldest CPU); a
+build for them that fails is an error, not a fallback. MOETIER_NATIVE=0 turns every native path off. Each caller
 keeps a Python twin of its C and says in one line why the C is off.
 This module imports nothing heavier than the standard library.
 """
@@ -20,6 +22,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,6 +34,12 @@ FAST_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fassoc
 # results must equal a numpy path's bit for bit (residency.c). GCC contracts by default.
 STRICT_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 ARCH_FLAGS = ("-march=native",)  # dropped if this compiler does not take it
+
+
+def arch_flags() -> tuple[str, ...]:
+    """The target flags builds use: $MOETIER_ARCH split as a shell would, else ARCH_FLAGS."""
+    chosen = os.environ.get("MOETIER_ARCH", "").strip()
+    return tuple(shlex.split(chosen)) if chosen else ARCH_FLAGS
 
 
 @functools.cache
@@ -68,7 +77,8 @@ def _build(compiler: str, source: Path, flags: tuple[str, ...], out: Path, link:
     """Compile `source` into `out` (atomically), linking `link` after it; None on success, else why not (one line)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     last = ""
-    for arch in (ARCH_FLAGS, ()):
+    chosen = arch_flags()
+    for arch in ((chosen, ()) if chosen == ARCH_FLAGS else (chosen,)):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
@@ -100,7 +110,7 @@ def library(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) ->
         return None, None, f"off: no C compiler ({compiler!r} did not run; set CC)"
     source = Path(source)
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # the local headers it may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags + ARCH_FLAGS + link), version,
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags + arch_flags() + link), version,
                                     platform.machine(), _cpu_features()]).encode()).hexdigest()[:16]
     path = moetier_home() / "native" / f"{source.stem}-{key}.so"
     if not path.exists():
@@ -113,4 +123,4 @@ def library(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) ->
         return None, None, f"off: {path} did not load ({err})"
 
 
-__all__ = ["ARCH_FLAGS", "FAST_FLAGS", "STRICT_FLAGS", "library", "moetier_home"]
+__all__ = ["ARCH_FLAGS", "FAST_FLAGS", "STRICT_FLAGS", "arch_flags", "library", "moetier_home"]

@@ -244,6 +244,21 @@ static inline __m256i dup8_16(__m128i v8, int mins) {  /* 8 bytes (at byte 8 * m
     const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
     return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
 }
+
+/* a Q8_K block's 8 sub-block sums (pairs of its bsums; |sum| <= 32 * 127: int16) */
+static inline __m128i sub_block_sums8(const uint8_t *xb) {
+    return _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)), _mm_loadu_si128((const __m128i *)(xb + 276)));
+}
+
+/* bytes 0..7: the 8 sub-block scales; 8..15: the 8 mins (scales_mins_k in one xmm) */
+static inline __m128i q4k_scales_mins(const uint8_t *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));  /* dwords a0, a1, a2 (and 4 quant bytes) */
+    __m128i lo = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));    /* a0, a2, a1, a2 >> 4: the low bits */
+    lo = _mm_and_si128(_mm_srlv_epi32(lo, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  /* a0 >> 2, a1 >> 2: bits 4, 5 */
+    return _mm_or_si128(lo, hi);
+}
 #endif
 
 #if defined(DOTK_AVX512)
@@ -914,11 +929,6 @@ ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
  * float32); the mins' share is gathered in its own 4 lanes: float32 order only. */
 enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = 320, XQ4_ON_STACK = 64 };
 
-/* a Q8_K block's 8 sub-block sums (pairs of its bsums; |sum| <= 32 * 127: int16) */
-static inline __m128i sub_block_sums8(const uint8_t *xb) {
-    return _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)), _mm_loadu_si128((const __m128i *)(xb + 276)));
-}
-
 static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
     static const int from[8] = {0, 64, 32, 96, 128, 192, 160, 224};  /* the quants of each 32 bytes of out */
     for (int64_t i = 0; i < blocks; i++) {
@@ -928,16 +938,6 @@ static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
         _mm_store_si128((__m128i *)(o + XQ4_SUMS), sub_block_sums8(xb));
         memcpy(o + XQ4_D, xb, 4);
     }
-}
-
-/* bytes 0..7: the 8 sub-block scales; 8..15: the 8 mins (scales_mins_k in one xmm) */
-static inline __m128i q4k_scales_mins(const uint8_t *b) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));  /* dwords a0, a1, a2 (and 4 quant bytes) */
-    __m128i lo = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));    /* a0, a2, a1, a2 >> 4: the low bits */
-    lo = _mm_and_si128(_mm_srlv_epi32(lo, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
-                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  /* a0 >> 2, a1 >> 2: bits 4, 5 */
-    return _mm_or_si128(lo, hi);
 }
 
 /* one row's sum in the lanes of a vector (the mins' share off the first 4) */
@@ -990,6 +990,105 @@ static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
     gemv_q4k(n, w, row_bytes, rows, xp, y);
     if (xp != stack) free(xp);
     return 1;
+}
+#endif
+
+#if defined(DOTK_AVX2)
+/* ---- Q4_K, Q5_K and Q6_K at T = 1 with AVX2: 32 values at a time, no decoded block ---------------------
+ * The loop above decodes a whole block (8 vectors of quants, 8 of scales, the offsets) before it dots it: more
+ * than AVX2's 16 registers, so each block goes through the stack twice, and the scales are spread by two lane
+ * permutes and eight shuffles. Here each 32 quant bytes are unpacked, dotted with the Q8_K block's quants as it
+ * lies (a 32-value vector is one sub-block for Q4_K / Q5_K, groups 2c and 2c + 1 for Q6_K) and scaled at once,
+ * the scales broadcast from one int16 vector by a shuffle each. Numerics as the loop above: each block's integer
+ * sum exact, then times d_w * d_x in float32; Q4_K's and Q5_K's mins in their own 4 lanes (float32 order only),
+ * Q6_K's offset 32 taken off through the bsums. */
+
+/* shuffle controls: int16 k of a 128-bit lane across the lane */
+static inline __m256i pick16(int k) { return _mm256_set1_epi16((short)(0x0101 * 2 * k + 0x0100)); }
+
+/* Q4_K (high = 0) or Q5_K (high = 1): one block into acc (d * dx * sum) and mins (dmin * dx * the mins' dot) */
+static inline __attribute__((always_inline)) void q45k_block(const uint8_t *b, const uint8_t *xb, int high, __m256 *acc, __m128 *mins) {
+    const __m128i sm = q4k_scales_mins(b);
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  /* the 8 scales, int16, both lanes */
+    const __m128i mdot = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), sub_block_sums8(xb));
+    const uint8_t *qs = b + (high ? 48 : 16), *x = xb + 4;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i qh = high ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {  /* 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high ones */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (high) {
+            lo = _mm256_or_si256(lo, move_bit(qh, 2 * j, 4));
+            hi = _mm256_or_si256(hi, move_bit(qh, 2 * j + 1, 4));
+        }
+        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 64 * j)));
+        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32)));
+        s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(pl, _mm256_shuffle_epi8(sc, pick16(2 * j))),
+                                                 _mm256_madd_epi16(ph, _mm256_shuffle_epi8(sc, pick16(2 * j + 1)))));
+    }
+    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(xb)));  /* d, dmin times dx */
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(s), *acc);
+    *mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), *mins);
+}
+
+/* Q6_K: one block into acc */
+static inline __attribute__((always_inline)) void q6k_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));  /* 16 group scales */
+    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    /* the offset's share, 32 * scale * bsum per group, first (every product below is u8 x s8) */
+    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)),
+                                                                            _mm256_slli_epi16(s16, 5)));
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h)), l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                              _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
+                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+        for (int k = 0; k < 4; k++) {  /* vector c = 4h + k: group 2c in its low lane, 2c + 1 in its high lane */
+            const int c = 4 * h + k;
+            const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+            const __m256i sc = _mm256_shuffle_epi8(c < 4 ? lo : hi, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * (c % 4)))));
+            const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c)));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, sc));
+        }
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b + 208) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
+}
+
+static inline float sum128(__m128 h) {
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* rows x one token, each row's blocks in turn, STREAM_AHEAD bytes prefetched; a function per format, so its
+ * accumulators stay in registers */
+#define ONE_TOKEN_AVX2(name, bytes, block)                                                                              \
+    static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {    \
+        for (int64_t r = 0; r < rows; r++) {                                                                         \
+            const uint8_t *row = w + r * row_bytes;                                                                  \
+            __m256 acc = _mm256_setzero_ps();                                                                        \
+            __m128 mins = _mm_setzero_ps();                                                                          \
+            for (int64_t i = 0; i < n / QK; i++) {                                                                   \
+                const uint8_t *b = row + (bytes) * i, *xb = xq + Q8K_BYTES * i;                                      \
+                for (int line = 0; line < (bytes); line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);          \
+                block;                                                                                               \
+            }                                                                                                        \
+            y[r] = acc_sum(acc) - sum128(mins);                                                                      \
+        }                                                                                                            \
+    }
+
+ONE_TOKEN_AVX2(one_token_q4k, 144, q45k_block(b, xb, 0, &acc, &mins))
+ONE_TOKEN_AVX2(one_token_q5k, 176, q45k_block(b, xb, 1, &acc, &mins))
+ONE_TOKEN_AVX2(one_token_q6k, 210, q6k_block(b, xb, &acc))
+
+/* the one-token loop of wtype, or NULL (the loop above) */
+typedef void (*one_token_fn)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, float *);
+static one_token_fn one_token_avx2(int64_t wtype) {
+    return wtype == Q4_K ? one_token_q4k : wtype == Q5_K ? one_token_q5k : wtype == Q6_K ? one_token_q6k : NULL;
 }
 #endif
 
@@ -1202,6 +1301,11 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #endif
 #if defined(DOTK_AVX512)
     if (loop != NULL && wtype == Q4_K && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
+#elif defined(DOTK_AVX2)
+    if (loop != NULL && T == 1 && one_token_avx2(wtype) != NULL) {
+        one_token_avx2(wtype)(n, wb, row_bytes, rows, x, y);
+        return;
+    }
 #endif
     if (loop != NULL) {
         loop(n, wb, row_bytes, rows, x, T, y, ldy);
