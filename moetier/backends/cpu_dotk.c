@@ -1015,6 +1015,50 @@ static void gemv_q4k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t row
     }
 }
 
+/* ---- Q6_K at T = 1 with AVX-512: the block streamed 64 values at a time, the activations as they lie -------
+ * A half block's 64 low-bit bytes are one load: their low nibbles are values 0..63 of the half, their high
+ * nibbles 64..127; the 32 high-bit bytes, broadcast to both halves of a vector, give each value its two bits
+ * by one variable shift (by 4 / 2 for the low nibbles' halves, 0 / 2 right for the high ones'). So a vector is
+ * 64 values in order, each 128-bit lane one group of 16, whose int16 scale one vpermw spreads; the offset 32's
+ * share is taken once a block through the bsums. Numerics as the loop above. (One core, a 110 MB matrix
+ * from DRAM: the loop above read 14.6 GB/s where llama.cpp's AVX2 loop read 14.9.) */
+static inline __attribute__((always_inline)) __m512 q6k_row(const uint8_t *row, int64_t blocks, const uint8_t *xq) {
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i low_shift = shifts16(4, 2), high_shift = shifts16(0, 2);
+    const __m512i group[4] = {lane16(0), lane16(1), lane16(2), lane16(3)};  /* vector c: groups 4c .. 4c + 3 */
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = row + 210 * i, *x = xq + Q8K_BYTES * i;
+        for (int line = 0; line < 256; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 210 bytes: 4 lines */
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        const __m512i sc = _mm512_castsi256_si512(s16);
+        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 260))),
+                                        _mm512_zextsi256_si512(_mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5))));
+        for (int h = 0; h < 2; h++) {
+            const __m512i l = _mm512_loadu_si512(b + 64 * h), qh = dup256(b + 128 + 32 * h);
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, low_shift), m30));
+            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                               _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), m30));
+            const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_loadu_si512(x + 4 + 128 * h));
+            const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + 4 + 128 * h + 64));
+            s = _mm512_dpwssd_epi32(s, pl, _mm512_permutexvar_epi16(group[2 * h], sc));
+            s = _mm512_dpwssd_epi32(s, ph, _mm512_permutexvar_epi16(group[2 * h + 1], sc));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), acc);
+    }
+    return acc;
+}
+
+/* 16 rows at a time, their sums folded together */
+static void gemv_q6k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
+        __m512 sums[16];
+        for (int64_t r = 0; r < rr; r++) sums[r] = q6k_row(w + (r0 + r) * row_bytes, n / QK, xq);
+        acc_store(sums, rr, y + r0);
+    }
+}
+
 /* the Q4_K gemv with its activation copy; 0 if out of memory (the caller takes the loop above) */
 static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
     const int64_t blocks = n / QK;
@@ -1369,6 +1413,12 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #endif
 #if defined(DOTK_AVX512)
     if (loop != NULL && wtype == Q4_K && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
+#if defined(__AVX512VNNI__)
+    if (loop != NULL && wtype == Q6_K && T == 1) {
+        gemv_q6k(n, wb, row_bytes, rows, x, y);
+        return;
+    }
+#endif
 #elif defined(DOTK_AVX2)
     if (loop != NULL && T == 1 && one_token_avx2(wtype) != NULL) {
         one_token_avx2(wtype)(n, wb, row_bytes, rows, x, y);
