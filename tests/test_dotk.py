@@ -1,7 +1,7 @@
 """The dotk family (moetier/backends/cpu_dotk.c): K-quant and IQ weight rows times Q8_K activations.
 
-Fast: every format, T in {1, 3, 8}, n in {256, 1024}, and 37 rows x 11 tokens (the 16-row tiles and
-their tails): the Q8_K bytes equal
+Fast: every format, T in {1, 3, 8}, n in {256, 1024}, 37 rows x 11 tokens and 21 rows x 65 tokens (the
+16-row tiles of AVX-512 and of AVX2, and their tails): the Q8_K bytes equal
 moetier.backends.activations (llama.cpp's quantize_row_q8_K_ref); the dot
 products are within 1e-5 of sum |w||x| of float64 on gguf's dequantized
 weights and the activations' own values; T = 8 equals 8 single-token calls;
@@ -144,16 +144,22 @@ def test_eight_tokens_at_once_equal_eight_single_calls(kernels, name):
     assert np.all(np.abs(together - apart) <= BOUND * scale), name
 
 
+# (T, n, rows, seed): T = 11 takes the AVX-512 VNNI tiles (from 4 or 8 tokens) as a pass of 8 and one of 3, 37 rows
+# as two tiles and 5; T = 65 the AVX2 tiles (from 12 to 64 tokens by format) as a pass of 64 and one token, 21 rows
+TILE_CASES = {"avx512": (11, 768, 37, 17), "avx2": (65, 512, 21, 23)}
+
+
+@pytest.mark.parametrize("tiles", sorted(TILE_CASES))
 @pytest.mark.parametrize("name", NAMES)
-def test_row_tiles_with_tails(kernels, name):
-    """T >= 4 or 8 takes the 16-row tiles (AVX-512 VNNI): 37 rows (two tiles and 5), 11 tokens (a pass of 8 and
-    3), 3 blocks a row: within the bound of the float64 reference, and of one token at a time (the row loop)."""
-    n = 768
-    w, x = case(name, 11, n, seed=17, rows=37)
+def test_row_tiles_with_tails(kernels, name, tiles):
+    """The 16-row tiles and their tails: within the bound of the float64 reference, and of one token at a time
+    (the row loop)."""
+    T, n, rows, seed = TILE_CASES[tiles]
+    w, x = case(name, T, n, seed=seed, rows=rows)
     together, apart, xq = together_and_apart(kernels, name, w, x, n)
     exact, scale = reference(name, w, xq, n)
-    assert np.all(np.abs(together - exact) <= BOUND * scale), name
-    assert np.all(np.abs(together - apart) <= BOUND * scale), name
+    assert np.all(np.abs(together - exact) <= BOUND * scale), (name, tiles)
+    assert np.all(np.abs(together - apart) <= BOUND * scale), (name, tiles)
 
 
 def test_many_tokens_cross_the_activation_tile(kernels):
@@ -231,7 +237,7 @@ def test_other_paths_of_the_same_file(kernels, tmp_path, path):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
     other = build(tmp_path, *arch)
-    for T in (1, 5):
+    for T in (1, 5, 65):  # 65: the AVX2 tiles
         x = activations(T, 1024, seed=5)
         xq = other.quantize(A.ACT_Q8_K, torch.from_numpy(x))
         assert np.array_equal(xq.numpy(), A.quantize(A.ACT_Q8_K, x)), path

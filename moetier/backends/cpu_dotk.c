@@ -22,8 +22,9 @@
  * 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
  * the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in L1 for every row
  * and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows on a
- * vector's lanes, one vpdpbusd per token and 4 values (see "T > 1 with AVX-512 VNNI" below). No threads here:
- * callers split rows.
+ * vector's lanes, one vpdpbusd per token and 4 values (see "T > 1 with AVX-512 VNNI" below); with AVX2, from
+ * 12 to 64 tokens by format, Q2_K..Q5_K and IQ3_S take 16-row tiles on two vectors' lanes, one vpmaddubsw per
+ * token and 4 values of 8 rows (see "T > 1 with AVX2"). No threads here: callers split rows.
  *
  * SIMD paths, chosen at build time (-march=native): AVX-512 F/BW/VL/VBMI on 64-value vectors (vpdpwssd with
  * VNNI); the IQ3 grids are looked up in registers (vpermi2b on nibble codes of the grids' 8 levels: gathers
@@ -51,8 +52,9 @@
 
 enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23 };
 enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
-/* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d */
-enum { PACKED_QS = 0, PACKED_BSUMS = 256, PACKED_D = 288, PACKED_BYTES = 320 };
+/* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d, and
+ * (SIMD paths) the 8 sub-block sums (int16) */
+enum { PACKED_QS = 0, PACKED_BSUMS = 256, PACKED_D = 288, PACKED_SUMS8 = 304, PACKED_BYTES = 320 };
 enum { HAS_OFF = 1, HAS_MIN = 2, SIGNED = 4 };  /* what a format's decoded block carries */
 enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigned: offset + sign * grid value */
 /* The IQ3 formats' decoded form: with AVX-512 the grid values' magnitudes and signs (SIGNED: one vpshufb a vector
@@ -504,6 +506,7 @@ typedef struct {
     __m256i q[8], sc[8];  /* quants (unsigned, or |w| when SIGNED); each group's int16 scale across its lane */
     __m256i sg[8];        /* SIGNED: the signed values (never 0), whose signs go onto the activations */
     __m256i off, mn;      /* per group: offset * scale, and min (int16), against the bsums */
+    __m256i s16;          /* the 16 group scales (int16), for the row tiles */
     float d, dmin;
 } wblock;
 typedef __m256 acc_t;
@@ -516,6 +519,7 @@ static inline float acc_sum(acc_t a) {
 static inline void acc_store(acc_t acc[16], int64_t rr, float *y) { for (int64_t r = 0; r < rr; r++) y[r] = acc_sum(acc[r]); }
 
 static inline void spread_scales(wblock *w, __m256i s16) {
+    w->s16 = s16;
     const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
     for (int c = 0; c < 8; c++) {  /* int16 2c (c mod 4 of its half) across the low lane, 2c + 1 across the high */
         const int k = 4 * (c % 4);
@@ -881,6 +885,9 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
             memcpy(o + PACKED_QS, x + 4, 256);
             memcpy(o + PACKED_BSUMS, x + 260, 32);
             memcpy(o + PACKED_D, x, 4);
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+            _mm_storeu_si128((__m128i *)(o + PACKED_SUMS8), sub_block_sums8(x));
+#endif
         }
 }
 
@@ -1204,6 +1211,182 @@ static one_token_fn one_token_avx2(int64_t wtype) {
 }
 #endif
 
+#if defined(DOTK_AVX2)
+#define DOTK_TILED2 1
+/* ---- T > 1 with AVX2: sixteen weight rows on two vectors' lanes ----------------------------------------
+ * The row loop above spends a token's 256 products on 8 vpmaddubsw and 8 vpmaddwd (the scales) plus a
+ * horizontal fold per block. Here, as in the AVX-512 tiles below, the lanes are weight rows: 16 rows' blocks are
+ * decoded once (the same decoders) and transposed so that dword k of tile vector q[k][h] holds values 4k..4k+3
+ * of rows 8h..8h+7; a token's 4 activation bytes at k, broadcast, meet the 8 rows' 4 quants in one vpmaddubsw
+ * (32 products). Its int16 pairs are summed over `chunk` dwords before one vpmaddwd applies the group's scale:
+ * chunk * 2 * max(u) * 127 <= 32767 keeps every int16 sum exact (Q4_K 8 dwords, Q5_K / IQ3_S 4, Q2_K / Q3_K 4:
+ * a group of 16; Q6_K's would be 2, and it was not faster than its row loop). Two tokens at a time, so each tile load and each broadcast serves two products. The
+ * offset's share and the mins come per token through the bsums (span 4) or the sub-block sums (span 8), as int16
+ * pairs against each row's values. Numerics as the row loop's: per block and row the integer sum exact, then
+ * d_w * d_x * it in float32, minus dmin_w * d_x * sum(min * bsum); only the float32 order differs (rows on
+ * lanes, blocks in turn). Q6_K, IQ3_XXS (u up to 126: one dword a vpmaddwd, no gain) and IQ4_XS (signed values,
+ * whose signs cannot go onto activations shared by 8 rows) keep the row loop. */
+enum { TILE2_ROWS = 16 };
+
+/* from how many tokens the tiles beat the row loop (its fill is spread over fewer tokens); measured on Zen 3, one
+ * core, [512, 2048], interleaved: Q4_K / Q5_K / IQ3_S even at 8, 1.1x at 16, 1.3-1.45x at 64-256; Q2_K even at 16;
+ * Q3_K 0.96x at 32, 1.23x at 64. Q6_K (a vpmaddwd every 2 dwords) was 0.95x at 64 and 256: it keeps the row loop. */
+static inline int64_t tile2_from(int64_t wtype) { return wtype == Q3_K ? 64 : wtype == Q2_K ? 16 : 12; }
+
+typedef struct {
+    __m256i q[64][2];                 /* dword k: values 4k..4k+3; [h]: rows 8h..8h+7 (unsigned) */
+    __m256i sc[16][2];                /* group g (16 values): each row's scale, int16 in both halves of its dword */
+    __m256i offp[8][2], mnp[8][2];    /* pair p: each row's (offset * scale or min) of groups 2p, 2p + 1 (span 4) or
+                                       * sub-blocks 2p, 2p + 1 (span 8), as an int16 pair against the sums */
+    __m256 d[2], dmin[2];
+} wtile2;
+
+/* 8 vectors of 8 dwords, rows in, columns out: out[c] lane r = in[r] lane c */
+static inline void transpose8(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int q = 0; q < 2; q++) {  /* u[4q + j] lane l (of 4): column j (low half) and j + 4 (high) of rows 4q + l */
+        u[4 * q] = _mm256_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm256_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm256_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm256_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        v[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* rows[r] (r < rr <= 8): rows 8h + r's decoded blocks -> half h of the tile (lanes past rr: zeros) */
+static inline void fill_half(wtile2 *t, const wblock *rows, int64_t rr, int h, int kind, int span) {
+    __m256i v[8];
+    for (int c = 0; c < 8; c++) {
+        for (int64_t r = 0; r < 8; r++) v[r] = r < rr ? rows[r].q[c] : _mm256_setzero_si256();
+        transpose8(v);
+        for (int j = 0; j < 8; j++) t->q[8 * c + j][h] = v[j];
+    }
+    int16_t s16[8][16], off[8][16], mn[8][16];
+    int32_t lanes[16][8], offp[8][8], mnp[8][8];
+    float d[8], dmin[8];
+    for (int64_t r = 0; r < 8; r++) {
+        if (r < rr) {
+            _mm256_storeu_si256((__m256i *)s16[r], rows[r].s16);
+            if (kind & HAS_OFF) _mm256_storeu_si256((__m256i *)off[r], rows[r].off);
+            if (kind & HAS_MIN) _mm256_storeu_si256((__m256i *)mn[r], rows[r].mn);
+            d[r] = rows[r].d, dmin[r] = (kind & HAS_MIN) ? rows[r].dmin : 0.f;
+        } else {
+            memset(s16[r], 0, 32), memset(off[r], 0, 32), memset(mn[r], 0, 32);
+            d[r] = dmin[r] = 0.f;
+        }
+        for (int g = 0; g < 16; g++) lanes[g][r] = (int32_t)((uint32_t)(uint16_t)s16[r][g] * 0x10001u);
+        for (int p = 0; p < 8; p++) {  /* span 8: the values come twice (a sub-block's two groups): every other */
+            const int a = span == 8 ? 4 * p : 2 * p, b = span == 8 ? 4 * p + 2 : 2 * p + 1;
+            if (span == 8 && p >= 4) break;
+            if (kind & HAS_OFF) offp[p][r] = (int32_t)((uint32_t)(uint16_t)off[r][a] | (uint32_t)(uint16_t)off[r][b] << 16);
+            if (kind & HAS_MIN) mnp[p][r] = (int32_t)((uint32_t)(uint16_t)mn[r][a] | (uint32_t)(uint16_t)mn[r][b] << 16);
+        }
+    }
+    for (int g = 0; g < 16; g++) t->sc[g][h] = _mm256_loadu_si256((const __m256i *)lanes[g]);
+    for (int p = 0; p < (span == 8 ? 4 : 8); p++) {
+        if (kind & HAS_OFF) t->offp[p][h] = _mm256_loadu_si256((const __m256i *)offp[p]);
+        if (kind & HAS_MIN) t->mnp[p][h] = _mm256_loadu_si256((const __m256i *)mnp[p]);
+    }
+    t->d[h] = _mm256_loadu_ps(d), t->dmin[h] = _mm256_loadu_ps(dmin);
+}
+
+static inline __m256i bcast32(const uint8_t *p) { return _mm256_set1_epi32((int)u32_at(p)); }
+
+/* acc[2j + h] (rows 8h..8h+7's sums for token j < tn, tn 1 or 2) += the tile times token j's packed block at
+ * x + j * PACKED_BYTES */
+static inline __attribute__((always_inline)) void tile2_tokens(const wtile2 *t, const uint8_t *x, int tn, int kind, int span,
+                                                               int chunk, __m256 *acc) {
+    __m256i s[2][2];
+    for (int j = 0; j < 2; j++) s[j][0] = s[j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int k0 = 0; k0 < 64; k0 += chunk) {
+        __m256i a[2][2];
+        for (int j = 0; j < 2; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + chunk; k++) {
+            const __m256i w0 = t->q[k][0], w1 = t->q[k][1];
+            for (int j = 0; j < 2; j++) {
+                if (j >= tn) continue;
+                const __m256i xb = bcast32(x + j * PACKED_BYTES + PACKED_QS + 4 * k);
+                a[j][0] = _mm256_add_epi16(a[j][0], _mm256_maddubs_epi16(w0, xb));
+                a[j][1] = _mm256_add_epi16(a[j][1], _mm256_maddubs_epi16(w1, xb));
+                /* a chain per accumulator, in registers: unpinned, GCC builds all the products first and spills them */
+                __asm__("" : "+x"(a[j][0]), "+x"(a[j][1]));
+            }
+        }
+        for (int j = 0; j < 2; j++)
+            for (int h = 0; h < 2; h++)
+                if (j < tn) s[j][h] = _mm256_add_epi32(s[j][h], _mm256_madd_epi16(a[j][h], t->sc[k0 / 4][h]));
+    }
+    for (int j = 0; j < tn; j++) {
+        const uint8_t *xj = x + j * PACKED_BYTES, *sums = xj + (span == 8 ? PACKED_SUMS8 : PACKED_BSUMS);
+        const __m256 dx = _mm256_set1_ps(f32_at(xj + PACKED_D));
+        for (int h = 0; h < 2; h++) {
+            __m256i m = _mm256_setzero_si256();
+            for (int p = 0; p < (span == 8 ? 4 : 8); p++) {
+                if (kind & HAS_OFF) s[j][h] = _mm256_sub_epi32(s[j][h], _mm256_madd_epi16(t->offp[p][h], bcast32(sums + 4 * p)));
+                if (kind & HAS_MIN) m = _mm256_add_epi32(m, _mm256_madd_epi16(t->mnp[p][h], bcast32(sums + 4 * p)));
+            }
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[j][h]), _mm256_mul_ps(t->d[h], dx));
+            if (kind & HAS_MIN) f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(t->dmin[h], dx), f);
+            acc[2 * j + h] = _mm256_add_ps(acc[2 * j + h], f);
+        }
+    }
+}
+
+/* T > 1: TILE tokens at a time packed (pack_tokens), then 16 rows at a time; per block the rows decoded into the
+ * tile once and every token pair's pass over it. packed: TILE * blocks packed blocks, acc: 2 * TILE vectors (the
+ * caller's scratch) */
+#define TILED2_ROWS(name, decode, block_bytes, kind, span, chunk)                                                  \
+    static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,   \
+                     float *y, int64_t ldy, uint8_t *packed, __m256 *acc) {                                        \
+        const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                  \
+        wtile2 tile;                                                                                               \
+        wblock dec[8];                                                                                             \
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                                 \
+            const int64_t tt = T - t0 < TILE ? T - t0 : TILE;                                                      \
+            pack_tokens(xq + t0 * xrow, tt, blocks, packed);                                                       \
+            for (int64_t r0 = 0; r0 < rows; r0 += TILE2_ROWS) {                                                    \
+                const int64_t rr = rows - r0 < TILE2_ROWS ? rows - r0 : TILE2_ROWS;                                \
+                for (int64_t t = 0; t < 2 * tt; t++) acc[t] = _mm256_setzero_ps();                                \
+                for (int64_t i = 0; i < blocks; i++) {                                                             \
+                    for (int h = 0; h < 2; h++) {                                                                  \
+                        const int64_t hr = rr - 8 * h < 0 ? 0 : rr - 8 * h > 8 ? 8 : rr - 8 * h;                   \
+                        for (int64_t r = 0; r < hr; r++) {                                                         \
+                            const uint8_t *block = w + (r0 + 8 * h + r) * row_bytes + (block_bytes) * i;           \
+                            for (int line = 0; line < (block_bytes); line += 64) __builtin_prefetch(block + AHEAD + line);\
+                            decode(block, &dec[r]);                                                                \
+                        }                                                                                          \
+                        fill_half(&tile, dec, hr, h, kind, span);                                                  \
+                    }                                                                                              \
+                    const uint8_t *column = packed + i * tt * PACKED_BYTES;                                        \
+                    int64_t t = 0;                                                                                 \
+                    for (; t + 2 <= tt; t += 2) tile2_tokens(&tile, column + t * PACKED_BYTES, 2, kind, span, chunk, acc + 2 * t);\
+                    if (t < tt) tile2_tokens(&tile, column + t * PACKED_BYTES, 1, kind, span, chunk, acc + 2 * t);\
+                }                                                                                                  \
+                for (int64_t t = 0; t < tt; t++)                                                                   \
+                    for (int h = 0; h < 2 && 8 * h < rr; h++) {                                                    \
+                        float out[8];                                                                              \
+                        _mm256_storeu_ps(out, acc[2 * t + h]);                                                     \
+                        memcpy(y + (t0 + t) * ldy + r0 + 8 * h, out, sizeof(float) * (size_t)(rr - 8 * h < 8 ? rr - 8 * h : 8));\
+                    }                                                                                              \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
+TILED2_ROWS(tiled2_q2k, decode_q2k, 84, HAS_MIN, 4, 4)
+TILED2_ROWS(tiled2_q3k, decode_q3k, 110, HAS_OFF, 4, 4)
+TILED2_ROWS(tiled2_q4k, decode_q4k, 144, HAS_MIN, 8, 8)
+TILED2_ROWS(tiled2_q5k, decode_q5k, 176, HAS_MIN, 8, 4)
+TILED2_ROWS(tiled2_iq3s, decode_iq3s, 110, HAS_OFF, 8, 4)
+#endif
+
 
 #if defined(DOTK_AVX512) && defined(__AVX512VNNI__)
 #define DOTK_TILED 1
@@ -1420,6 +1603,19 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
 #endif
 #elif defined(DOTK_AVX2)
+    if (loop != NULL && T >= tile2_from(wtype)) {
+        typedef void (*tile2_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t,
+                                   uint8_t *, __m256 *);
+        const tile2_loop tiles2 = wtype == Q2_K ? tiled2_q2k : wtype == Q3_K ? tiled2_q3k : wtype == Q4_K ? tiled2_q4k
+                                : wtype == Q5_K ? tiled2_q5k : wtype == IQ3_S ? tiled2_iq3s : NULL;
+        const size_t packed_bytes = (size_t)(TILE * (n / QK) * PACKED_BYTES);
+        uint8_t *scratch = tiles2 != NULL ? aligned_alloc(64, packed_bytes + 2 * TILE * sizeof(__m256)) : NULL;
+        if (scratch != NULL) {  /* else (out of memory too) the row loop */
+            tiles2(n, wb, row_bytes, rows, x, T, y, ldy, scratch, (__m256 *)(scratch + packed_bytes));
+            free(scratch);
+            return;
+        }
+    }
     if (loop != NULL && T == 1 && one_token_avx2(wtype) != NULL) {
         one_token_avx2(wtype)(n, wb, row_bytes, rows, x, y);
         return;
