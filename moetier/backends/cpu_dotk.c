@@ -53,9 +53,12 @@
 enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23 };
 enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
 /* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d, and
- * (SIMD paths) the 8 sub-block sums (int16) */
+ * (AVX2) the 8 sub-block sums (int16) */
 enum { PACKED_QS = 0, PACKED_BSUMS = 256, PACKED_D = 288, PACKED_SUMS8 = 304, PACKED_BYTES = 320 };
 enum { HAS_OFF = 1, HAS_MIN = 2, SIGNED = 4 };  /* what a format's decoded block carries */
+/* the row tiles' scale (min) pairs a row's block has against a token's sums: span 4 (values per 16), its 16
+ * bsums, 8 pairs; span 8 (per 32), its 8 sub-block sums, 4 */
+#define PAIRS(span) (32 / (span))
 enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigned: offset + sign * grid value */
 /* The IQ3 formats' decoded form: with AVX-512 the grid values' magnitudes and signs (SIGNED: one vpshufb a vector
  * where offset +- value took two, and no offset's share); elsewhere offset + sign * value (HAS_OFF) */
@@ -885,7 +888,7 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
             memcpy(o + PACKED_QS, x + 4, 256);
             memcpy(o + PACKED_BSUMS, x + 260, 32);
             memcpy(o + PACKED_D, x, 4);
-#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+#if defined(DOTK_AVX2)  /* for its tiles (AVX-512's read the tokens as they lie) */
             _mm_storeu_si128((__m128i *)(o + PACKED_SUMS8), sub_block_sums8(x));
 #endif
         }
@@ -1212,7 +1215,6 @@ static one_token_fn one_token_avx2(int64_t wtype) {
 #endif
 
 #if defined(DOTK_AVX2)
-#define DOTK_TILED2 1
 /* ---- T > 1 with AVX2: sixteen weight rows on two vectors' lanes ----------------------------------------
  * The row loop above spends a token's 256 products on 8 vpmaddubsw and 8 vpmaddwd (the scales) plus a
  * horizontal fold per block. Here, as in the AVX-512 tiles below, the lanes are weight rows: 16 rows' blocks are
@@ -1220,9 +1222,9 @@ static one_token_fn one_token_avx2(int64_t wtype) {
  * of rows 8h..8h+7; a token's 4 activation bytes at k, broadcast, meet the 8 rows' 4 quants in one vpmaddubsw
  * (32 products). Its int16 pairs are summed over `chunk` dwords before one vpmaddwd applies the group's scale:
  * chunk * 2 * max(u) * 127 <= 32767 keeps every int16 sum exact (Q4_K 8 dwords, Q5_K / IQ3_S 4, Q2_K / Q3_K 4:
- * a group of 16; Q6_K's would be 2, and it was not faster than its row loop). Two tokens at a time, so each tile load and each broadcast serves two products. The
- * offset's share and the mins come per token through the bsums (span 4) or the sub-block sums (span 8), as int16
- * pairs against each row's values. Numerics as the row loop's: per block and row the integer sum exact, then
+ * a group of 16; Q6_K's would be 2, and it was not faster than its row loop). Two tokens at a time, so each
+ * tile load and each broadcast serves two products. The offset's share and the mins come per token through the
+ * bsums (span 4) or the sub-block sums (span 8), as int16 pairs against each row's values. Numerics as the row loop's: per block and row the integer sum exact, then
  * d_w * d_x * it in float32, minus dmin_w * d_x * sum(min * bsum); only the float32 order differs (rows on
  * lanes, blocks in turn). Q6_K, IQ3_XXS (u up to 126: one dword a vpmaddwd, no gain) and IQ4_XS (signed values,
  * whose signs cannot go onto activations shared by 8 rows) keep the row loop. */
@@ -1282,15 +1284,14 @@ static inline void fill_half(wtile2 *t, const wblock *rows, int64_t rr, int h, i
             d[r] = dmin[r] = 0.f;
         }
         for (int g = 0; g < 16; g++) lanes[g][r] = (int32_t)((uint32_t)(uint16_t)s16[r][g] * 0x10001u);
-        for (int p = 0; p < 8; p++) {  /* span 8: the values come twice (a sub-block's two groups): every other */
+        for (int p = 0; p < PAIRS(span); p++) {  /* span 8: each value comes twice (a sub-block's two groups) */
             const int a = span == 8 ? 4 * p : 2 * p, b = span == 8 ? 4 * p + 2 : 2 * p + 1;
-            if (span == 8 && p >= 4) break;
             if (kind & HAS_OFF) offp[p][r] = (int32_t)((uint32_t)(uint16_t)off[r][a] | (uint32_t)(uint16_t)off[r][b] << 16);
             if (kind & HAS_MIN) mnp[p][r] = (int32_t)((uint32_t)(uint16_t)mn[r][a] | (uint32_t)(uint16_t)mn[r][b] << 16);
         }
     }
     for (int g = 0; g < 16; g++) t->sc[g][h] = _mm256_loadu_si256((const __m256i *)lanes[g]);
-    for (int p = 0; p < (span == 8 ? 4 : 8); p++) {
+    for (int p = 0; p < PAIRS(span); p++) {
         if (kind & HAS_OFF) t->offp[p][h] = _mm256_loadu_si256((const __m256i *)offp[p]);
         if (kind & HAS_MIN) t->mnp[p][h] = _mm256_loadu_si256((const __m256i *)mnp[p]);
     }
@@ -1329,7 +1330,7 @@ static inline __attribute__((always_inline)) void tile2_tokens(const wtile2 *t, 
         const __m256 dx = _mm256_set1_ps(f32_at(xj + PACKED_D));
         for (int h = 0; h < 2; h++) {
             __m256i m = _mm256_setzero_si256();
-            for (int p = 0; p < (span == 8 ? 4 : 8); p++) {
+            for (int p = 0; p < PAIRS(span); p++) {
                 if (kind & HAS_OFF) s[j][h] = _mm256_sub_epi32(s[j][h], _mm256_madd_epi16(t->offp[p][h], bcast32(sums + 4 * p)));
                 if (kind & HAS_MIN) m = _mm256_add_epi32(m, _mm256_madd_epi16(t->mnp[p][h], bcast32(sums + 4 * p)));
             }
@@ -1357,7 +1358,7 @@ static inline __attribute__((always_inline)) void tile2_tokens(const wtile2 *t, 
                 for (int64_t t = 0; t < 2 * tt; t++) acc[t] = _mm256_setzero_ps();                                \
                 for (int64_t i = 0; i < blocks; i++) {                                                             \
                     for (int h = 0; h < 2; h++) {                                                                  \
-                        const int64_t hr = rr - 8 * h < 0 ? 0 : rr - 8 * h > 8 ? 8 : rr - 8 * h;                   \
+                        const int64_t hr = h == 0 ? (rr < 8 ? rr : 8) : (rr > 8 ? rr - 8 : 0);  /* rows in half h */\
                         for (int64_t r = 0; r < hr; r++) {                                                         \
                             const uint8_t *block = w + (r0 + 8 * h + r) * row_bytes + (block_bytes) * i;           \
                             for (int line = 0; line < (block_bytes); line += 64) __builtin_prefetch(block + AHEAD + line);\
@@ -1414,7 +1415,6 @@ typedef struct {
 
 /* dpbusd_bcast, dpwssd_bcast, transpose16: cpu_vnni.h */
 
-#define PAIRS(span) (32 / (span))  /* the dwords of scale (min) pairs a row's block has against the sums: 8, or 4 */
 
 /* A row's 16 group scales (or mins, int16) as the dwords of their pairs, against the bsums; span 8: each value comes
  * twice, so its even lanes are the 8 sub-blocks' (4 pairs), against the sub-block sums */
