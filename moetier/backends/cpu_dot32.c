@@ -705,10 +705,10 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
  * ahead) read rows of 512 values at 12-16 GB/s a core from DRAM on a Zen 3, 23 GB/s on two; this 17-19 and 28
  * (in L3 one core 21.5 -> 26.5; rows of 2048 values 14-20 -> 17-19 from DRAM, 24 -> 27.5 in L3). Each row's lanes
  * accumulate and reduce (sum8) as tile_blocks' do: the same bits as the T > 1 tiles. */
-INLINE __m256 q8_0_block(const uint8_t *p, const act_view *x, int64_t b, __m256 acc) {
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 2)), xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
+INLINE __m256 q8_0_block(const uint8_t *p, __m256i xq, float dx, __m256 acc) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 2));
     const __m256i i = DOT_FROM(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(half_float(load16(p)) * x->d[b]), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(half_float(load16(p)) * dx), acc);
 }
 
 INLINE void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
@@ -719,12 +719,7 @@ INLINE void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, i
         _mm_prefetch((const char *)ahead + 64, _MM_HINT_T0);
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         const float dx = x->d[b];
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *p = w + r * row_bytes + 34 * b;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 2));
-            const __m256i i = DOT_FROM(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));
-            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(half_float(load16(p)) * dx), a[r]);
-        }
+        for (int r = 0; r < 4; r++) a[r] = q8_0_block(w + r * row_bytes + 34 * b, xq, dx, a[r]);
     }
     for (int r = 0; r < 4; r++) y[r] = sum8(a[r]);
 }
@@ -736,7 +731,7 @@ static void q8_0_rows(const uint8_t *w, int64_t row_bytes, int64_t rows, const a
         __m256 a = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             if (!(b & 1)) _mm_prefetch((const char *)(w + 2048 + 34 * b), _MM_HINT_T0);
-            a = q8_0_block(w + 34 * b, x, b, a);
+            a = q8_0_block(w + 34 * b, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)), x->d[b], a);
         }
         y[r] = sum8(a);
     }
