@@ -91,6 +91,25 @@ def test_torch_and_native_paths_match_the_reference_on_every_format(files, name)
     assert generate(Engine(checkpoint), [5, 9, 13], 6).ids == tokens
 
 
+def test_the_torch_ops_decode_batches_stored_experts_by_kind(files):
+    """The torch path's decode step (CUDA's, and the CPU's without the kernels) stacks the experts of one stored kind
+    and dequantizes them together: mixed kinds in one call, an expert twice and float32 experts beside them give the
+    reference's sum."""
+    from moetier.backends import get_backend
+    from moetier.backends.numpy_backend import NumpyBackend
+
+    picks = [(name, e) for name in ("Q8_0", "Q4_K/Q6_K", "IQ3_S", "F32") for e in (1, 4)] + [("Q8_0", 1)]
+    checkpoints = {name: open_checkpoint(files[name]) for name in {name for name, _ in picks}}
+    layer = checkpoints["F32"].spec.moe_layers[-1]
+    experts = [checkpoints[name].expert(layer, e) for name, e in picks]
+    scales = np.random.default_rng(4).uniform(0.1, 1.0, len(picks)).tolist()
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((1, checkpoints["F32"].spec.hidden_size), np.float32))
+    torch_ops, numpy = get_backend("torch", "cpu", native_kernel=False), NumpyBackend()
+    got = torch_ops.run_decode(x, [torch_ops.place(w) for w in experts], scales)  # [1, D]
+    reference = numpy.run_decode(x, [numpy.place(w) for w in experts], scales)  # [1, D]
+    assert torch.allclose(got, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["Q4_K/Q6_K", "IQ3_S", "Q8_0", "bf16"])
 def test_the_cuda_path_matches_the_reference(files, name):

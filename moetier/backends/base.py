@@ -38,6 +38,18 @@ class ExpertWork(NamedTuple):  # a tuple: built per expert per layer on the hot 
     weights: torch.Tensor  # [n] float32 gate weights
 
 
+def rows_on_host(items: Sequence[Any]) -> Sequence[Any]:
+    """Work items (ExpertWork, the tiers' ExpertJob: named tuples with `rows` [n] and `weights` [n]) with their rows
+    and weights in host memory, float32 weights, in one transfer of each: what the native kernels read, when the
+    engine routed on a GPU. Items already on the host come back as they are."""
+    if all(item.rows.is_cpu and item.weights.is_cpu for item in items):
+        return items
+    counts = [int(item.rows.numel()) for item in items]
+    rows = torch.cat([item.rows for item in items]).cpu().split(counts)  # [n] each
+    weights = torch.cat([item.weights.float() for item in items]).cpu().split(counts)  # [n] each
+    return [item._replace(rows=r, weights=w) for item, r, w in zip(items, rows, weights)]
+
+
 ROW0 = torch.zeros(1, dtype=torch.int64)  # [1]: the one row of a decode step's work, in host memory
 
 

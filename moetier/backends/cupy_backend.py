@@ -41,14 +41,17 @@ class CupyBackend(Backend):
 
     def _run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
         with self.cuda_device:
-            xs = cp.from_dlpack(x.detach().to(f"cuda:{self.cuda_device.id}").contiguous())  # [T, D]
+            here = torch.device(f"cuda:{self.cuda_device.id}")
+            on_device = lambda t: cp.from_dlpack(t.detach().to(here).contiguous())  # noqa: E731 (host or device)
+            xs = on_device(x)  # [T, D]
             out = cp.zeros_like(xs)
             for item in work:
-                rows = cp.asarray(item.rows.numpy())
+                rows = on_device(item.rows)  # [n]
                 sub = xs[rows]  # [n, D]
                 gate, up = cp.split(sub @ item.expert.gate_up.T, 2, axis=-1)  # [n, I] each
                 h = (gate / (1.0 + cp.exp(-gate))) * up
-                out[rows] += (h @ item.expert.down.T) * cp.asarray(item.weights.numpy())[:, None]
+                # an expert may hold a row twice (two gate weights): an unbuffered add counts both
+                cp.add.at(out, rows, (h @ item.expert.down.T) * on_device(item.weights.float())[:, None])
             return torch.from_dlpack(out).to(x.device)
 
     def synchronize(self) -> None:

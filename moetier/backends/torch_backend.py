@@ -5,9 +5,14 @@ CPU, device memory on CUDA): a file mapping's pages can be dropped by the OS
 and re-read from disk mid-decode. A layer's group runs expert by expert over
 the rows routed to each (a grouped GEMM: one matmul per expert covering all
 its tokens), so prefill does E_hit matmuls, not T x k. Decode touches each
-picked expert's weights exactly once, in place: gathering the k experts into
-one stacked tensor for a single bmm would copy every weight byte once more
-per token, and decode is bound by exactly those bytes.
+picked float32 expert's weights exactly once, in place: gathering the k
+experts into one stacked tensor for a single bmm would copy every weight byte
+once more per token, and decode is bound by exactly those bytes. Stored
+(quantized, F16, BF16) experts are the other way round: the torch path
+dequantizes them anyway, in a dozen ops a matrix, so a decode step stacks the
+stored bytes of the experts of one kind (a quarter of what dequantizing
+writes) and dequantizes them together: ops per layer, not per expert, which
+is what a GPU's batch-1 decode is bound by.
 
 On the CPU, a layer's group runs through the native kernels
 (moetier.backends.cpu_kernels: one C call per group, decode and prefill
@@ -32,8 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from moetier.backends import cpu_kernels, cpu_lane
-from moetier.backends.base import Backend, BackendCaps, ExpertWork
-from moetier.backends.torch_activations import stored_product
+from moetier.backends.base import Backend, BackendCaps, ExpertWork, rows_on_host
+from moetier.backends.activations import act_type
+from moetier.backends.torch_activations import as_dot_input, stored_product
+from moetier.backends.torch_dequant import dequantize
 from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS
 
@@ -52,17 +59,46 @@ def swiglu(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     return stored_product(glu(gate, up, w.swiglu_limit), w.down, w.down_type, w.float_acts)
 
 
+def _decode_stored(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
+    """One token through experts of one stored kind (formats, shapes, activations, clamp), batched: x [1, D] -> sum of
+    scale * ffn(x) [1, D]. Their stored bytes are stacked (a copy of k experts' stored bytes) and dequantized in one
+    set of ops, x converted once: a fixed number of ops per layer, not per expert, which is what a GPU's decode of
+    small matrices is bound by (each op a kernel launch). The same products as swiglu's, summed in another order."""
+    w0 = experts[0]
+    gate_up = dequantize(torch.stack([w.gate_up for w in experts]), w0.gate_up_type)  # [k, 2I, D]
+    down = dequantize(torch.stack([w.down for w in experts]), w0.down_type)  # [k, D, I]
+    xq = as_dot_input(x, act_type(w0.gate_up_type, w0.float_acts))[0]  # [D]
+    gate, up = torch.matmul(gate_up, xq).chunk(2, dim=-1)  # [k, I] each
+    hidden = as_dot_input(glu(gate, up, w0.swiglu_limit), act_type(w0.down_type, w0.float_acts))  # [k, I], row by row
+    y = torch.matmul(down, hidden.unsqueeze(-1)).squeeze(-1)  # [k, D]
+    weights = torch.tensor(scales, dtype=torch.float32).to(x.device, non_blocking=True)  # [k]
+    return torch.matmul(weights, y).unsqueeze(0)  # [1, D]
+
+
+def _stored_kind(w: ExpertWeights) -> tuple:
+    return (w.gate_up_type, w.down_type, tuple(w.gate_up.shape), tuple(w.down.shape), w.float_acts, w.swiglu_limit)
+
+
 def _decode_experts(x: torch.Tensor, experts: Sequence[ExpertWeights], scales: Sequence[float]) -> torch.Tensor:
-    """One token through some experts with torch ops: x [1, D] -> sum of scale * ffn(x) [1, D]."""
+    """One token through some experts with torch ops: x [1, D] -> sum of scale * ffn(x) [1, D]. Stored (not float32)
+    experts go in batches of one kind (_decode_stored), float32 ones one by one (three kernels each, in place)."""
     out = torch.zeros_like(x)
+    kinds: dict[tuple, tuple[list[ExpertWeights], list[float]]] = {}
     for w, scale in zip(experts, scales):
-        if not w.float32 or w.swiglu_limit is not None:
+        if not w.float32:
+            group = kinds.setdefault(_stored_kind(w), ([], []))
+            group[0].append(w)
+            group[1].append(scale)
+            continue
+        if w.swiglu_limit is not None:
             out.add_(swiglu(x, w), alpha=scale)
             continue
         gate_up = F.linear(x, w.gate_up)  # [1, 2I]
         inter = w.down.shape[1]
         hidden = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [1, I]
         out.addmm_(hidden, w.down.t(), alpha=scale)  # out += scale * hidden @ down^T, one kernel
+    for group, group_scales in kinds.values():
+        out.add_(_decode_stored(x, group, group_scales))
     return out
 
 
@@ -98,7 +134,7 @@ class TorchBackend(Backend):
             experts = [item.expert for item in work for _ in range(item.weights.shape[0])]  # one per weight: a RUN may
             return self._run_decode(x, experts, scales)  # give an expert the row twice, or not at all
         if self._kernel is not None and x.is_cpu and all(self._kernel.fits(item.expert) for item in work):
-            return self._kernel.experts(x, work)  # each expert's rows converted once, its weights read once
+            return self._kernel.experts(x, rows_on_host(work))  # each expert's rows converted once, its weights read once
         out = torch.zeros_like(x)  # [T, D]
         for item in work:
             rows = item.rows.to(x.device)

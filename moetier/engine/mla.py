@@ -23,7 +23,7 @@ over the selected positions, scaled by dn^-1/2, then o_proj.
 
 Everything follows transformers' Glm5NextTextAttention / Glm5NextTextIndexer
 op for op (the selection is torch.topk over the same scores, so ties break the
-same way); the cache (`LatentState`) holds each position's latent and indexer
+same way: on the CPU, whatever the engine's device); the cache (`LatentState`) holds each position's latent and indexer
 key and gate logits, grown as it fills.
 """
 
@@ -123,6 +123,18 @@ def latent_layer(w: LatentWeights, spec: ModelSpec, x: torch.Tensor, state: Late
     return w.out_proj(out.transpose(0, 1).reshape(new, heads * mla.value_dim)), selection
 
 
+def _top_pools(pool_scores: torch.Tensor, k: int) -> torch.Tensor:
+    """pool_scores [T, n] -> the indices [T, k] of each query's k best pools, as torch.topk picks them on the CPU.
+
+    The scores tie exactly and often (a pool whose every head's relu is zero scores 0), and which of the tied
+    pools topk keeps differs between the CPU and CUDA kernels; transformers' reference runs on the CPU, so on a
+    GPU the small [T, n] score matrix comes to the host for the pick (the engine syncs per layer for routing
+    anyway)."""
+    if pool_scores.is_cpu:
+        return pool_scores.topk(k, dim=-1).indices
+    return pool_scores.cpu().topk(k, dim=-1).indices.to(pool_scores.device)
+
+
 def _select(w: IndexerWeights, spec: ModelSpec, q_resid: torch.Tensor, head_logits: torch.Tensor,
             index_cache: torch.Tensor, start: int) -> torch.Tensor:
     """The positions each query attends to [T, P] bool, as Glm5NextTextIndexer picks them (batch 1, no padding)."""
@@ -143,7 +155,7 @@ def _select(w: IndexerWeights, spec: ModelSpec, q_resid: torch.Tensor, head_logi
         pool_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [T, n]
         candidates = visible.gather(1, slots[:, -1][None, :].expand(new, -1))  # a pool is visible once its end is
         pool_scores = pool_scores.masked_fill(~candidates, torch.finfo(pool_scores.dtype).min)
-        chosen = pool_scores.topk(min(index.topk // pool, complete), dim=-1).indices  # [T, k]
+        chosen = _top_pools(pool_scores, min(index.topk // pool, complete))  # [T, k]
         chosen_ok = candidates.gather(1, chosen)
         picked = slots[chosen].masked_fill(~chosen_ok[..., None], -1).flatten(1)  # [T, k pool]
     else:

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from moetier.model.checkpoint import Checkpoint
-from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts
+from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts, jobs_on_host
 from moetier.tiers.cpu import CpuTier
 from moetier.transport.client import DeadlineError, RemoteError, ReplyFuture, TransportError, WorkerClient
 from moetier.transport.protocol import MAX_HEADER_BYTES, Load, Ping, Run
@@ -138,12 +138,13 @@ class RemoteTier(Tier):
         if not self.client.ready:
             return self._done(self._fall_back(layer, x, jobs, "suspect", None))
         tokens = x.shape[0]
+        host = jobs if decode else jobs_on_host(jobs)  # rows and weights in host memory, one transfer each
         index = None  # rows of x that go out; None: all of them
         if tokens == 1:  # decode: every expert serves the one row, so every row index is 0
             sub = x  # [1, D]
             rows = torch.zeros(len(experts) if decode else sum(int(j.rows.numel()) for j in jobs), dtype=torch.int32)  # [k]
         else:
-            wanted = torch.cat([j.rows for j in jobs]).cpu()  # [r] grouped by expert
+            wanted = torch.cat([j.rows for j in host])  # [r] grouped by expert
             index = torch.unique(wanted)  # [n] sorted
             if index.numel() == tokens:
                 index, sub, rows = None, x, wanted.to(torch.int32)
@@ -157,7 +158,7 @@ class RemoteTier(Tier):
         if decode:
             weights, counts = torch.tensor(jobs.scales, dtype=torch.float32), (1,) * len(experts)  # [k]
         else:
-            weights, counts = torch.cat([j.weights.float().cpu() for j in jobs]), tuple(int(j.rows.numel()) for j in jobs)  # [r]
+            weights, counts = torch.cat([j.weights for j in host]), tuple(int(j.rows.numel()) for j in host)  # [r]
         request = Run(layer, experts, counts, sub, rows, weights)
         reply = self.client.submit(request, self.layer_budget_us / 1e6)
         future = _RemoteRun(reply)
