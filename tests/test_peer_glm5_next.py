@@ -11,7 +11,9 @@ same file and on the HF checkpoint:
              transformers in float64 printed beside it;
   quantized  mean KL(llama.cpp || moetier) <= 1e-3 nats and top-1 >= 99% (below
              it, the test xfails naming the figure and moetier's disagreement
-             with itself on the same file, as for Qwen3-Next).
+             with itself on the same file, as for Qwen3-Next; the wide
+             checkpoint trained until its top token leads, tests/trained_models.py,
+             is held to the bar).
 The models vary what llama.cpp can run: the indexed / KDA layer pattern, a
 "shared" indexer layer, index_topk below the length (a selection among the
 pools) and above it, one or two dense layers, groups, one or two shared
@@ -37,8 +39,9 @@ from moetier.engine.router_bias import apply_router_options
 from moetier.model import open_checkpoint
 from moetier.model.gguf_write import write_gguf
 from glm5_next_files import BASE, boundary_ties, save_glm5_next
-from test_peer_llama import kl_and_top1, llama_logits, quantize
+from test_peer_llama import assert_trained_agrees, kl_and_top1, llama_logits, quantize
 from test_peer_qwen3_next import torch_path_logits
+from trained_models import markov_ids, train
 
 pytestmark = pytest.mark.peer
 POSITIONS = 256
@@ -179,3 +182,21 @@ def test_llama_cpp_routes_a_baked_gguf_as_moetier_routes_the_table(tmp_path):
           f"llama.cpp's logits by {np.abs(unbiased - theirs).max():.3g}")
     assert np.abs(ours - theirs).max() <= 1e-4 * scale
     assert np.abs(unbiased - theirs).max() > 1e-2 * scale  # the table changes llama.cpp's routing
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The wide checkpoint trained until its top token leads (tests/trained_models.py), its F32 GGUF, 256 positions
+    of the chain it learned."""
+    root = tmp_path_factory.mktemp("trained-glm5next")
+    overrides, std, _ = MODELS["wide"]
+    folder = train(save_glm5_next(root / "init", BASE | overrides, seed=3, std=std), root / "hf")
+    ids = markov_ids(1, POSITIONS, np.random.default_rng(99))[0].tolist()
+    return root, folder, write_gguf(folder, root / "model-f32.gguf", "F32")[0], ids
+
+
+def test_quantized_gguf_of_a_trained_model_agrees_with_llama_cpp(trained):
+    """The bars of the random checkpoints' xfail, met where the top token leads (a trained model): Q8_0, Q4_K_M and
+    Q6_K top-1 >= 99% and KL <= 1e-3 against llama.cpp, the F32 GGUF and the checkpoint within 1e-4 of its F32."""
+    root, folder, f32, ids = trained
+    assert_trained_agrees("glm5next", root, folder, f32, ids, (("Q8_0", 7), ("Q4_K_M", 15), ("Q6_K", 18)))

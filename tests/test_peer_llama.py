@@ -243,7 +243,7 @@ def trained(request, tmp_path_factory):
     return request.param, root, folder, write_gguf(folder, root / "model-f32.gguf", "F32")[0], ids
 
 
-TRAINED_TYPES = (("Q8_0", 7), ("Q4_K_M", 15), ("Q6_K", 18), ("IQ3_S", 26))  # LLAMA_FTYPE_MOSTLY_*
+TRAINED_TYPES = (("BF16", 32), ("Q8_0", 7), ("Q4_K_M", 15), ("Q6_K", 18), ("IQ3_S", 26))  # LLAMA_FTYPE_MOSTLY_*
 
 
 def assert_trained_agrees(label: str, root: Path, folder: Path, f32: Path, ids: list[int], types=TRAINED_TYPES) -> None:
@@ -267,7 +267,7 @@ def assert_trained_agrees(label: str, root: Path, folder: Path, f32: Path, ids: 
 
 def test_quantized_gguf_of_a_trained_model_agrees_with_llama_cpp(trained):
     """The quantized bars on a model whose top token leads (a trained one, not a random one, whose near-tied logits
-    part at the last bit: see test_quantized_gguf_top1_agrees_with_llama_cpp), on Q8_0, Q4_K_M (a file of mixed
+    part at the last bit: see test_quantized_gguf_top1_agrees_with_llama_cpp), on BF16, Q8_0, Q4_K_M (a file of mixed
     types: the 96-wide down rows take llama.cpp's fallback), Q6_K and IQ3_S."""
     arch, root, folder, f32, ids = trained
     assert_trained_agrees(arch, root, folder, f32, ids)
