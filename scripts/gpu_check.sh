@@ -4,7 +4,13 @@
 # then decode speed on the GPU with and without a tiered layout, and on quantized GGUFs (the device-side
 # dequantization of stored blocks). Writes logs under $OUT (or ./gpu-out).
 # Usage: bash scripts/gpu_check.sh [pytest targets, default tests]
-#   (extra wheels, e.g. pyzmq, in .whl/ are installed to /tmp/site first)
+#   (extra wheels in .whl/ are installed to /tmp/site first). The H200 image (Python 3.12) lacked, on
+#   2026-12-04: gguf, pyzmq, fastapi, starlette, pydantic(-core), typing-inspection, annotated-types/-doc,
+#   uvicorn, openai, jiter, distro, sniffio, opentelemetry-api, and for transformers 5.25 (the image has
+#   5.17): huggingface_hub 2.x, kernels, httpx2, httpcore2, truststore, tomlkit, hf-xet, regex, filelock,
+#   fsspec, idna, click, anyio, h11, typing_extensions. Fetch each at .venv's version, e.g.
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
