@@ -40,8 +40,9 @@ class ExpertWork(NamedTuple):  # a tuple: built per expert per layer on the hot 
 
 def rows_on_host(items: Sequence[Any]) -> Sequence[Any]:
     """Work items (ExpertWork, the tiers' ExpertJob: named tuples with `rows` [n] and `weights` [n]) with their rows
-    and weights in host memory, float32 weights, in one transfer of each: what the native kernels read, when the
-    engine routed on a GPU. Items already on the host come back as they are."""
+    and weights in host memory, float32 weights, in one transfer of each: what a backend computing in host memory
+    reads (run_experts) and what the remote tier sends, when the engine routed on a GPU. Items already on the host
+    come back as they are."""
     if all(item.rows.is_cpu and item.weights.is_cpu for item in items):
         return items
     counts = [int(item.rows.numel()) for item in items]
@@ -76,10 +77,11 @@ class Backend:
         return self._place(weights)
 
     def run_experts(self, x: torch.Tensor, work: Sequence[ExpertWork]) -> torch.Tensor:
-        """x [T, D] float32 -> [T, D]: sum over work of weights * ffn(x[rows]) scattered to rows."""
+        """x [T, D] float32 -> [T, D]: sum over work of weights * ffn(x[rows]) scattered to rows. With x in host
+        memory the rows and weights come there too (rows_on_host: a GPU engine's jobs on a host tier)."""
         if x.dim() != 2:
             raise ValueError(f"{self.name} backend: x must be [T, D], got shape {list(x.shape)}")
-        return self._run_experts(x, work)
+        return self._run_experts(x, rows_on_host(work) if x.is_cpu else work)
 
     def run_decode(self, x: torch.Tensor, experts: Sequence[Any], scales: Sequence[float]) -> torch.Tensor:
         """x [1, D] -> [1, D]: sum over j of scales[j] * ffn_j(x), experts as place() returned them."""

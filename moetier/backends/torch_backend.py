@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.backends import cpu_kernels, cpu_lane
-from moetier.backends.base import Backend, BackendCaps, ExpertWork, rows_on_host
+from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.backends.activations import act_type
 from moetier.backends.torch_activations import as_dot_input, stored_product
 from moetier.backends.torch_dequant import dequantize
@@ -134,7 +134,7 @@ class TorchBackend(Backend):
             experts = [item.expert for item in work for _ in range(item.weights.shape[0])]  # one per weight: a RUN may
             return self._run_decode(x, experts, scales)  # give an expert the row twice, or not at all
         if self._kernel is not None and x.is_cpu and all(self._kernel.fits(item.expert) for item in work):
-            return self._kernel.experts(x, rows_on_host(work))  # each expert's rows converted once, its weights read once
+            return self._kernel.experts(x, work)  # each expert's rows converted once, its weights read once
         out = torch.zeros_like(x)  # [T, D]
         for item in work:
             rows = item.rows.to(x.device)

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import torch
 
 from moetier.backends import Backend, ExpertWork
-from moetier.backends.base import ROW0, decode_weights, rows_on_host
+from moetier.backends.base import ROW0, decode_weights
 
 
 class ExpertJob(NamedTuple):  # a tuple: built per expert per layer on the hot path
@@ -65,11 +65,6 @@ class DecodeJobs(Sequence[ExpertJob]):
 def job_experts(jobs: Sequence[ExpertJob]) -> list[int]:
     """The experts of a tier's jobs, in order (without making a DecodeJobs' tensors)."""
     return jobs.experts if isinstance(jobs, DecodeJobs) else [job.expert for job in jobs]
-
-
-def jobs_on_host(jobs: Sequence[ExpertJob]) -> Sequence[ExpertJob]:
-    """The jobs with their rows and weights in host memory (backends.base.rows_on_host), a DecodeJobs as it is."""
-    return jobs if isinstance(jobs, DecodeJobs) else rows_on_host(jobs)
 
 
 def run_jobs(backend: Backend, x: torch.Tensor, jobs: Sequence[ExpertJob], placed: Callable[[int], Any]) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from moetier.backends import Backend, get_backend
 from moetier.backends.cpu_kernels import DecodeKernel, expert_record
-from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts, jobs_on_host, run_jobs
+from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts, run_jobs
 from moetier.tiers.host_experts import HostExperts
 from moetier.tiers.lane_threads import LaneThreads
 
@@ -61,12 +61,12 @@ class CpuTier(Tier):
         """The lane's math, synchronously on the caller's thread (also the lossless fallback of other tiers).
 
         x [T, D] may live on a GPU (a part's device), and the jobs' rows and weights with it: they come to host
-        memory and the partial goes back.
+        memory (the backend's run_experts brings the rows) and the partial goes back.
         """
         placed = self.placed[layer].__getitem__
         if x.device.type == "cpu":
-            return run_jobs(self.backend, x, jobs_on_host(jobs), placed)
-        return run_jobs(self.backend, x.cpu(), jobs_on_host(jobs), placed).to(x.device)
+            return run_jobs(self.backend, x, jobs, placed)
+        return run_jobs(self.backend, x.cpu(), jobs, placed).to(x.device)
 
     def _open_native(self, threads: int):
         """The backend's native lane and, per layer, each expert's record (its matrices' addresses and

@@ -31,8 +31,9 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from moetier.backends.base import rows_on_host
 from moetier.model.checkpoint import Checkpoint
-from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts, jobs_on_host
+from moetier.tiers.base import DecodeJobs, ExpertJob, Tier, job_experts
 from moetier.tiers.cpu import CpuTier
 from moetier.transport.client import DeadlineError, RemoteError, ReplyFuture, TransportError, WorkerClient
 from moetier.transport.protocol import MAX_HEADER_BYTES, Load, Ping, Run
@@ -138,7 +139,7 @@ class RemoteTier(Tier):
         if not self.client.ready:
             return self._done(self._fall_back(layer, x, jobs, "suspect", None))
         tokens = x.shape[0]
-        host = jobs if decode else jobs_on_host(jobs)  # rows and weights in host memory, one transfer each
+        host = jobs if decode else rows_on_host(jobs)  # rows and weights in host memory, one transfer each
         index = None  # rows of x that go out; None: all of them
         if tokens == 1:  # decode: every expert serves the one row, so every row index is 0
             sub = x  # [1, D]
