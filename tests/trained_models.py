@@ -54,6 +54,16 @@ def train(folder: Path, out: Path, steps: int = STEPS, seed: int = 0) -> Path:
     return out
 
 
+def trained_files(init: Path, root: Path, positions: int) -> tuple[Path, Path, list[int]]:
+    """The checkpoint `init` trained into root/hf, its F32 GGUF (moetier's writer) and `positions` fresh ids of the
+    chain: (folder, gguf, ids), what the peer tests' trained fixtures give."""
+    from moetier.model.gguf_write import write_gguf
+
+    folder = train(init, root / "hf")
+    ids = markov_ids(1, positions, np.random.default_rng(99))[0].tolist()
+    return folder, write_gguf(folder, root / "model-f32.gguf", "F32")[0], ids
+
+
 def decisive(logits: np.ndarray) -> float:
     """The mean probability of each position's top token, logits [T, V]."""
     x = logits.astype(np.float64)
