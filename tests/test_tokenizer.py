@@ -122,6 +122,30 @@ def test_streamed_text_is_the_decoded_text_and_never_splits_a_character(kind, sm
     assert not any("\ufffd" in p for p in pieces)  # every emoji, CJK character and accent arrives whole
 
 
+@pytest.mark.parametrize("kind", ["synthetic", "spm", "bpe_gguf", "spm_gguf"])
+def test_token_bytes_join_to_the_decoded_text(kind, small, spm_folder, tmp_path):
+    """Each id's bytes (logprobs' `bytes`, JSON mode's validator) are what decode joins: the text whole, a space
+    prefix that decode drops at the start aside, specials as their text."""
+    model = {"synthetic": small, "spm": spm_folder, "bpe_gguf": bpe_gguf(tmp_path / "bpe.gguf", small, "qwen2"),
+             "spm_gguf": spm_gguf(tmp_path / "spm.gguf", small)}[kind]
+    tokenizer = load_tokenizer(model)
+    pieces = tokenizer.token_bytes()
+    assert len(pieces) == tokenizer.vocab_size
+    ids = tokenizer.encode(SPECIAL_TEXT)
+    joined = b"".join(pieces[i] for i in ids).decode()
+    assert joined in (tokenizer.decode(ids), " " + tokenizer.decode(ids))
+    split = any(not _whole(pieces[i]) for i in ids)  # pieces that are part of a character were joined too
+    assert split or kind == "spm"  # (the SPM-style vocabulary was trained on this text: it has every character)
+
+
+def _whole(piece: bytes) -> bool:
+    try:
+        piece.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_a_model_without_tokenizer_is_one_clear_error(tmp_path):
     from moetier.model.synth import write_synthetic
 

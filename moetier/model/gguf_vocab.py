@@ -163,17 +163,20 @@ class _Pieces:
     """Decoding as llama.cpp's token_to_piece: each token's bytes, control and unknown tokens only when asked."""
 
     def __init__(self, pieces: list[bytes], hidden: frozenset[int], strip_space: bool = False):
-        self.pieces = pieces
+        self.piece_bytes = pieces
         self.hidden = hidden  # control and unknown ids
         self.strip_space = strip_space  # the space prefix encode added: dropped from the first text token
 
     def decode(self, ids: list[int], skip_special: bool) -> str:
-        pieces = [self.pieces[i] for i in ids if not (skip_special and i in self.hidden)]
+        pieces = [self.piece_bytes[i] for i in ids if not (skip_special and i in self.hidden)]
         first = next((k for k, i in enumerate(i for i in ids if not (skip_special and i in self.hidden))
                       if i not in self.hidden), None)  # the first text token among those kept
         if self.strip_space and first is not None and pieces[first].startswith(b" "):
             pieces[first] = pieces[first][1:]
         return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def pieces(self) -> list[bytes]:
+        return list(self.piece_bytes)
 
 
 class GgufBpeBackend(_Pieces):

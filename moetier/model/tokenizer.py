@@ -16,6 +16,7 @@ for the same text; decode(encode(text)) == text for text without special tokens.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class Backend(Protocol):
     def decode(self, ids: list[int], skip_special: bool) -> str:
         """ids -> text; special (control) tokens as their text unless skip_special."""
 
+    def pieces(self) -> list[bytes]:
+        """Each id's bytes as decode joins them (a special token's text; b"" for an id without a token)."""
+
 
 @dataclass(frozen=True)
 class Specials:
@@ -77,6 +81,7 @@ class Tokenizer:
         self.chat_templates = chat_templates  # name ("default", "tool_use", ...) -> jinja source
         self.source = source
         self.post_processed = post_processed  # the backend adds BOS/EOS itself (a tokenizer.json post-processor)
+        self._pieces: list[bytes] | None = None
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -101,6 +106,14 @@ class Tokenizer:
         if bad:
             raise TokenizerError(f"decode: token id {bad[0]} is outside the vocabulary (expected 0 <= id < {self.vocab_size})")
         return self.backend.decode([int(i) for i in ids], skip_special)
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes, vocab_size of them (read once): what the id adds to decoded text, a space prefix that
+        decode drops at the start of a text and transformers' space clean-up aside (logprobs' `bytes`, JSON mode)."""
+        if self._pieces is None:
+            pieces = list(self.backend.pieces())[: self.vocab_size]
+            self._pieces = pieces + [b""] * (self.vocab_size - len(pieces))
+        return self._pieces
 
     def chat_template(self, tools: bool = False) -> str | None:
         """The template to render a chat with: the "tool_use" one when there are tools and the model has one."""
@@ -135,14 +148,19 @@ class StreamDecoder:
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
 
-    def flush(self) -> str:
-        """What is still held back (an incomplete character, as the replacement character)."""
+    def pending(self) -> str:
+        """What is still held back (an incomplete character, as the replacement character), left held."""
         if self.read == len(self.ids):
             return ""
         before = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip_special)
         text = self.tokenizer.decode(self.ids[self.prefix :], self.skip_special)
-        self.read = len(self.ids)
         return text[len(before):] if text.startswith(before) else text
+
+    def flush(self) -> str:
+        """What is still held back, given out."""
+        text = self.pending()
+        self.read = len(self.ids)
+        return text
 
 
 # -- HF tokenizer.json ------------------------------------------------------------------
@@ -174,6 +192,28 @@ class HfBackend:
         with self.lock:  # not while another thread sets the mode (the binding would refuse the borrow)
             text = self.rust.decode(ids, skip_special_tokens=skip_special)
         return clean_up_tokenization(text) if self.clean_up_spaces else text
+
+    def pieces(self) -> list[bytes]:
+        """By the decoder's kind: byte-level pieces through GPT-2's alphabet; SentencePiece-style ones with U+2581
+        as a space and <0xXX> as the byte (byte fallback); added tokens as their text."""
+        decoder = json.loads(self.rust.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
+        table = {c: b for b, c in enumerate(byte_alphabet())}
+        added = {i: t.content for i, t in self.rust.get_added_tokens_decoder().items()}
+        out = []
+        for i in range(max(self.rust.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)):
+            piece = added.get(i, self.rust.id_to_token(i))
+            if piece is None:
+                out.append(b"")
+            elif i in added:
+                out.append(piece.encode())
+            elif "ByteLevel" in kinds and all(c in table for c in piece):
+                out.append(bytes(table[c] for c in piece))
+            elif "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
 
 
 def clean_up_tokenization(text: str) -> str:
