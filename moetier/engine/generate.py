@@ -4,7 +4,8 @@
 step with the KV cache; greedy when temperature is 0, else seeded sampling
 (temperature, top-k, top-p; `Sampling` refuses values outside their ranges),
 after OpenAI's presence and frequency penalties over the tokens generated so
-far, never past the model's context. `score` returns float32 logits for every position
+far, never past the model's context; `pick_allowed` is pick_token restricted to a
+set of tokens (greedy, or the Gumbel-max trick). `score` returns float32 logits for every position
 of a sequence in one teacher-forced pass. Timings use perf_counter around
 whole phases; prefill and decode are reported separately.
 """
@@ -116,13 +117,51 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     if 0 < sampling.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, sampling.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return int(torch.multinomial(_nucleus(scaled, sampling), 1, generator=generator))
+
+
+def _nucleus(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """scaled logits [V] (top-k applied) -> the probabilities pick_token samples from: top_p's nucleus, the rest 0."""
     probs = torch.softmax(scaled, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # drop tokens once the mass before them already exceeds top_p (the first always stays)
         drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > sampling.top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def pick_allowed(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
+                 generated: list[int] | None, allowed: Callable[[int], bool],
+                 candidates: torch.Tensor | None = None) -> int | None:
+    """pick_token restricted to the ids `allowed` accepts (None when it accepts none); candidates [V] bool, a
+    superset of them, spares asking about the rest. Greedy: the largest penalised logit among them (the lowest id
+    of equals, as argmax). Sampling, by the Gumbel-max trick: the largest log p + Gumbel noise among them is a
+    sample of pick_token's distribution (temperature, top-k, top-p) restricted to them; where none of them is in
+    that distribution's support, of the distribution without top-k and top-p, so restricted."""
+    logits = penalise(logits, sampling, generated or [])
+    top = int(torch.argmax(logits))
+    finite_top(top, float(logits[top]))
+    if sampling.temperature <= 0 or torch.tensor(sampling.temperature, dtype=logits.dtype) == 0:
+        passes = [logits.float()]
+    else:
+        scaled = (logits - logits[top]).float() / sampling.temperature
+        full = scaled
+        if 0 < sampling.top_k < scaled.shape[0]:
+            kth = torch.topk(scaled, sampling.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        gumbel = -torch.log(-torch.log(torch.rand(scaled.shape, generator=generator).clamp_(min=1e-20)))  # [V]
+        restricted = torch.log(_nucleus(scaled, sampling)) + gumbel  # [V], -inf off the support
+        passes = [restricted, (full + gumbel).masked_fill(torch.isfinite(restricted), float("-inf"))]
+    for scores in passes:
+        if candidates is not None:
+            scores = scores.masked_fill(~candidates, float("-inf"))
+        order = torch.argsort(scores, descending=True, stable=True)  # [V]
+        finite = int(torch.isfinite(scores).sum())
+        for token in order[:finite].tolist():
+            if allowed(token):
+                return token
+    return None
 
 
 def check_request(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> None:
