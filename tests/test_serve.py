@@ -134,7 +134,8 @@ BAD_REQUESTS = {
     "a prompt longer than the context": ("completions", {"prompt": [5] * 5000, "max_tokens": 1}),
     "max_tokens past the context": ("completions", {"prompt": [5] * 100, "max_tokens": 4000}),
     "a token id outside the vocabulary": ("completions", {"prompt": [5, 99999], "max_tokens": 1}),
-    "n > 1": ("completions", {"prompt": "x", "n": 2}),
+    "n > 16": ("completions", {"prompt": "x", "n": 17}),
+    "top_logprobs > 20": ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}),
 }
 
 

@@ -1,9 +1,12 @@
 """The OpenAI request and response shapes moetier serves: validated requests, chunks, bodies, errors.
 
 Requests are pydantic models with strict types (a number where a number
-belongs: "10" is not a max_tokens); fields moetier does not implement are
-accepted when they ask for nothing (n = 1, logprobs false, a text
-response_format) and refused with a 400 otherwise; unknown fields are ignored,
+belongs: "10" is not a max_tokens). Served: `n` choices (1..16), logprobs
+(chat: `logprobs` + `top_logprobs` 0..20, each choice's logprobs.content;
+completions: `logprobs` 0..5, the legacy tokens / token_logprobs /
+top_logprobs / text_offset), response_format text or json_object. Refused
+with a 400 naming the field: `echo`, `suffix`, `best_of` > 1, json_schema and
+other response formats, values past those bounds. Unknown fields are ignored,
 as clients send vendor extras. A request's phase label for recorded sessions
 comes from `metadata.phase` or the X-Moetier-Phase header (session:
 `metadata.session` / X-Moetier-Session; held out of profiles: `metadata.profile`
@@ -113,25 +116,66 @@ class CompletionRequest(_Sampling):
     best_of: Optional[StrictInt] = None
 
 
+MAX_CHOICES, MAX_TOP_LOGPROBS, MAX_LEGACY_LOGPROBS = 16, 20, 5  # OpenAI's bounds for the logprobs; n's is moetier's
+
+
 def check_unsupported(request: _Sampling) -> None:
-    """400 for what moetier does not do, named by the field."""
-    if request.n not in (None, 1):
-        raise ApiError(400, f"n is {request.n}: moetier serves one choice per request (expected 1)", "n")
+    """400 for what moetier does not do, or a value past its bound, named by the field."""
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise ApiError(400, f"n is {request.n} (expected 1 <= n <= {MAX_CHOICES})", "n")
     if isinstance(request, ChatRequest):
-        if request.logprobs or request.top_logprobs:
-            raise ApiError(400, "logprobs are not supported", "logprobs")
+        if request.top_logprobs is not None:
+            if not request.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ApiError(400, f"top_logprobs is {request.top_logprobs} (expected 0 <= top_logprobs <= "
+                                    f"{MAX_TOP_LOGPROBS})", "top_logprobs")
         kind = (request.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ApiError(400, f"response_format {kind!r} is not supported (expected text)", "response_format")
+        if kind == "json_schema":
+            raise ApiError(400, "response_format json_schema is not supported (expected text or json_object: "
+                                "moetier constrains the output to a JSON object, not to a schema)", "response_format")
+        if kind not in ("text", "json_object"):
+            raise ApiError(400, f"response_format {kind!r} is not supported (expected text or json_object)",
+                           "response_format")
     else:
         if request.echo:
             raise ApiError(400, "echo is not supported", "echo")
-        if request.logprobs:
-            raise ApiError(400, "logprobs are not supported", "logprobs")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LEGACY_LOGPROBS:
+            raise ApiError(400, f"logprobs is {request.logprobs} (expected 0 <= logprobs <= {MAX_LEGACY_LOGPROBS})",
+                           "logprobs")
         if request.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if request.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported (expected 1)", "best_of")
+
+
+def top_logprobs(request: _Sampling) -> int | None:
+    """How many likeliest tokens each token's logprobs list (None: no logprobs)."""
+    if isinstance(request, ChatRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
+def _token(piece: bytes) -> str:
+    """A token's text as OpenAI writes it: bytes that are no whole UTF-8 character as \\xNN."""
+    return piece.decode("utf-8", errors="backslashreplace")
+
+
+def chat_logprobs(entries, pieces: list[bytes]) -> dict:
+    """A chat choice's (or chunk's) logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
+    def one(token: int, logprob: float) -> dict:
+        return {"token": _token(pieces[token]), "logprob": logprob, "bytes": list(pieces[token])}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries],
+            "refusal": None}
+
+
+def text_logprobs(entries, pieces: list[bytes]) -> dict:
+    """A completion's legacy logprobs: tokens, token_logprobs, top_logprobs (the k likeliest and the chosen token,
+    text -> logprob), text_offset (characters of the completion before each token)."""
+    return {"tokens": [_token(pieces[e.token]) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token(pieces[t]): lp for t, lp in (*e.top, (e.token, e.logprob))} for e in entries],
+            "text_offset": [e.offset for e in entries]}
 
 
 def validation_error(errors: list[dict]) -> ApiError:
@@ -184,14 +228,16 @@ def usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None, **extra) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None, index: int = 0,
+               logprobs: dict | None = None, **extra) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra}
 
 
-def text_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None, **extra) -> dict:
+def text_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None, index: int = 0,
+               logprobs: dict | None = None, **extra) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra}
 
 
 def usage_chunk(rid: str, obj: str, model: str, created: int, stats) -> dict:

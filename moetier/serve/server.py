@@ -4,7 +4,8 @@ A chat is rendered with the model's own template (moetier.model.chat_template)
 and tokenized with its tokenizer; a completion's prompt is text (BOS added
 where the model asks for it) or token ids. Every request is checked before it
 queues (types, limits, the context: 400 with OpenAI's error body), then runs
-on the engine's one thread (moetier.serve.worker). Streaming answers are
+on the engine's one thread (moetier.serve.worker), its `n` choices one after
+another; logprobs and JSON mode come from moetier.serve.textgen. Streaming answers are
 server-sent events ending in `data: [DONE]`; when the client goes away its
 generation is cancelled, streaming or not. With an API key, every /v1 request
 must carry `Authorization: Bearer KEY` (else 401). Responses carry OpenAI's
@@ -26,7 +27,7 @@ from moetier.model.chat_template import ChatTemplateError, render_chat
 from moetier.serve import api
 from moetier.serve.api import ApiError, ChatRequest, CompletionRequest
 from moetier.serve.tools import ToolCallGate, split_tool_calls
-from moetier.serve.textgen import TextParams
+from moetier.serve.textgen import TextParams, combined_stats
 from moetier.serve.worker import Busy, Job, Worker
 
 log = logging.getLogger("moetier.serve")
@@ -65,7 +66,9 @@ def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None
                             frequency_penalty=request.frequency_penalty or 0.0)
     except ValueError as err:  # the field constraints catch these first; Sampling's own check, as a 400 all the same
         raise ApiError(400, str(err)) from None
-    return TextParams(max_tokens, sampling, tuple(request.stop or ()), bool(request.ignore_eos))
+    json_object = isinstance(request, ChatRequest) and (request.response_format or {}).get("type") == "json_object"
+    return TextParams(max_tokens, sampling, tuple(request.stop or ()), bool(request.ignore_eos), api.top_logprobs(request),
+                      json_object)
 
 
 def _chat_prompt(state: ServerState, request: ChatRequest) -> list[int]:
@@ -90,7 +93,7 @@ def _completion_prompt(state: ServerState, request: CompletionRequest) -> list[i
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
-            raise ApiError(400, f"prompt is a list of {len(prompt)} strings (expected one: one choice per request)", "prompt")
+            raise ApiError(400, f"prompt is a list of {len(prompt)} strings (expected one prompt per request)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
@@ -130,8 +133,8 @@ def _submit(state: ServerState, job: Job) -> None:
         raise ApiError(503, f"the server is busy: {err}", code="server_busy", kind="server_error") from None
 
 
-async def _wait(job: Job, request) -> object:
-    """The job's TextResult once done; cancels it (and raises ApiError 499) when the client leaves first."""
+async def _wait(job: Job, request) -> list:
+    """The job's TextResults (one per choice) once done; cancels it (and raises ApiError 499) when the client leaves first."""
     while True:
         try:
             event = await asyncio.wait_for(job.events.get(), timeout=POLL_S)
@@ -205,22 +208,26 @@ def create_app(state: ServerState):
                          body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
         phase, session, profile = api.request_label(body.metadata, request.headers)
         rid, created = api.new_id("chatcmpl"), api.now()
-        job = Job(rid, "chat", prompt, params, phase, session, profile)
+        job = Job(rid, "chat", prompt, params, phase, session, profile, body.n or 1)
         _submit(state, job)
         tools = bool(body.tools)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(state, job, created, tools, usage), media_type="text/event-stream")
-        result = await _wait(job, request)
-        content, calls = split_tool_calls(result.text) if tools else (result.text, [])
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        finish = "tool_calls" if calls else result.finish_reason
+        results = await _wait(job, request)
+        choices = []
+        for index, result in enumerate(results):
+            content, calls = split_tool_calls(result.text) if tools else (result.text, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            logprobs = api.chat_logprobs(result.logprobs, state.tokenizer.token_bytes()) if result.logprobs is not None else None
+            choices.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": "tool_calls" if calls else result.finish_reason})
+        stats = combined_stats(results)
         return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "system_fingerprint": state.fingerprint,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-                "usage": api.usage(result.stats), "timings": result.stats.to_dict()}
+                "system_fingerprint": state.fingerprint, "choices": choices,
+                "usage": api.usage(stats), "timings": stats.to_dict()}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -230,16 +237,20 @@ def create_app(state: ServerState):
         params = _params(state, body, len(prompt), body.max_tokens if body.max_tokens is not None else 16)
         phase, session, profile = api.request_label(body.metadata, request.headers)
         rid, created = api.new_id("cmpl"), api.now()
-        job = Job(rid, "completions", prompt, params, phase, session, profile)
+        job = Job(rid, "completions", prompt, params, phase, session, profile, body.n or 1)
         _submit(state, job)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_text_stream(state, job, created, usage), media_type="text/event-stream")
-        result = await _wait(job, request)
+        results = await _wait(job, request)
+        pieces = state.tokenizer.token_bytes()
+        choices = [{"index": index, "text": result.text, "finish_reason": result.finish_reason,
+                    "logprobs": api.text_logprobs(result.logprobs, pieces) if result.logprobs is not None else None}
+                   for index, result in enumerate(results)]
+        stats = combined_stats(results)
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                "system_fingerprint": state.fingerprint,
-                "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": api.usage(result.stats), "timings": result.stats.to_dict()}
+                "system_fingerprint": state.fingerprint, "choices": choices,
+                "usage": api.usage(stats), "timings": stats.to_dict()}
 
     return app
 
@@ -257,42 +268,68 @@ async def _events(job: Job):
 
 
 async def _chat_stream(state: ServerState, job: Job, created: int, tools: bool, include_usage: bool):
-    rid, model = job.request_id, state.model_name
-    yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-    gate = ToolCallGate() if tools else None
+    """Each choice's chunks carry its index; a chunk's logprobs are those of the tokens whose text it carries (held
+    text's, while a tool call may begin, with the text they come out with)."""
+    rid, model, pieces = job.request_id, state.model_name, state.tokenizer.token_bytes()
+    logprobs = job.params.top_logprobs is not None
+    gates = [ToolCallGate() if tools else None for _ in range(job.n)]
+    held: list[list] = [[] for _ in range(job.n)]  # logprob entries not sent yet, per choice
+
+    def chunk(index: int, delta: dict, finish: str | None = None, entries=None, **extra) -> bytes:
+        shown = api.chat_logprobs(entries, pieces) if logprobs and entries else None
+        return api.sse(api.chat_chunk(rid, model, created, delta, finish, index, shown, **extra))
+
+    for index in range(job.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
     async for event in _events(job):
         if event[0] == "text":
-            piece = gate.feed(event[1]) if gate is not None else event[1]
+            _, index, text, entries = event
+            gate = gates[index]
+            piece = gate.feed(text) if gate is not None else text
+            held[index] += entries
             if piece:
-                yield api.sse(api.chat_chunk(rid, model, created, {"content": piece}))
-        elif event[0] == "done":
-            result, finish = event[1], event[1].finish_reason
+                yield chunk(index, {"content": piece}, entries=held[index])
+                held[index] = []
+        elif event[0] == "choice":
+            _, index, result = event
+            finish, gate = result.finish_reason, gates[index]
             if gate is not None and gate.held:
                 content, calls = split_tool_calls(gate.held)
                 if content:
-                    yield api.sse(api.chat_chunk(rid, model, created, {"content": content}))
+                    yield chunk(index, {"content": content}, entries=held[index])
+                    held[index] = []
                 if calls:
                     deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-                    yield api.sse(api.chat_chunk(rid, model, created, {"tool_calls": deltas}))
+                    yield chunk(index, {"tool_calls": deltas}, entries=held[index])
+                    held[index] = []
                     finish = "tool_calls"
-            yield api.sse(api.chat_chunk(rid, model, created, {}, finish, timings=result.stats.to_dict()))
+            if held[index]:  # tokens whose text was cut (a stop string) or held as an unparsed call
+                yield chunk(index, {"content": ""}, entries=held[index])
+                held[index] = []
+            yield chunk(index, {}, finish, timings=result.stats.to_dict())
+        elif event[0] == "done":
             if include_usage:
-                yield api.sse(api.usage_chunk(rid, "chat.completion.chunk", model, created, result.stats))
+                yield api.sse(api.usage_chunk(rid, "chat.completion.chunk", model, created, combined_stats(event[1])))
         else:
             yield api.sse(ApiError(event[1], event[2]).body())
     yield api.sse("[DONE]")
 
 
 async def _text_stream(state: ServerState, job: Job, created: int, include_usage: bool):
-    rid, model = job.request_id, state.model_name
+    rid, model, pieces = job.request_id, state.model_name, state.tokenizer.token_bytes()
+    logprobs = job.params.top_logprobs is not None
     async for event in _events(job):
         if event[0] == "text":
-            yield api.sse(api.text_chunk(rid, model, created, event[1]))
+            _, index, text, entries = event
+            shown = api.text_logprobs(entries, pieces) if logprobs else None
+            yield api.sse(api.text_chunk(rid, model, created, text, None, index, shown))
+        elif event[0] == "choice":
+            _, index, result = event
+            yield api.sse(api.text_chunk(rid, model, created, "", result.finish_reason, index,
+                                         timings=result.stats.to_dict()))
         elif event[0] == "done":
-            result = event[1]
-            yield api.sse(api.text_chunk(rid, model, created, "", result.finish_reason, timings=result.stats.to_dict()))
             if include_usage:
-                yield api.sse(api.usage_chunk(rid, "text_completion", model, created, result.stats))
+                yield api.sse(api.usage_chunk(rid, "text_completion", model, created, combined_stats(event[1])))
         else:
             yield api.sse(ApiError(event[1], event[2]).body())
     yield api.sse("[DONE]")

@@ -6,17 +6,27 @@ is not part of its text; a stop string ends it too and is cut off, and text
 that could still begin one is held back until it cannot; a character is never
 split between two pieces. `on_text` gets each piece; `cancelled` is asked
 between tokens, so a generation ends within one token of it turning true.
+With `top_logprobs` set, each generated token but a final stop token gets a
+`TokenLogprob` (log-softmax of the model's logits for its step, before
+penalties, temperature, top-k/top-p and any constraint) and `on_piece` gets
+each piece with the entries of the tokens it completes (the last ones with ""
+where the text was cut). `json_object` constrains decoding to one JSON object
+(moetier.serve.jsonmode) and ends the generation when it closes.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from moetier.engine.generate import Sampling
+import torch
+
+from moetier.engine.generate import Sampling, pick_token
 from moetier.engine.prefix import PrefixCache
 from moetier.engine.stream import StreamStats, stream_tokens
 from moetier.model.tokenizer import StreamDecoder, Tokenizer
+from moetier.serve.jsonmode import JsonMode
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -27,6 +37,16 @@ class TextParams:
     sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()  # stop strings
     ignore_eos: bool = False  # run past the model's stop tokens
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
+    json_object: bool = False  # constrain the text to one JSON object
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float  # log-softmax of the step's raw logits at `token`
+    top: tuple[tuple[int, float], ...]  # the k likeliest (id, logprob), likeliest first
+    offset: int  # characters of the completion's text before this token's
 
 
 @dataclass
@@ -36,6 +56,31 @@ class TextResult:
     text: str  # the completion, stop token and stop string excluded
     finish_reason: str  # one of FINISH_REASONS
     stats: StreamStats = field(default_factory=StreamStats)
+    logprobs: list[TokenLogprob] | None = None  # with top_logprobs: one per generated token, a final stop token aside
+
+
+def choice_params(params: TextParams, index: int) -> TextParams:
+    """Choice `index` of a request: choice 0 samples with the request's seed, choice i > 0 with one derived from it
+    and i (a hash: the same request gives the same choices)."""
+    if index == 0:
+        return params
+    digest = hashlib.blake2b(f"{params.sampling.seed}:{index}".encode(), digest_size=8).digest()
+    return replace(params, sampling=replace(params.sampling, seed=int.from_bytes(digest, "little") >> 1))
+
+
+def combined_stats(results: list[TextResult]) -> StreamStats:
+    """One request's counts over its choices: the prompt (and what was reused of it) once, as the first choice
+    prefilled it; completion tokens and seconds summed."""
+    first = results[0].stats
+    return StreamStats(first.prompt_tokens, first.cached_tokens, sum(r.stats.prefill_s for r in results),
+                       sum(r.stats.decode_s for r in results), sum(r.stats.new_tokens for r in results))
+
+
+def _logprob(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = torch.topk(logprobs, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return float(logprobs[token]), pairs
 
 
 class StopStrings:
@@ -68,7 +113,8 @@ class StopStrings:
 
 def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: TextParams, prefix: PrefixCache | None = None,
                   on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-                  before_decode: Callable[[], None] | None = None) -> TextResult:
+                  before_decode: Callable[[], None] | None = None,
+                  on_piece: Callable[[str, list[TokenLogprob]], None] | None = None) -> TextResult:
     """See the module docstring."""
     stop_ids = frozenset() if params.ignore_eos else tokenizer.stop_ids
     stats = StreamStats()
@@ -76,22 +122,49 @@ def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: T
     ids: list[int] = []
     pieces: list[str] = []
     finish = None
+    json_mode = JsonMode(tokenizer.token_bytes(), stop_ids, tokenizer.specials.control_ids) if params.json_object else None
+    steps: list[tuple[float, tuple]] = []  # each step's (logprob of the pick, top k), in order
+    entries: list[TokenLogprob] = []
+    pending: list[TokenLogprob] = []  # entries whose tokens' text is not out yet
+    produced = 0  # characters the decoder has given so far
 
-    def emit(text: str) -> None:
+    def pick(logits, generator, generated):
+        if json_mode is not None:
+            token = json_mode.pick(logits, params.sampling, generator, generated)
+        else:
+            token = pick_token(logits, params.sampling, generator, generated)
+        if params.top_logprobs is not None:
+            steps.append(_logprob(logits, token, params.top_logprobs))
+        return token
+
+    custom = json_mode is not None or params.top_logprobs is not None
+
+    def emit(text: str, final: bool = False) -> None:
         if text:
             pieces.append(text)
             if on_text is not None:
                 on_text(text)
+        if text or (final and pending):
+            if on_piece is not None:
+                on_piece(text, list(pending))
+            pending.clear()
 
     cut = False  # ended by a stop string: what follows it is dropped
-    for token in stream_tokens(engine, prompt_ids, params.max_tokens, params.sampling, stop_ids, prefix, stats, before_decode):
+    for token in stream_tokens(engine, prompt_ids, params.max_tokens, params.sampling, stop_ids, prefix, stats, before_decode,
+                               pick if custom else None):
         ids.append(token)
         if token in stop_ids:
             finish = "stop"
             break
-        text, cut = stops.feed(decoder.push(token))
+        if params.top_logprobs is not None:  # the offset: the text of the tokens before, a held character's included
+            logprob, top = steps[len(ids) - 1]
+            entries.append(TokenLogprob(token, logprob, top, produced + len(decoder.pending())))
+            pending.append(entries[-1])
+        piece = decoder.push(token)
+        produced += len(piece)
+        text, cut = stops.feed(piece)
         emit(text)
-        if cut:
+        if cut or (json_mode is not None and json_mode.complete):
             finish = "stop"
             break
         if cancelled is not None and cancelled():
@@ -99,6 +172,9 @@ def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: T
             break
     if not cut:  # what the decoder and the stop strings still hold (an incomplete character, a stop string's start)
         text, cut = stops.feed(decoder.flush())
-        emit(text if cut else text + stops.flush())
+        emit(text if cut else text + stops.flush(), final=True)
         finish = "stop" if cut else finish
-    return TextResult(list(prompt_ids), ids, "".join(pieces), finish or "length", stats)
+    else:
+        emit("", final=True)
+    return TextResult(list(prompt_ids), ids, "".join(pieces), finish or "length", stats,
+                      entries if params.top_logprobs is not None else None)

@@ -1,12 +1,16 @@
 """The engine's one thread: generations run one at a time, in arrival order, over a kept prefix cache.
 
-Handlers `submit` a Job and read its events (("text", piece), then ("done",
-TextResult) or ("error", status, message)) from an asyncio queue the worker
-fills from its thread. A job whose client left is `cancel`led: skipped while
-it waits, stopped within one token while it runs, so the next job starts at
-once. With a Recorder, each finished job (a cancelled one included: its
-tokens ran) is written as a session record and a routing trace. Invariant:
-the engine, its cache and its observer are touched by this thread only.
+Handlers `submit` a Job and read its events (("text", choice, piece,
+logprob entries), ("choice", choice, TextResult) as each of its `n` choices
+ends, then ("done", [TextResult per choice]) or ("error", status, message))
+from an asyncio queue the worker fills from its thread. The choices run one
+after another over the same prefix cache, so the prompt is prefilled once.
+A job whose client left is `cancel`led: skipped while it waits, stopped
+within one token while it runs, so the next job starts at once. With a
+Recorder, each finished choice (a cancelled one included: its tokens ran) is
+written as a session record and a routing trace (request id `ID-i` when n >
+1). Invariant: the engine, its cache and its observer are touched by this
+thread only.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 
 from moetier.engine.prefix import PrefixCache
 from moetier.serve.record import Recorder
-from moetier.serve.textgen import TextParams, generate_text
+from moetier.serve.textgen import TextParams, choice_params, generate_text
 
 log = logging.getLogger("moetier.serve")
 
@@ -33,6 +37,7 @@ class Job:
     phase: str = "unlabelled"
     session: str = ""
     profile: bool = True
+    n: int = 1  # choices
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -104,11 +109,19 @@ class Worker:
                 self.served += 1
 
     def _generate(self, job: Job) -> None:
-        rows = self.recorder.observer() if self.recorder is not None else None
-        self.engine.observer = rows
-        result = generate_text(self.engine, self.tokenizer, job.prompt_ids, job.params, self.prefix,
-                               on_text=lambda piece: job.put(("text", piece)), cancelled=job.cancelled.is_set)
-        self.engine.observer = None
-        if self.recorder is not None:
-            self.recorder.record(job.request_id, job.endpoint, job.phase, job.session, job.profile, result, rows)
-        job.put(("done", result))
+        results = []
+        for index in range(job.n):
+            rows = self.recorder.observer() if self.recorder is not None else None
+            self.engine.observer = rows
+            result = generate_text(self.engine, self.tokenizer, job.prompt_ids, choice_params(job.params, index), self.prefix,
+                                   cancelled=job.cancelled.is_set,
+                                   on_piece=lambda piece, entries, i=index: job.put(("text", i, piece, entries)))
+            self.engine.observer = None
+            if self.recorder is not None:
+                rid = job.request_id if job.n == 1 else f"{job.request_id}-{index}"
+                self.recorder.record(rid, job.endpoint, job.phase, job.session, job.profile, result, rows)
+            results.append(result)
+            job.put(("choice", index, result))
+            if job.cancelled.is_set():
+                break
+        job.put(("done", results))
