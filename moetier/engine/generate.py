@@ -107,17 +107,29 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
                generated: list[int] | None = None) -> int:
     """logits [V] -> next token id, after the penalties for `generated` (the tokens generated so far);
     NonFiniteLogits when the top logit is NaN or infinite (argmax and max see a NaN)."""
+    logits, top, greedy = _penalised_top(logits, sampling, generated)
+    if greedy:
+        return top
+    # shifted so the largest is 0 first: a tiny temperature then sends the rest to -inf, not the top to +inf (nan)
+    scaled = _top_k((logits - logits[top]) / sampling.temperature, sampling)
+    return int(torch.multinomial(_nucleus(scaled, sampling), 1, generator=generator))
+
+
+def _penalised_top(logits: torch.Tensor, sampling: Sampling, generated: list[int] | None) -> tuple[torch.Tensor, int, bool]:
+    """logits [V] -> (penalised logits, their largest's id, checked finite, whether the pick is greedy: a
+    temperature of 0, or one the logits' dtype rounds to 0, its limit)."""
     logits = penalise(logits, sampling, generated or [])
     top = int(torch.argmax(logits))
     finite_top(top, float(logits[top]))
-    if sampling.temperature <= 0 or torch.tensor(sampling.temperature, dtype=logits.dtype) == 0:
-        return top  # a temperature the logits' dtype rounds to 0 is greedy, its limit
-    # shifted so the largest is 0 first: a tiny temperature then sends the rest to -inf, not the top to +inf (nan)
-    scaled = (logits - logits[top]) / sampling.temperature
+    return logits, top, sampling.temperature <= 0 or bool(torch.tensor(sampling.temperature, dtype=logits.dtype) == 0)
+
+
+def _top_k(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """scaled logits [V] with all but the top_k largest at -inf (unchanged when top_k is off)."""
     if 0 < sampling.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, sampling.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return int(torch.multinomial(_nucleus(scaled, sampling), 1, generator=generator))
+    return scaled
 
 
 def _nucleus(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -139,17 +151,12 @@ def pick_allowed(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
     of equals, as argmax). Sampling, by the Gumbel-max trick: the largest log p + Gumbel noise among them is a
     sample of pick_token's distribution (temperature, top-k, top-p) restricted to them; where none of them is in
     that distribution's support, of the distribution without top-k and top-p, so restricted."""
-    logits = penalise(logits, sampling, generated or [])
-    top = int(torch.argmax(logits))
-    finite_top(top, float(logits[top]))
-    if sampling.temperature <= 0 or torch.tensor(sampling.temperature, dtype=logits.dtype) == 0:
+    logits, top, greedy = _penalised_top(logits, sampling, generated)
+    if greedy:
         passes = [logits.float()]
     else:
-        scaled = (logits - logits[top]).float() / sampling.temperature
-        full = scaled
-        if 0 < sampling.top_k < scaled.shape[0]:
-            kth = torch.topk(scaled, sampling.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        full = (logits - logits[top]).float() / sampling.temperature
+        scaled = _top_k(full, sampling)
         gumbel = -torch.log(-torch.log(torch.rand(scaled.shape, generator=generator).clamp_(min=1e-20)))  # [V]
         restricted = torch.log(_nucleus(scaled, sampling)) + gumbel  # [V], -inf off the support
         passes = [restricted, (full + gumbel).masked_fill(torch.isfinite(restricted), float("-inf"))]
