@@ -210,7 +210,10 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
              "helper_share_per_token": sims["helper"].served_per_token.get("helper", 0.0),
              "lan_remote_experts_per_token": sims["lan"].served_per_token.get("i5", 0.0),
              "distinct_experts_per_pass": distinct_per_window(traces["bias"], ROWS_PER_PASS),  # bias profile, per layer
-             "distinct_experts_per_pass_independent": float((1 - (1 - inclusion_probabilities(prof["bias"][None], K)) ** ROWS_PER_PASS).sum())}
+             "distinct_experts_per_pass_independent": float((1 - (1 - inclusion_probabilities(prof["bias"][None], K)) ** ROWS_PER_PASS).sum()),
+             # what the seed's figures need of the parts against what one profile per layer gives (docs/reproduction.md)
+             "lane_ratio_needed": lane_ratio_needed((split_slots[0][1], split_slots[1][1])),
+             "miss_ratio_modelled": (1 - coverage(prof["bias"], split_slots[0][0])) / (1 - coverage(prof["bias"], split_slots[1][0]))}
     return model, extra
 
 
@@ -263,6 +266,23 @@ def plot(folder: Path, passes: int = 200) -> list[str]:
 STEPS = {"helper_bytes": 0.5e9, "tokens_per_pass": 0.05, "cpu_efficiency": 0.03, "attention_us_per_layer": 50.0, "head_us": 100.0,
          "dispatch_us_per_layer": 20.0, "affinity_hit_rate": 0.01, "skip_budget_us": 200.0, "lane_fixed_us": 150.0}
 BOUNDS = {"helper_bytes": (8e9, 16.58e9), "tokens_per_pass": (1.0, ROWS_PER_PASS), "cpu_efficiency": (0.05, 1.0), "affinity_hit_rate": (HIT_BIAS, 0.999)}
+
+
+def lane_ratio_needed(part_layers: tuple[int, int] = (20, 22)) -> float:
+    """The least CPU-lane work per MoE layer of the first part (gpu0) over that of the second (gpu1), at the baseline,
+    that the seed's own figures allow in `predict_pass`'s critical path (docs/reproduction.md, "Why DEFER_CPU=2 stays
+    above 10%"). Per pass, with T tokens accepted: the GPU times at affinity + DEFER_CPU=2 give T >= 29.7 (40.7 + 42.1)
+    / 1000; affinity's saving at DEFER_CPU=1 (13.4T ms) needs the baseline's lane to carry at least that much more than
+    its 33.1T; DEFER_CPU=2 saves at most the trunk time A of each deferred layer of the second part, so A >= 6.8T / 21;
+    the second part's lane is at most its wait (11.6T, not deferred) plus its GPU expert time (at most 42.1 - 22 A).
+    The rest of the baseline's lane is the first part's."""
+    seed = {key: value for key, _, value, _ in SEED}
+    first, second = part_layers
+    tokens = seed["affinity_defer"] * (seed["gpu0"] + seed["gpu1"]) / 1e3  # the least T
+    trunk = 1e3 * (1 / seed["base"] - 1 / seed["defer"]) * tokens / (second - 1)  # the least A, ms
+    lane = seed["lane"] * tokens + 1e3 * (1 / seed["base"] - 1 / seed["affinity"]) * tokens  # the least baseline lane, ms/pass
+    lane_second = seed["wait_base"] * tokens + seed["gpu1"] - second * trunk  # the most of it on the second part's layers
+    return ((lane - lane_second) / first) / (lane_second / second)
 
 
 def errors(model: dict) -> dict[str, float]:
@@ -366,6 +386,8 @@ def main() -> None:
               f"(independent rows: {extra['distinct_experts_per_pass_independent']:.2f}) at reuse {REUSE} "
               f"({'measured ' + format(reuse, '.4f') if reuse is not None else 'trace absent, not checked'} on {REUSE_TRACE.name}); "
               f"{summary['seconds']:.1f} s")
+        print(f"the seed's figures need gpu0's MoE layers to carry >= {extra['lane_ratio_needed']:.2f}x gpu1's CPU-lane work per "
+              f"layer at the baseline; its cache gives them {extra['miss_ratio_modelled']:.2f}x the misses (docs/reproduction.md)")
     if args.plot is not None:
         summary["plots"] = plot(args.plot)
     print(json.dumps(summary))
