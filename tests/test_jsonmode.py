@@ -88,3 +88,10 @@ def test_pick_allowed_samples_the_restricted_distribution():
     assert picks <= allowed and len(picks) >= 3
     # a top_p whose nucleus holds an allowed token samples only the nucleus
     assert {pick_allowed(logits, nucleus, generator, [], {0, 2}.__contains__) for _ in range(200)} == {0}
+
+
+def test_utf8_inside_strings_is_rfc_3629():
+    for bad in (b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf0\x80\x80\x80", b"\xf4\x90\x80\x80", b"\xc0\x80", b"\xf5"):
+        assert _state(b'{"a": "' + bad) is None, bad  # overlong forms, surrogates, past U+10FFFF
+    for good in ("\u0800", "\ud7ff", "\ue000", "\U00010000", "\U0010ffff"):
+        assert _state('{"a": "' + good + '"}').complete
