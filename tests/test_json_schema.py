@@ -13,9 +13,8 @@ import random
 import pytest
 
 from json_schema_reference import valid
-from moetier.serve.jsonmode import MAX_WHITESPACE
 from moetier.serve.schema import SchemaError, compile_schema
-from moetier.serve.schemaprefix import MAX_DIGITS, SchemaPrefix
+from moetier.serve.schemaprefix import MAX_DIGITS, MAX_INDENT, SchemaPrefix
 
 NAMES = ["a", "b", "id", "näme", 'q"t', "x y"]
 STRINGS = ["", "a", "x y", "é", "日本", 'q"t', "\n", "b"]
@@ -108,10 +107,12 @@ def test_the_validator_agrees_with_the_reference_on_random_schemas_and_values():
             text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
             expected = valid(value, schema)
             assert _complete(node, text) == expected, (schema, text)
-            if expected:  # every prefix is live, and spaces between tokens are text too
+            if expected:  # every prefix is live, and spaces or indents between tokens are text too
                 assert all(_state(node, text[:i]) is not None for i in range(len(text)))
-                spaced = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
-                assert _complete(node, spaced) or "enum" in json.dumps(schema) or "const" in json.dumps(schema), (schema, spaced)
+                for layout in ({"separators": (", ", ": ")}, {"indent": 2}):
+                    spaced = json.dumps(value, ensure_ascii=False, **layout)
+                    assert _complete(node, spaced) or "enum" in json.dumps(schema) or "const" in json.dumps(schema), (
+                        schema, spaced)
             compared += 1
             valid_count += expected
     assert compared > 10000 and valid_count > 1500, (compared, valid_count)
@@ -168,8 +169,11 @@ def test_scalar_roots_numbers_and_whitespace():
     integer = compile_schema({"type": "integer"})
     assert _state(integer, "1.") is None and _state(integer, "1e") is None and _complete(integer, "-12")
     assert _state(compile_schema({"const": "ok"}), '"ok"').finished
-    spaced = compile_schema({"type": "object"})
-    assert _state(spaced, "{" + " " * MAX_WHITESPACE) is not None and _state(spaced, "{" + " " * (MAX_WHITESPACE + 1)) is None
+    spaced = compile_schema({"type": "object"})  # between tokens: nothing, a space, or 1-2 newlines and an indent
+    assert _complete(spaced, '{ "a" : [ 1 , 2 ] }') and _complete(spaced, '{\n\n\t"a":\n  1\n}')
+    assert _state(spaced, "{\n" + " " * MAX_INDENT) is not None and _state(spaced, "{\n" + " " * (MAX_INDENT + 1)) is None
+    for gap in ("  ", "\n\n\n", " \n", "\t", "\r\n", "\n \n"):
+        assert _state(spaced, "{" + gap) is None, gap
     assert _state(compile_schema(True), '[1, {"a": null}]').finished
 
 

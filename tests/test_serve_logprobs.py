@@ -15,28 +15,10 @@ import pytest
 from moetier.model.chat_template import render_chat
 from moetier.model.tokenizer import load_tokenizer
 from moetier.serve.jsonmode import JsonPrefix
-from serving import http, server
-from tokenizer_files import text_model
+from serve_checks import client, cold_logprobs, entry_ids, model, url  # noqa: F401 (client, model, url: fixtures)
+from serving import http
 
 MESSAGES = [{"role": "user", "content": "Answer in JSON: where is route() defined?"}]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return text_model(tmp_path_factory.mktemp("serve") / "qwen3_next-tiny", arch="qwen3_next", preset="tiny", seed=2)
-
-
-@pytest.fixture(scope="module")
-def url(model):
-    with server("--model", model, "--host", "127.0.0.1") as (base, _):
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +28,7 @@ def tokenizer(model):
 
 @pytest.fixture(scope="module")
 def cold(model):
-    """prompt ids + completion ids -> log-softmax [T, V] of one cold teacher-forced forward."""
-    import torch
-
-    from moetier.engine import Engine
-    from moetier.engine.generate import score
-    from moetier.model import open_checkpoint
-
-    engine = Engine(open_checkpoint(model))
-    return lambda ids: torch.log_softmax(torch.from_numpy(score(engine, ids)), dim=-1).numpy()
-
-
-def _ids(tokenizer, tokens) -> list[int]:
-    """The ids of logprob entries, by their bytes (each must name one id)."""
-    by_bytes: dict[bytes, list[int]] = {}
-    for i, piece in enumerate(tokenizer.token_bytes()):
-        by_bytes.setdefault(piece, []).append(i)
-    ids = []
-    for token in tokens:
-        found = by_bytes[bytes(token.bytes)]
-        assert len(found) == 1, token
-        ids.append(found[0])
-    return ids
+    return cold_logprobs(model)
 
 
 def _chat_prompt(tokenizer) -> list[int]:
@@ -79,7 +40,7 @@ def test_chat_logprobs_equal_a_cold_forward(client, tokenizer, cold):
                                             top_logprobs=5, extra_body={"ignore_eos": True})
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens == 12
-    ids = _ids(tokenizer, content)
+    ids = entry_ids(tokenizer, content)
     prompt = _chat_prompt(tokenizer)
     rows = cold(prompt + ids)[len(prompt) - 1 : -1]  # [12, V]: row i predicts completion token i
     for entry, token, row in zip(content, ids, rows):
@@ -157,7 +118,7 @@ def test_json_object_greedy_takes_the_highest_valid_logit(client, tokenizer, col
     assert final is not None and choice.finish_reason == ("stop" if final.complete else "length")
     if final.complete:
         assert isinstance(json.loads(text), dict)
-    ids = _ids(tokenizer, choice.logprobs.content)
+    ids = entry_ids(tokenizer, choice.logprobs.content)
     prompt = _chat_prompt(tokenizer)
     rows = cold(prompt + ids)[len(prompt) - 1 : -1]
     pieces, state, overridden = tokenizer.token_bytes(), JsonPrefix(), 0
@@ -196,7 +157,11 @@ BAD = {
     "json_schema": ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema",
                                                                                     "json_schema": {"name": "x"}}},
                     "response_format"),
-    "echo": ("completions", {"prompt": "x", "echo": True}, "echo"),
+    "echo with suffix": ("completions", {"prompt": "x", "echo": True, "suffix": "y"}, "suffix"),
+    "best_of < n": ("completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    "best_of > 16": ("completions", {"prompt": "x", "best_of": 17}, "best_of"),
+    "best_of > n streamed": ("completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    "max_tokens 0 without echo": ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
 }
 
 

@@ -4,9 +4,12 @@ Requests are pydantic models with strict types (a number where a number
 belongs: "10" is not a max_tokens). Served: `n` choices (1..16), logprobs
 (chat: `logprobs` + `top_logprobs` 0..20, each choice's logprobs.content;
 completions: `logprobs` 0..5, the legacy tokens / token_logprobs /
-top_logprobs / text_offset), response_format text or json_object. Refused
-with a 400 naming the field: `echo`, `suffix`, `best_of` > 1, json_schema and
-other response formats, values past those bounds. Unknown fields are ignored,
+top_logprobs / text_offset), response_format text, json_object or
+json_schema (the schema compiled by moetier.serve.schema: a keyword it does
+not enforce is a 400 naming it); completions' `echo` (max_tokens 0 allowed
+with it), `best_of` (n..16; not streamed when above n) and `suffix` (where
+the model has FIM tokens, moetier.serve.infill). Refused with a 400 naming the
+field: other response formats, echo with suffix, values past those bounds. Unknown fields are ignored,
 as clients send vendor extras. A request's phase label for recorded sessions
 comes from `metadata.phase` or the X-Moetier-Phase header (session:
 `metadata.session` / X-Moetier-Session; held out of profiles: `metadata.profile`
@@ -21,6 +24,8 @@ import time
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+from moetier.serve.schema import SchemaError, compile_schema
 
 PHASE_HEADER, SESSION_HEADER = "x-moetier-phase", "x-moetier-session"
 
@@ -131,22 +136,41 @@ def check_unsupported(request: _Sampling) -> None:
                 raise ApiError(400, f"top_logprobs is {request.top_logprobs} (expected 0 <= top_logprobs <= "
                                     f"{MAX_TOP_LOGPROBS})", "top_logprobs")
         kind = (request.response_format or {}).get("type", "text")
-        if kind == "json_schema":
-            raise ApiError(400, "response_format json_schema is not supported (expected text or json_object: "
-                                "moetier constrains the output to a JSON object, not to a schema)", "response_format")
-        if kind not in ("text", "json_object"):
-            raise ApiError(400, f"response_format {kind!r} is not supported (expected text or json_object)",
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, f"response_format {kind!r} is not supported (expected text, json_object or json_schema)",
                            "response_format")
     else:
-        if request.echo:
-            raise ApiError(400, "echo is not supported", "echo")
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LEGACY_LOGPROBS:
             raise ApiError(400, f"logprobs is {request.logprobs} (expected 0 <= logprobs <= {MAX_LEGACY_LOGPROBS})",
                            "logprobs")
-        if request.suffix:
-            raise ApiError(400, "suffix is not supported", "suffix")
-        if request.best_of not in (None, 1):
-            raise ApiError(400, "best_of is not supported (expected 1)", "best_of")
+        if request.echo and request.suffix:
+            raise ApiError(400, "echo with suffix is not supported (expected one of them)", "suffix")
+        n = request.n or 1
+        if request.best_of is not None:
+            if not n <= request.best_of <= MAX_CHOICES:
+                raise ApiError(400, f"best_of is {request.best_of} (expected n = {n} <= best_of <= {MAX_CHOICES})",
+                               "best_of")
+            if request.stream and request.best_of > n:
+                raise ApiError(400, "best_of > n cannot be streamed (expected stream false, or best_of equal to n)",
+                               "best_of")
+
+
+def response_schema(request: _Sampling):
+    """A chat request's json_schema, compiled (moetier.serve.schema.Node), or None; a 400 for what is not enforced."""
+    response_format = getattr(request, "response_format", None) or {}
+    if response_format.get("type") != "json_schema":
+        return None
+    wrapper = response_format.get("json_schema")
+    if not isinstance(wrapper, dict) or "schema" not in wrapper:
+        raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       "response_format")
+    if not isinstance(wrapper.get("name", ""), str) or not isinstance(wrapper.get("strict", False), (bool, type(None))):
+        raise ApiError(400, "response_format.json_schema: name must be a string and strict a boolean", "response_format")
+    try:
+        return compile_schema(wrapper["schema"])
+    except SchemaError as err:
+        raise ApiError(400, f"response_format.json_schema.schema {err}", "response_format",
+                       "unsupported_schema" if err.keyword else "invalid_schema") from None
 
 
 def top_logprobs(request: _Sampling) -> int | None:
@@ -170,12 +194,14 @@ def chat_logprobs(entries, pieces: list[bytes]) -> dict:
             "refusal": None}
 
 
-def text_logprobs(entries, pieces: list[bytes]) -> dict:
+def text_logprobs(entries, pieces: list[bytes], shift: int = 0) -> dict:
     """A completion's legacy logprobs: tokens, token_logprobs, top_logprobs (the k likeliest and the chosen token,
-    text -> logprob), text_offset (characters of the completion before each token)."""
+    text -> logprob; None for an echoed prompt's first token), text_offset (characters of the choice's text before
+    each token; `shift`: characters before the entries' own text, an echoed prompt's)."""
     return {"tokens": [_token(pieces[e.token]) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token(pieces[t]): lp for t, lp in (*e.top, (e.token, e.logprob))} for e in entries],
-            "text_offset": [e.offset for e in entries]}
+            "top_logprobs": [None if e.logprob is None else {_token(pieces[t]): lp for t, lp in (*e.top, (e.token, e.logprob))}
+                             for e in entries],
+            "text_offset": [e.offset + shift for e in entries]}
 
 
 def validation_error(errors: list[dict]) -> ApiError:

@@ -10,9 +10,11 @@ what may be written). Objects write only declared keys when
 additionalProperties is false (each once, spelled as json.dumps spells them),
 and close once every required key is in; arrays hold minItems..maxItems
 items; enum and const values are written as json.dumps spells them; integers
-take no fraction or exponent; a number's digit runs and whitespace runs are
-bounded (MAX_DIGITS, jsonmode.MAX_WHITESPACE) as llama.cpp's JSON-schema
-grammars bound them. Invariant: every prefix of accepted text can still be
+take no fraction or exponent; a number's digit runs (MAX_DIGITS) and the
+whitespace between tokens are bounded as llama.cpp's JSON-schema grammars
+bound them: nothing, one space, or one or two newlines and up to MAX_INDENT
+spaces or tabs, so a model cannot spend max_tokens on layout; none before
+the value. Invariant: every prefix of accepted text can still be
 completed, and text that is `complete` parses to a value the schema accepts.
 """
 
@@ -21,12 +23,14 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from moetier.serve.jsonmode import (DIGITS, MAX_WHITESPACE, N_DOT, N_E, N_INT, N_MINUS, N_ZERO, NUMBER_ENDS, STRING_END,
-                                    WHITESPACE, number_step, string_step)
+from moetier.serve.jsonmode import (DIGITS, N_DOT, N_E, N_INT, N_MINUS, N_ZERO, NUMBER_ENDS, STRING_END, WHITESPACE,
+                                    number_step, string_step)
 from moetier.serve.schema import Node
 
 MAX_READINGS = 64  # readings of the text kept at once
 MAX_DIGITS = 16  # digits in a row in a number (llama.cpp's JSON-schema grammars write at most 16)
+MAX_INDENT = 20  # spaces or tabs after a newline between two tokens
+SPACED, NEWLINES = -1, 2  # a gap's state: 0 nothing yet, SPACED one space, 1-2 newlines, 2 + k: k spaces / tabs after them
 O_FIRST, O_KEY, O_IN_KEY, O_COLON, O_VALUE, O_AFTER = range(6)  # after "{", after ",", in a key, a key read, ":" read,
 A_FIRST, A_VALUE, A_AFTER = range(3)  # after "[", after ",", after an item                    # after a member's value
 LITERALS = ((b"true", "boolean"), (b"false", "boolean"), (b"null", "null"))
@@ -154,13 +158,25 @@ def _key(frames: tuple, obj: Obj, b: int, out: list) -> None:
             return
 
 
+def _gap(state: int, b: int) -> int | None:
+    """A whitespace gap's state after byte b (see SPACED), or None when b cannot come next."""
+    if state == 0:
+        return SPACED if b == 0x20 else 1 if b == 0x0A else None
+    if state == 1 and b == 0x0A:
+        return NEWLINES
+    if state >= 1 and b in (0x20, 0x09) and state - NEWLINES < MAX_INDENT:
+        return max(state, NEWLINES) + 1
+    return None
+
+
 def _structural(frames: tuple, run: int, b: int, out: list) -> None:
     """Byte b where whitespace, a value, a key, ":", "," or a closing bracket may come."""
-    if b in WHITESPACE:
-        if run < MAX_WHITESPACE:
-            out.append((frames, run + 1))
-        return
     top = frames[-1]
+    if b in WHITESPACE:
+        gap = _gap(run, b)
+        if gap is not None and (type(top) is not Root or top.done):  # the text begins with its value
+            out.append((frames, gap))
+        return
     if type(top) is Root:
         if not top.done:
             _begin(frames, top.node.starts, b, out)
@@ -187,7 +203,7 @@ def _structural(frames: tuple, run: int, b: int, out: list) -> None:
 
 
 def _step(frames: tuple, run: int, b: int, out: list) -> None:
-    """The readings after byte b, appended to `out` as (frames, whitespace bytes in a row)."""
+    """The readings after byte b, appended to `out` as (frames, the whitespace gap's state)."""
     top = frames[-1]
     if type(top) is Str:
         lex = string_step(top.lex, b)
@@ -213,7 +229,7 @@ def _complete(frames: tuple) -> bool:
 
 
 class SchemaPrefix:
-    """A point of the text under a schema: its readings, each (frames, whitespace run). Immutable."""
+    """A point of the text under a schema: its readings, each (frames, whitespace gap state). Immutable."""
 
     __slots__ = ("readings",)
 

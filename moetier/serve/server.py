@@ -4,8 +4,11 @@ A chat is rendered with the model's own template (moetier.model.chat_template)
 and tokenized with its tokenizer; a completion's prompt is text (BOS added
 where the model asks for it) or token ids. Every request is checked before it
 queues (types, limits, the context: 400 with OpenAI's error body), then runs
-on the engine's one thread (moetier.serve.worker), its `n` choices one after
-another; logprobs and JSON mode come from moetier.serve.textgen. Streaming answers are
+on the engine's one thread (moetier.serve.worker), its `n` choices (or
+best_of candidates, the n with the highest mean logprob kept) one after
+another; logprobs, JSON mode and json_schema come from moetier.serve.textgen,
+`suffix` prompts from moetier.serve.infill, and `echo` puts the prompt before
+each choice's text (its logprobs first). Streaming answers are
 server-sent events ending in `data: [DONE]`; when the client goes away its
 generation is cancelled, streaming or not. With an API key, every /v1 request
 must carry `Authorization: Bearer KEY` (else 401). Responses carry OpenAI's
@@ -26,6 +29,7 @@ from moetier.engine.generate import Sampling
 from moetier.model.chat_template import ChatTemplateError, render_chat
 from moetier.serve import api
 from moetier.serve.api import ApiError, ChatRequest, CompletionRequest
+from moetier.serve.infill import fim_prompt, fim_tokens
 from moetier.serve.tools import ToolCallGate, split_tool_calls
 from moetier.serve.textgen import TextParams, combined_stats
 from moetier.serve.worker import Busy, Job, Worker
@@ -45,9 +49,11 @@ class ServerState:
     created: int = 0
 
 
-def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None) -> TextParams:
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens is {max_tokens} (expected >= 1)", "max_tokens")
+def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None, extra_stop_ids=frozenset(),
+            rank: bool = False) -> TextParams:
+    echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    if max_tokens is not None and (max_tokens < 0 or max_tokens == 0 and not echo):
+        raise ApiError(400, f"max_tokens is {max_tokens} (expected >= 1, or 0 with echo)", "max_tokens")
     if prompt_len >= state.context:
         raise ApiError(400, f"the prompt is {prompt_len} tokens: the model's context is {state.context} tokens "
                             "(expected a shorter prompt)", "messages" if isinstance(request, ChatRequest) else "prompt",
@@ -68,7 +74,7 @@ def _params(state: ServerState, request, prompt_len: int, max_tokens: int | None
         raise ApiError(400, str(err)) from None
     json_object = isinstance(request, ChatRequest) and (request.response_format or {}).get("type") == "json_object"
     return TextParams(max_tokens, sampling, tuple(request.stop or ()), bool(request.ignore_eos), api.top_logprobs(request),
-                      json_object)
+                      json_object, api.response_schema(request), frozenset(extra_stop_ids), rank)
 
 
 def _chat_prompt(state: ServerState, request: ChatRequest) -> list[int]:
@@ -89,23 +95,30 @@ def _chat_prompt(state: ServerState, request: ChatRequest) -> list[int]:
     return tokenizer.encode(text, add_special=False, parse_special=True)
 
 
-def _completion_prompt(state: ServerState, request: CompletionRequest) -> list[int]:
-    prompt = request.prompt
+def _completion_prompt(state: ServerState, request: CompletionRequest) -> tuple[list[int], str, frozenset[int]]:
+    """(the prompt's ids, its text as echo shows it, the ids that end a FIM generation besides the model's)."""
+    prompt, tokenizer = request.prompt, state.tokenizer
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(400, f"prompt is a list of {len(prompt)} strings (expected one prompt per request)", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        return state.tokenizer.encode(prompt, add_special=True, parse_special=True)
-    if not prompt:
+    if not prompt and not request.suffix:  # fill-in-the-middle may start at the top of a file
         raise ApiError(400, "the prompt is empty", "prompt")
-    bad = [i for i in prompt if not 0 <= i < state.tokenizer.vocab_size]
-    if bad:
-        raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary (expected 0 <= id < "
-                            f"{state.tokenizer.vocab_size})", "prompt")
-    return list(prompt)
+    if not isinstance(prompt, str):
+        bad = [i for i in prompt if not 0 <= i < tokenizer.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary (expected 0 <= id < "
+                                f"{tokenizer.vocab_size})", "prompt")
+    if request.suffix:
+        fim = fim_tokens(tokenizer)
+        if fim is None:
+            raise ApiError(400, "suffix needs a model with fill-in-the-middle tokens (GGUF tokenizer.ggml.fim_pre_token_id,"
+                                " fim_suf and fim_mid, or special tokens such as <|fim_prefix|>, <|fim_suffix|>, "
+                                "<|fim_middle|>); this model has none", "suffix")
+        return fim_prompt(tokenizer, fim, prompt, request.suffix), "", fim.stops
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special=True, parse_special=True), prompt, frozenset()
+    return list(prompt), tokenizer.decode(list(prompt), skip_special=True) if request.echo else "", frozenset()
 
 
 async def _parse(request, model):
@@ -233,21 +246,35 @@ def create_app(state: ServerState):
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
         api.check_unsupported(body)
-        prompt = await asyncio.to_thread(_completion_prompt, state, body)
-        params = _params(state, body, len(prompt), body.max_tokens if body.max_tokens is not None else 16)
+        prompt, prompt_text, fim_stops = await asyncio.to_thread(_completion_prompt, state, body)
+        n = body.n or 1
+        best_of = body.best_of or n
+        params = _params(state, body, len(prompt), body.max_tokens if body.max_tokens is not None else 16, fim_stops,
+                         rank=best_of > n)
         phase, session, profile = api.request_label(body.metadata, request.headers)
         rid, created = api.new_id("cmpl"), api.now()
-        job = Job(rid, "completions", prompt, params, phase, session, profile, body.n or 1)
+        echo = prompt_text if body.echo else ""
+        scored = params.top_logprobs if body.echo else None  # echo with logprobs: the prompt's too
+        job = Job(rid, "completions", prompt, params, phase, session, profile, best_of, prompt_logprobs=scored)
         _submit(state, job)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_text_stream(state, job, created, usage), media_type="text/event-stream")
+            return StreamingResponse(_text_stream(state, job, created, usage, echo, bool(body.echo)),
+                                     media_type="text/event-stream")
         results = await _wait(job, request)
+        kept = sorted(range(len(results)), key=lambda i: -results[i].mean_logprob)[:n] if best_of > n else range(len(results))
         pieces = state.tokenizer.token_bytes()
-        choices = [{"index": index, "text": result.text, "finish_reason": result.finish_reason,
-                    "logprobs": api.text_logprobs(result.logprobs, pieces) if result.logprobs is not None else None}
-                   for index, result in enumerate(results)]
-        stats = combined_stats(results)
+        choices = []
+        for index, i in enumerate(kept):
+            result = results[i]
+            logprobs = None
+            if result.logprobs is not None:
+                logprobs = api.text_logprobs(result.logprobs, pieces, len(echo))
+                if job.prompt_entries is not None:
+                    logprobs = _joined(api.text_logprobs(job.prompt_entries, pieces), logprobs)
+            choices.append({"index": index, "text": echo + result.text, "finish_reason": result.finish_reason,
+                            "logprobs": logprobs})
+        stats = combined_stats(results)  # every candidate's tokens: best_of's too
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                 "system_fingerprint": state.fingerprint, "choices": choices,
                 "usage": api.usage(stats), "timings": stats.to_dict()}
@@ -315,13 +342,31 @@ async def _chat_stream(state: ServerState, job: Job, created: int, tools: bool, 
     yield api.sse("[DONE]")
 
 
-async def _text_stream(state: ServerState, job: Job, created: int, include_usage: bool):
+def _joined(first: dict, then: dict) -> dict:
+    """Two runs of legacy logprobs as one (an echoed prompt's, then the completion's)."""
+    return {key: first[key] + then[key] for key in first}
+
+
+async def _text_stream(state: ServerState, job: Job, created: int, include_usage: bool, echo: str = "",
+                       echoed: bool = False):
+    """With echo, each choice's first chunk is the prompt's text (with its logprobs, once the worker has them)."""
     rid, model, pieces = job.request_id, state.model_name, state.tokenizer.token_bytes()
     logprobs = job.params.top_logprobs is not None
+
+    def echoes(shown: dict | None):
+        for index in range(job.n):
+            yield api.sse(api.text_chunk(rid, model, created, echo, None, index, shown))
+
+    if echoed and job.prompt_logprobs is None:
+        for chunk in echoes(None):
+            yield chunk
     async for event in _events(job):
-        if event[0] == "text":
+        if event[0] == "prompt":
+            for chunk in echoes(api.text_logprobs(event[1], pieces)):
+                yield chunk
+        elif event[0] == "text":
             _, index, text, entries = event
-            shown = api.text_logprobs(entries, pieces) if logprobs else None
+            shown = api.text_logprobs(entries, pieces, len(echo)) if logprobs else None
             yield api.sse(api.text_chunk(rid, model, created, text, None, index, shown))
         elif event[0] == "choice":
             _, index, result = event

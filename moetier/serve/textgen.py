@@ -11,7 +11,10 @@ With `top_logprobs` set, each generated token but a final stop token gets a
 penalties, temperature, top-k/top-p and any constraint) and `on_piece` gets
 each piece with the entries of the tokens it completes (the last ones with ""
 where the text was cut). `json_object` constrains decoding to one JSON object
-(moetier.serve.jsonmode) and ends the generation when it closes.
+(moetier.serve.jsonmode), `json_schema` to one value a compiled schema accepts
+(moetier.serve.schemaprefix); the generation ends when the value is finished.
+With `rank`, the result carries the sum of its tokens' logprobs (best_of's
+ranking). `prompt_logprobs` gives echo's entries for the prompt's tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from moetier.engine.prefix import PrefixCache
 from moetier.engine.stream import StreamStats, stream_tokens
 from moetier.model.tokenizer import StreamDecoder, Tokenizer
 from moetier.serve.jsonmode import JsonMode
+from moetier.serve.schemaprefix import SchemaPrefix
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -39,12 +43,15 @@ class TextParams:
     ignore_eos: bool = False  # run past the model's stop tokens
     top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
     json_object: bool = False  # constrain the text to one JSON object
+    json_schema: object | None = None  # constrain it to a value this compiled schema accepts (moetier.serve.schema.Node)
+    extra_stop_ids: frozenset[int] = frozenset()  # more ids that end it (FIM's pad and separators)
+    rank: bool = False  # sum the generated tokens' logprobs (TextResult.cumulative_logprob)
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float  # log-softmax of the step's raw logits at `token`
+    logprob: float | None  # log-softmax of the step's raw logits at `token` (None: a prompt's first token)
     top: tuple[tuple[int, float], ...]  # the k likeliest (id, logprob), likeliest first
     offset: int  # characters of the completion's text before this token's
 
@@ -57,6 +64,12 @@ class TextResult:
     finish_reason: str  # one of FINISH_REASONS
     stats: StreamStats = field(default_factory=StreamStats)
     logprobs: list[TokenLogprob] | None = None  # with top_logprobs: one per generated token, a final stop token aside
+    cumulative_logprob: float | None = None  # with rank: over every generated token, a final stop token included
+
+    @property
+    def mean_logprob(self) -> float:
+        """best_of's score: the generated tokens' mean logprob (-inf for none)."""
+        return self.cumulative_logprob / len(self.ids) if self.ids and self.cumulative_logprob is not None else float("-inf")
 
 
 def choice_params(params: TextParams, index: int) -> TextParams:
@@ -116,14 +129,20 @@ def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: T
                   before_decode: Callable[[], None] | None = None,
                   on_piece: Callable[[str, list[TokenLogprob]], None] | None = None) -> TextResult:
     """See the module docstring."""
-    stop_ids = frozenset() if params.ignore_eos else tokenizer.stop_ids
+    stop_ids = frozenset() if params.ignore_eos else tokenizer.stop_ids | params.extra_stop_ids
     stats = StreamStats()
     decoder, stops = StreamDecoder(tokenizer), StopStrings(params.stop)
     ids: list[int] = []
     pieces: list[str] = []
     finish = None
-    json_mode = JsonMode(tokenizer.token_bytes(), stop_ids, tokenizer.specials.control_ids) if params.json_object else None
+    json_mode = None
+    if params.json_schema is not None:
+        json_mode = JsonMode(tokenizer.token_bytes(), stop_ids, tokenizer.specials.control_ids,
+                             SchemaPrefix(params.json_schema), "json_schema")
+    elif params.json_object:
+        json_mode = JsonMode(tokenizer.token_bytes(), stop_ids, tokenizer.specials.control_ids)
     steps: list[tuple[float, tuple]] = []  # each step's (logprob of the pick, top k), in order
+    cumulative = [0.0]
     entries: list[TokenLogprob] = []
     pending: list[TokenLogprob] = []  # entries whose tokens' text is not out yet
     produced = 0  # characters the decoder has given so far
@@ -133,11 +152,13 @@ def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: T
             token = json_mode.pick(logits, params.sampling, generator, generated)
         else:
             token = pick_token(logits, params.sampling, generator, generated)
-        if params.top_logprobs is not None:
-            steps.append(_logprob(logits, token, params.top_logprobs))
+        if params.top_logprobs is not None or params.rank:
+            step = _logprob(logits, token, params.top_logprobs or 0)
+            steps.append(step)
+            cumulative[0] += step[0]
         return token
 
-    custom = json_mode is not None or params.top_logprobs is not None
+    custom = json_mode is not None or params.top_logprobs is not None or params.rank
 
     def emit(text: str, final: bool = False) -> None:
         if text:
@@ -164,7 +185,7 @@ def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: T
         produced += len(piece)
         text, cut = stops.feed(piece)
         emit(text)
-        if cut or (json_mode is not None and json_mode.complete):
+        if cut or (json_mode is not None and json_mode.finished):
             finish = "stop"
             break
         if cancelled is not None and cancelled():
@@ -177,4 +198,22 @@ def generate_text(engine, tokenizer: Tokenizer, prompt_ids: list[int], params: T
     else:
         emit("", final=True)
     return TextResult(list(prompt_ids), ids, "".join(pieces), finish or "length", stats,
-                      entries if params.top_logprobs is not None else None)
+                      entries if params.top_logprobs is not None else None, cumulative[0] if params.rank else None)
+
+
+def prompt_logprobs(engine, tokenizer: Tokenizer, prompt_ids: list[int], k: int, chunk: int = 512) -> list[TokenLogprob]:
+    """echo's entries for the prompt: the first token's logprob None (nothing predicts it), each other's the
+    log-softmax of a cold teacher-forced forward of the prompt (in chunks, on a cache of its own: the prefix cache is
+    left as it is); offsets are characters of the prompt's text before each token."""
+    cache, rows = engine.new_cache(), []
+    for start in range(0, len(prompt_ids) - 1, chunk):
+        logits = engine.forward(torch.tensor(prompt_ids[start : start + chunk], dtype=torch.int64), cache)  # [t, V]
+        for offset, row in enumerate(logits.cpu()):
+            if start + offset + 1 < len(prompt_ids):
+                rows.append(_logprob(row, prompt_ids[start + offset + 1], k))
+    decoder, produced, entries = StreamDecoder(tokenizer), 0, []
+    for i, token in enumerate(prompt_ids):
+        logprob, top = rows[i - 1] if i else (None, ())
+        entries.append(TokenLogprob(token, logprob, top, produced + len(decoder.pending())))
+        produced += len(decoder.push(token))
+    return entries

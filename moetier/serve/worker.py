@@ -1,10 +1,12 @@
 """The engine's one thread: generations run one at a time, in arrival order, over a kept prefix cache.
 
-Handlers `submit` a Job and read its events (("text", choice, piece,
+Handlers `submit` a Job and read its events (("prompt", logprob entries)
+first when echo asks for the prompt's logprobs, ("text", choice, piece,
 logprob entries), ("choice", choice, TextResult) as each of its `n` choices
 ends, then ("done", [TextResult per choice]) or ("error", status, message))
 from an asyncio queue the worker fills from its thread. The choices run one
-after another over the same prefix cache, so the prompt is prefilled once.
+after another over the same prefix cache, so the prompt is prefilled once
+(best_of's candidates are choices too). max_tokens 0 (echo's scoring) generates nothing.
 A job whose client left is `cancel`led: skipped while it waits, stopped
 within one token while it runs, so the next job starts at once. With a
 Recorder, each finished choice (a cancelled one included: its tokens ran) is
@@ -22,8 +24,9 @@ import threading
 from dataclasses import dataclass, field
 
 from moetier.engine.prefix import PrefixCache
+from moetier.engine.stream import StreamStats
 from moetier.serve.record import Recorder
-from moetier.serve.textgen import TextParams, choice_params, generate_text
+from moetier.serve.textgen import TextParams, TextResult, choice_params, generate_text, prompt_logprobs
 
 log = logging.getLogger("moetier.serve")
 
@@ -37,7 +40,9 @@ class Job:
     phase: str = "unlabelled"
     session: str = ""
     profile: bool = True
-    n: int = 1  # choices
+    n: int = 1  # choices generated (best_of's candidates)
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's entries with this many likeliest
+    prompt_entries: list | None = None  # those entries, once computed
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -109,6 +114,17 @@ class Worker:
                 self.served += 1
 
     def _generate(self, job: Job) -> None:
+        if job.prompt_logprobs is not None:
+            job.prompt_entries = prompt_logprobs(self.engine, self.tokenizer, job.prompt_ids, job.prompt_logprobs)
+            job.put(("prompt", job.prompt_entries))
+        if job.params.max_tokens == 0:
+            empty = [] if job.params.top_logprobs is not None else None
+            results = [TextResult(list(job.prompt_ids), [], "", "length", StreamStats(len(job.prompt_ids)), empty)
+                       for _ in range(job.n)]
+            for index, result in enumerate(results):
+                job.put(("choice", index, result))
+            job.put(("done", results))
+            return
         results = []
         for index in range(job.n):
             rows = self.recorder.observer() if self.recorder is not None else None
