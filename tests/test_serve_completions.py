@@ -139,3 +139,16 @@ def test_gguf_fim_keys_name_the_fim_tokens(model, tmp_path):
         writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
     _close(writer)
     assert fim_tokens(load_tokenizer(tmp_path / "fim.gguf")) == FimTokens(7, 8, 9, frozenset({10}))
+
+
+def test_prompt_logprobs_in_chunks_equal_one_forward(model):
+    from moetier.engine import Engine
+    from moetier.model import open_checkpoint
+    from moetier.serve.textgen import prompt_logprobs
+
+    engine, tokenizer = Engine(open_checkpoint(model)), load_tokenizer(model)
+    prompt = [(7 * i) % 490 + 3 for i in range(40)]
+    whole, chunked = (prompt_logprobs(engine, tokenizer, prompt, 3, chunk) for chunk in (512, 7))
+    assert whole[0].logprob is None and [e.token for e in chunked] == prompt
+    assert np.allclose([e.logprob for e in whole[1:]], [e.logprob for e in chunked[1:]], atol=1e-4)
+    assert [e.offset for e in whole] == [e.offset for e in chunked] and [len(e.top) for e in chunked[1:]] == [3] * 39
