@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,7 @@ class SchedulerConfig:
     budget_us: float = field(default=2000.0, metadata=_range(above=0, at_most=1e9))  # per MoE layer
     tail_skip: bool = False
     defer_cpu: int = 0  # 0 | 1 | 2
+    defer_into_linear: bool = False  # DEFER_CPU into linear-attention layers too: the seed's semantics, lossy in the recurrence
     calibration: str = ""  # file written by `moetier calibrate`
 
 
@@ -165,6 +166,11 @@ class Layout:
 
     def host(self, name: str) -> HostConfig:
         return next(h for h in self.hosts if h.name == name)
+
+    def with_scheduler(self, **values: Any) -> "Layout":
+        """This layout with [scheduler] keys set from the command line (a flag over the file's key); None leaves a key."""
+        chosen = {key: value for key, value in values.items() if value is not None}
+        return replace(self, scheduler=replace(self.scheduler, **chosen)) if chosen else self
 
     def relative(self, value: str) -> Path:
         """A path written in the layout, relative to the layout file."""

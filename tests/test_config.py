@@ -25,6 +25,10 @@ def test_shipped_layouts_load(name):
 def test_minimal_layout_defaults():
     layout = load_layout(_write(MINIMAL))
     assert layout.scheduler.defer_cpu == 0 and layout.scheduler.tail_skip is False
+    assert layout.scheduler.defer_into_linear is False  # the engine's rule: nothing deferred into a recurrence
+    flagged = layout.with_scheduler(defer_into_linear=True, defer_cpu=None)  # a flag over the file's key; None leaves one
+    assert flagged.scheduler.defer_into_linear is True and flagged.scheduler.defer_cpu == 0
+    assert layout.with_scheduler(defer_into_linear=None) is layout
     assert layout.parts[0].layers(10) == range(10)
     assert layout.link("pcie").transfer_us(8_000) == pytest.approx(5 + 1.0)
 
@@ -42,6 +46,7 @@ def test_minimal_layout_defaults():
         (("gbps = 64.0", "gbps = 64.0\nmtu = 9000"), "[links.0].mtu", "unknown key"),
         (("[[tiers]]\nname = \"cpu\"\nkind = \"cpu\"", ""), "tiers", "cpu"),
         (("[[links]]", "[scheduler]\ndefer_cpu = 3\n[[links]]"), "[scheduler].defer_cpu", "0, 1 or 2"),
+        (("[[links]]", "[scheduler]\ndefer_into_linear = 1\n[[links]]"), "[scheduler].defer_into_linear", "expected bool"),
     ],
 )
 def test_errors_name_file_and_key(edit, where, words):

@@ -1,16 +1,23 @@
 """DEFER_CPU's semantics: a layer's CPU-lane partial lands after the next layer's mixer, never across a part boundary,
-never into a linear-attention layer; lossy."""
+into a linear-attention layer only where the layout opts in (defer_into_linear); lossy, measured by teacher-forced KL.
+
+The rule is moetier.sched.defer's, which the simulator reads too (tests/test_simulate.py, tests/test_critical_path.py).
+"""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
+from cli_runs import moetier_here, refused
 from moetier.engine import Engine, score
 from moetier.engine.core import Partials
 from moetier.model import open_checkpoint
 from moetier.model.synth import write_synthetic
+from moetier.profile.kl import kl_per_position, stepwise_logits
 from tier_layouts import CPU, HEAD, IDS, ONE_PART, TWO_PARTS, runtime_for, scheduler, vram
 
 
@@ -126,13 +133,16 @@ def qwen3_next_checkpoint(folder, layer_types: list[str]):
 def test_nothing_deferred_crosses_a_state_update(tmp_path):
     """DEFER_CPU holds a layer's lane partial back only when the next layer attends over a KV cache: into a
     linear-attention layer it is awaited (the recurrent state would keep the difference for every later token).
-    A model of linear layers only defers nothing; with a full-attention layer after them, the layer before it defers."""
+    A model of linear layers only defers nothing; with a full-attention layer after them, the layer before it defers.
+    With defer_into_linear the linear-only model defers too (the seed's semantics)."""
     results = {}
     for kind, types in (("linear", ["linear_attention"] * 4), ("last-full", ["linear_attention"] * 3 + ["full_attention"])):
         model = qwen3_next_checkpoint(tmp_path / kind, types)
         results[kind] = [score(Engine(model, executor=LaneOnly(model), defer_cpu=mode), IDS) for mode in (0, 2)]
+        results[kind].append(score(Engine(model, executor=LaneOnly(model), defer_cpu=2, defer_into_linear=True), IDS))
     assert np.array_equal(results["linear"][0], results["linear"][1])
     assert not np.array_equal(results["last-full"][0], results["last-full"][1])
+    assert not np.array_equal(results["linear"][0], results["linear"][2])
 
 
 def test_defer_cpu_2_over_two_parts_runs_glm5_next(tmp_path_factory, tmp_path):
@@ -155,3 +165,50 @@ def test_defer_cpu_2_over_two_parts_runs_glm5_next(tmp_path_factory, tmp_path):
         assert all(v > 0 for v in served.values()), served
     assert np.abs(results[0] - score(Engine(model), IDS)).max() <= 1e-5
     assert np.abs(results[2] - results[0]).max() > 1e-4 and np.isfinite(results[2]).all()
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "glm5_next"])
+def hybrid(request, tmp_path_factory):
+    """Layers 0-2 linear attention (Gated DeltaNet / KDA), layer 3 full (glm5_next: latent) attention."""
+    checkpoint = open_checkpoint(write_synthetic(tmp_path_factory.mktemp(request.param) / "m", arch=request.param,
+                                                 preset="tiny", seed=4))
+    assert checkpoint.spec.linear_layers == (0, 1, 2) and checkpoint.spec.num_layers == 4
+    return checkpoint
+
+
+def test_defer_into_linear_changes_nothing_without_defer_cpu(hybrid):
+    """With DEFER_CPU=0 the opt-in has nothing to act on: the logits are bit-identical either way."""
+    off, on = (score(Engine(hybrid, executor=LaneOnly(hybrid), defer_into_linear=flag), IDS) for flag in (False, True))
+    assert np.array_equal(off, on)
+
+
+def test_defer_into_linear_is_lossy_small_and_its_own_model(hybrid, tmp_path):
+    """DEFER_CPU=2 over a VRAM cache of 3 slots (fewer than the 4 picks, so the lane has work) and a CPU lane: by
+    the engine's rule only layer 2 defers (into layer 3's attention); with defer_into_linear the MoE layers before
+    it too, the next layer's recurrence reading the hidden state without their partials. Teacher-forced KL against
+    the lossless run: finite and small either way (~0.005-0.018 nats), larger with the opt-in, a different model."""
+    reference = stepwise_logits(Engine(hybrid), IDS)[0]  # [T, V]
+    kl, deferred = {}, {}
+    for flag in (False, True):
+        body = ONE_PART + vram("vram", "gpu0", 3, "lru") + CPU + scheduler(2) + f"defer_into_linear = {str(flag).lower()}\n"
+        runtime = runtime_for(tmp_path, hybrid, body)
+        try:
+            deferred[flag] = sorted(layer for layer in runtime.engine.deferred if layer in hybrid.spec.moe_layers)
+            kl[flag] = kl_per_position(reference, stepwise_logits(runtime.engine, IDS)[0])  # [T]
+        finally:
+            runtime.close()
+    assert deferred[False] == [2] and deferred[True] == [l for l in (0, 1, 2) if l in hybrid.spec.moe_layers]
+    assert all(np.isfinite(v).all() for v in kl.values())
+    assert 0 < kl[False].mean() < kl[True].mean() < 0.05, {flag: float(v.mean()) for flag, v in kl.items()}
+
+
+def test_run_flag_sets_defer_into_linear_over_the_layout(hybrid, tmp_path):
+    """`moetier run --layout --defer-into-linear` over the layout's key (reported with the layers that defer);
+    without --layout it is refused: nothing else defers."""
+    path = tmp_path / "layout.toml"
+    path.write_text(HEAD + ONE_PART + vram("vram", "gpu0", 6, "lru") + CPU + scheduler(2))
+    common = ["run", "--layout", path, "--model", hybrid.folder, "--max-new-tokens", 3, "--prompt-ids", "1,2", "--json"]
+    reports = [json.loads(moetier_here(*common, *flag).stdout) for flag in ([], ["--defer-into-linear"])]
+    moe = [l for l in (0, 1, 2) if l in hybrid.spec.moe_layers]  # the MoE layers that defer (glm5_next's 0 is dense)
+    assert [(r["defer_into_linear"], r["deferred_layers"]) for r in reports] == [(False, [2]), (True, moe)]
+    refused(moetier_here("run", "--model", hybrid.folder, "--defer-into-linear"), "--defer-into-linear needs --layout")

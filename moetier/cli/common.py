@@ -47,9 +47,11 @@ def errors_to_exit(command: Callable) -> Callable:
     return wrapper
 
 
-def open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None):
+def open_engine(model: Optional[Path], backend: str, device: str, threads: Optional[int], layout: Optional[Path] = None,
+                defer_into_linear: Optional[bool] = None):
     """(engine, layout runtime or None): the plain all-resident engine, or one built from a layout.
-    --device and --threads are checked first, whether or not a layout then places the work."""
+    --device and --threads are checked first, whether or not a layout then places the work.
+    defer_into_linear: over the layout's [scheduler].defer_into_linear (None: the layout's)."""
     from moetier.engine import Engine
     from moetier.model import open_checkpoint
     from moetier.model.builtin import builtin_model
@@ -60,7 +62,7 @@ def open_engine(model: Optional[Path], backend: str, device: str, threads: Optio
         from moetier.config import load_layout
         from moetier.engine.runtime import build_runtime
 
-        plan = load_layout(layout)
+        plan = load_layout(layout).with_scheduler(defer_into_linear=defer_into_linear)
         folder = model or (Path(plan.model) if plan.model else None)
         runtime = build_runtime(plan, open_checkpoint(folder if folder is not None else builtin_model()))
         return runtime.engine, runtime

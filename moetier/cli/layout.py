@@ -45,7 +45,8 @@ def layout_report(runtime, result, times) -> dict:
                       "cpu_lane_wait_ms_per_token": ms.get(f"cpu lane wait (part {index})", 0.0)})
     return {
         "layout": str(layout.path), "model": str(engine.checkpoint.folder), "fingerprint": engine.checkpoint.fingerprint,
-        "defer_cpu": engine.defer_cpu, "tail_skip": executor.tail_skip, "budget_us": executor.budget_us,
+        "defer_cpu": engine.defer_cpu, "defer_into_linear": engine.defer_into_linear,
+        "deferred_layers": sorted(l for l in engine.deferred if engine.spec.is_moe(l)), "tail_skip": executor.tail_skip, "budget_us": executor.budget_us,
         "generated_ids": result.ids, "prefill_tok_per_s": result.prefill_tok_per_s,
         "decode_tok_per_s": result.decode_tok_per_s, "decode_tokens": len(result.ids) - 1,
         "hit_rate": hits / picks if picks else 0.0, "skipped_per_token": executor.skipped / steps,
@@ -106,7 +107,8 @@ def write_trace(path: Path, rows, runtime) -> None:
 
 def print_report(report: dict, out: Console) -> None:
     out.print(f"layout {report['layout']}  model {report['model']} ({report['fingerprint']})  "
-              f"DEFER_CPU={report['defer_cpu']}  tail_skip={report['tail_skip']}", highlight=False)
+              f"DEFER_CPU={report['defer_cpu']}{' (into linear layers too)' if report['defer_into_linear'] else ''}  "
+              f"tail_skip={report['tail_skip']}", highlight=False)
     if "text" in report:
         out.print(report["text"], highlight=False, markup=False)
     table = Table("tier", "kind", "device", "experts/token", "hit rate")

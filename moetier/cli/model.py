@@ -43,6 +43,10 @@ def run(
     bias: Optional[Path] = typer.Option(None, help="router bias table (.safetensors, from `moetier bias`)"),
     affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (needs --layout with a vram tier)"),
     bias_mode: Optional[str] = typer.Option(None, help="selection | damped (weights from the biased scores too)"),
+    defer_into_linear: Optional[bool] = typer.Option(
+        None, "--defer-into-linear/--no-defer-into-linear",
+        help="with --layout: DEFER_CPU defers into linear-attention layers too (the seed's; lossy in their state); "
+             "default: the layout's [scheduler].defer_into_linear"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Generate tokens and report prefill and decode speed (as text, streamed, where the model has a tokenizer)."""
@@ -59,13 +63,15 @@ def run(
         raise UsageError("--prompt is empty (expected some text)")
     if trace is not None and layout is None:
         raise UsageError("--trace needs --layout (the trace records which tier served each expert)")
+    if defer_into_linear is not None and layout is None:
+        raise UsageError("--defer-into-linear needs --layout (DEFER_CPU defers a layout's CPU-lane partials)")
     if trace is not None:
         check_output(trace, "--trace", [("--model", model), ("--layout", layout), ("--bias", bias)])
     if seed is not None and temperature == 0.0:
         temperature = 1.0  # a seed asks for sampling
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty)  # refuses bad flags before any loading
-    engine, runtime = open_engine(model, backend, device, threads, layout)
+    engine, runtime = open_engine(model, backend, device, threads, layout, defer_into_linear)
     apply_router_options(engine, bias, affinity, bias_mode)
     tokenizer = None
     if prompt is not None:

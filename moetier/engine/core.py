@@ -40,6 +40,7 @@ from moetier.engine.router import Route, route_gate
 from moetier.engine.router_bias import RouterBias
 from moetier.engine.timing import StepTimes
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
+from moetier.sched.defer import deferred_layers
 from moetier.tiers.base import ExpertJob
 
 RouteObserver = Callable[[int, Route], None]  # (layer, route) for every MoE layer of every forward
@@ -150,11 +151,14 @@ class Engine:
         executor: ExpertExecutor | None = None,
         parts: Sequence[tuple[range, str]] | None = None,
         defer_cpu: int = 0,
+        defer_into_linear: bool = False,
     ):
         """parts: (layers, device) in order, covering every layer once (default: one part on `device`).
-        defer_cpu: 0 waits for the CPU lane every layer; 1 defers in the first part; 2 in every part."""
-        if defer_cpu not in (0, 1, 2):
-            raise ValueError(f"defer_cpu is {defer_cpu} (expected 0, 1 or 2)")
+        defer_cpu: 0 waits for the CPU lane every layer; 1 defers in the first part; 2 in every part
+        (moetier.sched.defer: never across a part boundary, nor into a linear-attention layer).
+        defer_into_linear: a deferred partial may also land after a linear-attention layer's mixer, the seed's
+        semantics: that layer's recurrent state then updates from the hidden state without the partial and keeps
+        the difference in every later token. Lossy like DEFER_CPU itself; nothing changes with defer_cpu 0."""
         self.checkpoint = checkpoint
         self.spec = spec = checkpoint.spec
         self.parts = [Part(r, _device(d)) for r, d in (parts or [(range(spec.num_layers), device)])]
@@ -162,7 +166,9 @@ class Engine:
         if covered != list(range(spec.num_layers)):
             raise ValueError(f"parts cover layers {covered[:3]}...{covered[-3:]} (expected 0..{spec.num_layers - 1} once, in order)")
         self.device = self.parts[0].device
-        self.defer_cpu = defer_cpu
+        self.defer_cpu, self.defer_into_linear = defer_cpu, defer_into_linear
+        # the layers whose CPU-lane partial lands after the next layer's mixer (the rule the simulator reads too)
+        self.deferred = deferred_layers(defer_cpu, [p.layers for p in self.parts], spec.linear_layers, defer_into_linear)
         self.backend = get_backend(backend, device) if isinstance(backend, str) else backend
         self.observer: RouteObserver | None = None
         self.times: StepTimes | None = None  # set to a StepTimes to account where each step's time goes
@@ -325,7 +331,6 @@ class Engine:
         for index, part in enumerate(self.parts):
             stream.to(part.device)
             mask = None if self._native_attention(part.device) else attention_mask(start, new, spec.sliding_window, part.device)
-            defer = self.defer_cpu == 2 or (self.defer_cpu == 1 and index == 0)
             pending = None  # the previous layer's CPU-lane partial, deferred: (its future, the post weights it expands by)
             selection = None  # the positions the previous latent-attention layer attended to (a shared indexer's)
             for layer in part.layers:
@@ -350,10 +355,10 @@ class Engine:
                 partials = self._moe(layer, w, x)
                 if partials.lane is None:
                     stream.leave(partials.now)
-                elif defer and layer != part.layers[-1] and not spec.is_linear(layer + 1):
-                    # never across a part boundary, nor into a linear-attention layer: its state would keep the
-                    # missing partial in every later token (a deferred partial lands after attention's KV writes,
-                    # the semantics DEFER_CPU was measured with, but never inside a recurrence)
+                elif layer in self.deferred:
+                    # never across a part boundary; into a linear-attention layer only by defer_into_linear (its
+                    # state would keep the missing partial in every later token): a deferred partial lands after
+                    # attention's KV writes, the semantics DEFER_CPU was measured with
                     stream.leave(partials.now)
                     pending = (partials.lane, stream.post)
                 else:

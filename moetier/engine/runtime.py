@@ -67,7 +67,8 @@ def build_runtime(layout: Layout, checkpoint: Checkpoint, calibration: Calibrati
             costs[config.name] = tier_cost(layout, config, calibration, shape.expert_bytes, shape.hidden_bytes)
         tiers = [built[config.name] for config in layout.tiers]  # the layout's order, for reports
         executor = TierExecutor(tiers, serving, costs, layout.scheduler.budget_us, layout.scheduler.tail_skip, spec.num_experts)
-        engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu)
+        engine = Engine(checkpoint, executor=executor, parts=parts, defer_cpu=layout.scheduler.defer_cpu,
+                        defer_into_linear=layout.scheduler.defer_into_linear)
         _apply_router(layout, engine)
     except BaseException:  # a refused tier or router option: the tiers built so far stop their threads and sockets
         for tier in built.values():
