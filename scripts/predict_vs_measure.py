@@ -110,7 +110,9 @@ def compare(name: str, path: Path, runs: list, model: Path) -> dict:
     from moetier.sched.cost import Calibration
     from moetier.sim.layout_sim import ModelShape, load_trace, simulate
 
-    layout, shape = load_layout(path), ModelShape.from_spec(open_checkpoint(model).spec)
+    # the shape the run has: its stored bytes, and its linear-attention layers, so that DEFER_CPU defers where the
+    # run's engine does (the layout's [scheduler].defer_into_linear, off by default: moetier.sched.defer)
+    layout, shape = load_layout(path), ModelShape.from_checkpoint(open_checkpoint(model))
     sims = [simulate(layout, shape, Calibration.load(calibration), load_trace(trace)) for _, trace, calibration in runs]
     measured_runs, predicted_runs = [r["decode_tok_per_s"] for r, _, _ in runs], [sim.tok_per_s for sim in sims]
     middle = int(np.argsort(measured_runs)[len(runs) // 2])

@@ -2,7 +2,8 @@
 
 The seed (../shared/DESIGN.md, "Facts from the field") ran GLM-5.3-Flash (UD-IQ3_XXS) on the
 machines examples/i7-i5.toml describes. This script builds each of its layouts from that file
-(DEFER_CPU, affinity, tail skip, the helper GPU, the i5 over the LAN), samples routing traces
+(DEFER_CPU, affinity, tail skip, the helper GPU, the i5 over the LAN; DEFER_CPU into GLM-5.3's KDA layers too,
+as the seed's engine did: the file's defer_into_linear = true), samples routing traces
 from expert profiles whose static caches hit at the rates the seed states (the only hit rates
 used as inputs), and predicts each with `moetier.sim.layout_sim.simulate`. The rows of a verify
 pass (consecutive tokens) share experts as real consecutive tokens do: REUSE, measured on the real
@@ -155,7 +156,7 @@ def profiles(split_slots: list[tuple[int, int]], helper_slots: int, affinity_hit
 
 # -- the layouts -----------------------------------------------------------------------------
 def variants(base, f: dict = FITTED) -> dict:
-    sched = lambda layout, **kw: replace(layout, scheduler=replace(layout.scheduler, **kw))  # noqa: E731
+    sched = lambda layout, **kw: layout.with_scheduler(**kw)  # noqa: E731
     vram0, vram1, cpu = base.tiers
     helper = replace(base, parts=(PartConfig("all", "gpu0", 0, None),), tiers=(
         replace(vram0, capacity_bytes=HELPER_CACHE_SLOTS * SHAPE.expert_bytes),
@@ -170,7 +171,7 @@ def variants(base, f: dict = FITTED) -> dict:
 
 def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
     base, cal = load_layout(LAYOUT), calibration(f)
-    base = replace(base, scheduler=replace(base.scheduler, budget_us=f["skip_budget_us"]))
+    base = base.with_scheduler(budget_us=f["skip_budget_us"])
     layouts = variants(base, f)
     placed = place(base, SHAPE)
     split_slots = [(placed[t].slots, len(placed[t].layers)) for t in ("vram0", "vram1")]  # each GPU's cache, its layers
@@ -186,7 +187,9 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
         held = {t.name: table[: len(served[t.name])] for t in layout.tiers if t.kind != "cpu"}  # caches and hot rules: the same shares
         return simulate(layout, SHAPE, cal, trace, rows_per_pass=ROWS_PER_PASS, tokens_per_pass=tau, profiles=held)
 
+    engine_rule = layouts["defer"].with_scheduler(defer_into_linear=False)  # moetier's engine: no deferral into a KDA layer
     sims = {"base": run(layouts["base"], "bias"), "plain": run(layouts["base"], "plain"), "defer": run(layouts["defer"], "bias"),
+            "defer_engine": run(engine_rule, "bias"), "affinity_defer_engine": run(engine_rule, "affinity"),
             "affinity": run(layouts["base"], "affinity"), "affinity_defer": run(layouts["defer"], "affinity"),
             "skip": run(layouts["skip"], "affinity"), "split": run(layouts["split"], "bias"),
             "helper": run(layouts["helper"], "bias"), "lan": run(layouts["lan"], "bias")}
@@ -213,7 +216,10 @@ def predict(f: dict = FITTED, passes: int = 300) -> tuple[dict, dict]:
              "distinct_experts_per_pass_independent": float((1 - (1 - inclusion_probabilities(prof["bias"][None], K)) ** ROWS_PER_PASS).sum()),
              # what the seed's figures need of the parts against what one profile per layer gives (docs/reproduction.md)
              "lane_ratio_needed": lane_ratio_needed((split_slots[0][1], split_slots[1][1])),
-             "miss_ratio_modelled": (1 - coverage(prof["bias"], split_slots[0][0])) / (1 - coverage(prof["bias"], split_slots[1][0]))}
+             "miss_ratio_modelled": (1 - coverage(prof["bias"], split_slots[0][0])) / (1 - coverage(prof["bias"], split_slots[1][0])),
+             # DEFER_CPU=2 as moetier's engine defers (not into KDA layers): what a moetier run of these layouts would give
+             "defer_engine_rule_tok_per_s": sims["defer_engine"].tok_per_s,
+             "affinity_defer_engine_rule_tok_per_s": sims["affinity_defer_engine"].tok_per_s}
     return model, extra
 
 
@@ -365,6 +371,8 @@ def main() -> None:
         raise SystemExit(f"{REUSE_TRACE.name}: measured reuse {reuse:.4f} differs from REUSE = {REUSE}")
     if load_layout(LAYOUT).scheduler.budget_us != FITTED["skip_budget_us"]:
         raise SystemExit(f"{LAYOUT}: [scheduler].budget_us differs from FITTED['skip_budget_us']")
+    if not load_layout(LAYOUT).scheduler.defer_into_linear:
+        raise SystemExit(f"{LAYOUT}: [scheduler].defer_into_linear is false (the seed deferred into the KDA layers: expected true)")
     started = time.perf_counter()
     model, extra = predict()
     error = errors(model)
@@ -388,6 +396,8 @@ def main() -> None:
               f"{summary['seconds']:.1f} s")
         print(f"the seed's figures need gpu0's MoE layers to carry >= {extra['lane_ratio_needed']:.2f}x gpu1's CPU-lane work per "
               f"layer at the baseline; its cache gives them {extra['miss_ratio_modelled']:.2f}x the misses (docs/reproduction.md)")
+        print(f"DEFER_CPU=2 as moetier's engine defers (not into KDA layers): {extra['defer_engine_rule_tok_per_s']:.1f} tok/s, "
+              f"with affinity {extra['affinity_defer_engine_rule_tok_per_s']:.1f} (the layouts above defer into them, as the seed did)")
     if args.plot is not None:
         summary["plots"] = plot(args.plot)
     print(json.dumps(summary))

@@ -47,3 +47,19 @@ def test_remote_round_trips_add_per_layer_and_tokens_per_pass_divide():
     assert p.ms_per_token["remote"] == pytest.approx(42 * (167 + 100 - 80) / 1e3)
     two = predict_pass([PartSpec("a", list(layers))], layers, lan, COSTS, CAL, tokens_per_pass=2.0)
     assert two.token_ms == pytest.approx(p.token_ms / 2)
+
+
+def test_defer_skips_linear_attention_layers_unless_the_layout_opts_in():
+    """The engine's rule (moetier.sched.defer): a lane partial is deferred into a full-attention layer only; with
+    defer_into_linear into every layer but a part's last, which is the prediction without linear layers."""
+    parts, layers = [PartSpec("a", list(range(8)))], range(8)
+    linear = [l for l in layers if l % 4 != 3]  # 3 of 4 linear, as GLM-5.3 and Qwen3-Next
+    everywhere = predict_pass(parts, layers, loads(layers), COSTS, CAL, defer_cpu=2)
+    engine = predict_pass(parts, layers, loads(layers), COSTS, CAL, defer_cpu=2, linear_layers=linear)
+    seed = predict_pass(parts, layers, loads(layers), COSTS, CAL, defer_cpu=2, linear_layers=linear, defer_into_linear=True)
+    plain = predict_pass(parts, layers, loads(layers), COSTS, CAL, defer_cpu=0, linear_layers=linear, defer_into_linear=True)
+    assert seed.pass_ms == everywhere.pass_ms < engine.pass_ms < plain.pass_ms
+    # every deferred layer hides the same wait here; the engine defers 2 (into layers 3 and 7) of the 7 (all but 7)
+    waits = lambda p: p.ms_per_token["cpu lane wait (part 0)"]  # noqa: E731
+    assert waits(plain) - waits(engine) == pytest.approx(2 * (waits(plain) - waits(everywhere)) / 7)
+    assert predict_pass(parts, layers, loads(layers), COSTS, CAL, defer_cpu=0, linear_layers=linear).pass_ms == plain.pass_ms

@@ -243,6 +243,50 @@ def test_the_seeds_qwen_geometry_is_a_named_shape(tmp_path):
     assert sum(report["experts_served_per_token"].values()) == pytest.approx(48 * 10)
 
 
+def test_defer_cpu_defers_into_linear_attention_layers_only_where_the_layout_opts_in(tmp_path):
+    """The engine's rule on a hybrid shape (3 of 4 layers linear): DEFER_CPU=2 defers only into full-attention layers,
+    a slower prediction than deferring into every layer; [scheduler].defer_into_linear (or --defer-into-linear)
+    restores that one, which is the prediction of the shape without linear layers; DEFER_CPU=0 ignores it."""
+    from moetier.sim.layout_sim import every_fourth_full
+
+    # experts of 10 MB: a miss is cheaper on the lane (100 us) than fetched over PCIe, so the lane has work to defer
+    hybrid = ModelShape(8, tuple(range(8)), 4, 2, 10_000_000, 64, "hybrid", linear_layers=every_fourth_full(8))
+    layout, trace = make_layout(tmp_path, policy="lru", budget=5000.0), synthetic_trace(200, 8, 4, 2, seed=1)
+    speed = lambda shape, **scheduler: simulate(layout.with_scheduler(**scheduler), shape, CAL, trace)  # noqa: E731
+    engine_rule, seed_rule = speed(hybrid, defer_cpu=2), speed(hybrid, defer_cpu=2, defer_into_linear=True)
+    everywhere = speed(replace(hybrid, linear_layers=()), defer_cpu=2)  # what the simulator predicted before
+    assert seed_rule.prediction.pass_ms == everywhere.prediction.pass_ms < engine_rule.prediction.pass_ms
+    assert speed(hybrid, defer_cpu=0).prediction == speed(hybrid, defer_cpu=0, defer_into_linear=True).prediction
+    assert any("defers 2 of 8 MoE layers: not into linear" in note for note in engine_rule.notes), engine_rule.notes
+    assert any("defers 7 of 8 MoE layers: into linear" in note for note in seed_rule.notes), seed_rule.notes
+
+
+def test_named_hybrid_shapes_and_checkpoints_carry_their_linear_layers(tmp_path):
+    """GLM-5.3-Flash (KDA) and Qwen3-Next (Gated DeltaNet): every 4th layer full attention, as their specs read the
+    configs; a checkpoint's shape carries its spec's, plain MoE models none; so `moetier simulate --model` predicts
+    a moetier run of a hybrid model by the engine's rule unless asked (--defer-into-linear)."""
+    from moetier.model import open_checkpoint
+    from moetier.model.synth import write_synthetic
+    from moetier.sched.placement import ModelShape as PlacedShape
+    from moetier.sim.layout_sim import SHAPES
+
+    assert SHAPES["glm-5.3-flash-ud-iq3_xxs"].linear_layers == tuple(l for l in range(45) if l % 4 != 3)
+    assert SHAPES["qwen3-next-80b-a3b-iq3_s"].linear_layers == tuple(l for l in range(48) if (l + 1) % 4)
+    assert SHAPES["glm-4.5-air-q4k"].linear_layers == ()
+    for arch in ("qwen3_next", "glm5_next", "qwen3_moe"):
+        checkpoint = open_checkpoint(write_synthetic(tmp_path / arch, arch=arch, preset="tiny", seed=0))
+        assert PlacedShape.from_checkpoint(checkpoint).linear_layers == checkpoint.spec.linear_layers
+        assert bool(checkpoint.spec.linear_layers) == (arch != "qwen3_moe")
+    spec = open_checkpoint(tmp_path / "qwen3_next").spec  # layers 0-2 linear, 3 full
+    synthetic_trace(200, len(spec.moe_layers), spec.num_experts, spec.top_k, seed=1).save(tmp_path / "trace.npz")
+    path = tmp_path / "defer.toml"
+    path.write_text(make_layout(tmp_path, policy="lru").path.read_text().replace("tail_skip", "defer_cpu = 2\ntail_skip"))
+    reports = [json.loads(moetier_simulate("--layout", path, "--trace", tmp_path / "trace.npz", "--model", tmp_path / "qwen3_next",
+                                           "--json", *flag, run=moetier_here).stdout) for flag in ([], ["--defer-into-linear"])]
+    assert [r["defer_into_linear"] for r in reports] == [False, True] and reports[0]["linear_layers"] == [0, 1, 2]
+    assert reports[0]["decode_tok_per_s"] < reports[1]["decode_tok_per_s"]  # only layer 2 defers (into layer 3) by default
+
+
 @pytest.mark.parametrize("args, message", [
     (["--trace", "missing.npz", "--expert-bytes", 1000], "missing.npz"),
     (["--shape", "qwen3-next-80b-a3b-iq3_s"], "expected 48 x 512"),
@@ -271,6 +315,7 @@ def test_the_seed_example_loads():
     assert (shape.num_layers, len(shape.moe_layers), shape.num_experts, shape.top_k) == (45, 42, 288, 8)
     placed = place(layout, shape)
     assert len(placed["vram0"].layers) + len(placed["vram1"].layers) == 42
+    assert layout.scheduler.defer_into_linear  # the seed deferred into GLM-5.3's KDA layers too
 
 
 def reproduce_seed() -> dict:
@@ -300,6 +345,10 @@ def test_reproduce_seed_on_glm53_flash_with_fewer_parameters_than_figures():
     assert abs(summary["checks"]["helper_hit_rate"] - 0.46) < 0.01 and abs(summary["checks"]["base_hit_rate"] - 0.845) < 0.01
     assert summary["checks"]["lane_ratio_needed"] == pytest.approx(1.272, abs=0.001)  # the seed's own arithmetic
     assert summary["checks"]["miss_ratio_modelled"] < 1  # gpu0's 57 slots a layer against gpu1's 52
+    # the layouts defer into the KDA layers as the seed did (defer_into_linear = true); moetier's engine would not:
+    # 9 of the 42 MoE layers defer, DEFER_CPU=2 19.2 tok/s (docs/reproduction.md, assumption 9)
+    assert summary["checks"]["defer_engine_rule_tok_per_s"] == pytest.approx(19.2, abs=0.05)
+    assert summary["checks"]["affinity_defer_engine_rule_tok_per_s"] < model["affinity_defer"]
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Prints the predicted decode
 tok/s and where a token's time goes, in the categories `moetier run --layout`
 measures (attention, dispatch, gpu experts, cpu lane wait (part N), transfers,
-remote, head), per part and per tier; `--sweep` turns one knob (slots, rtt_us,
+remote, head), per part and per tier; DEFER_CPU defers where the engine would
+(not into the shape's linear-attention layers unless defer_into_linear); `--sweep` turns one knob (slots, rtt_us,
 lambda); `--plot DIR` draws hit rate vs slots per policy against Belady's
 optimum, tok/s vs slots, and tok/s vs the LAN round trip (with a remote tier).
 Bad input is one line `moetier: error: ...` and exit 2.
@@ -148,6 +149,9 @@ def simulate(
     rows_per_pass: int = typer.Option(1, help="token rows per forward pass (1 + drafts under multi-token prediction)"),
     tokens_per_pass: Optional[float] = typer.Option(None, help="tokens accepted per pass (default: rows per pass)"),
     affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (default: the layout's)"),
+    defer_into_linear: Optional[bool] = typer.Option(
+        None, "--defer-into-linear/--no-defer-into-linear",
+        help="DEFER_CPU into linear-attention layers too, as `run --defer-into-linear` (default: the layout's)"),
     warmup: int = typer.Option(0, help="trace tokens that warm the caches before counting"),
     sweep_spec: Optional[str] = typer.Option(None, "--sweep", help="slots=8,16,32 | rtt_us=50,167 | lambda=0,0.25"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -158,7 +162,7 @@ def simulate(
     from moetier.sched.cost import Calibration
     from moetier.sim import layout_sim
 
-    plan = load_layout(layout)
+    plan = load_layout(layout).with_scheduler(defer_into_linear=defer_into_linear)
     cal = Calibration.load(calibration) if calibration is not None else Calibration.for_layout(plan)
     routing = layout_sim.load_trace(trace)
     model_shape = resolve_shape(plan, routing, model, shape, expert_bytes, hidden_bytes, cal)
@@ -166,7 +170,9 @@ def simulate(
         raise ValueError(f"--tokens-per-pass is {tokens_per_pass} (expected > 0)")
     options = dict(rows_per_pass=rows_per_pass, tokens_per_pass=tokens_per_pass, affinity=affinity, warmup_tokens=warmup)
     result = {"layout": str(layout), "trace": str(trace), "shape": model_shape.name,
-              "calibration": str(calibration or plan.scheduler.calibration or "defaults")}
+              "calibration": str(calibration or plan.scheduler.calibration or "defaults"),
+              "defer_cpu": plan.scheduler.defer_cpu, "defer_into_linear": plan.scheduler.defer_into_linear,
+              "linear_layers": list(model_shape.linear_layers)}
     sweeps = {}
     if sweep_spec:
         name, values = parse_sweep(sweep_spec)

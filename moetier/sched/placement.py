@@ -26,7 +26,8 @@ from moetier.config import ConfigError, Layout, TierConfig
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What placement, the cost model and the simulator need of a model: layers, routing width, bytes."""
+    """What placement, the cost model and the simulator need of a model: layers, routing width, bytes, and which
+    layers mix tokens by linear attention (DEFER_CPU does not defer into them: moetier.sched.defer)."""
 
     num_layers: int
     moe_layers: tuple[int, ...]
@@ -36,6 +37,7 @@ class ModelShape:
     hidden_bytes: int  # one token's hidden state as shipped to helper / remote tiers
     name: str = ""
     layer_bytes: tuple[int, ...] = ()  # per MoE layer (moe_layers' order) where layers differ; () = expert_bytes each
+    linear_layers: tuple[int, ...] = ()  # layers with a recurrent state (ModelSpec.linear_layers); () = none
 
     @classmethod
     def from_checkpoint(cls, checkpoint, name: str = "") -> "ModelShape":
@@ -43,7 +45,7 @@ class ModelShape:
         spec = checkpoint.spec
         per_layer = tuple(checkpoint.expert_nbytes_at(layer) for layer in spec.moe_layers)
         return cls(spec.num_layers, tuple(spec.moe_layers), spec.num_experts, spec.top_k, max(per_layer, default=0),
-                   spec.hidden_size * 4, name, per_layer if len(set(per_layer)) > 1 else ())
+                   spec.hidden_size * 4, name, per_layer if len(set(per_layer)) > 1 else (), tuple(spec.linear_layers))
 
     def bytes_at(self, layer: int) -> int:
         """Stored bytes of one routed expert of MoE layer `layer`."""

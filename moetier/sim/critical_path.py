@@ -7,7 +7,9 @@ final norm and lm head once per pass ("head"); dispatch; the
 CPU lane starts its misses; the GPU computes its hits; helper GPUs and
 remote workers answer after their round trips; the layer ends when every
 non-deferred partial is in. DEFER_CPU lets a layer's CPU partial land after
-the next layer's attention (never across a part boundary). A pass verifies
+the next layer's attention where the engine's rule does (moetier.sched.defer:
+never across a part boundary, nor into a linear-attention layer unless
+`defer_into_linear`). A pass verifies
 `tokens_per_pass` tokens (multi-token prediction) over `rows_per_pass` token
 rows (1 + drafts; default: one row per token); per-token figures divide the
 pass by the tokens. Besides the categories, a prediction keeps each part's
@@ -20,9 +22,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from moetier.sched.cost import Calibration, TierCost
+from moetier.sched.defer import deferred_layers
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,13 @@ def predict_pass(
     tokens_per_pass: float = 1.0,
     part_attention_us: Mapping[str, float] | None = None,
     rows_per_pass: float | None = None,
+    linear_layers: Collection[int] = (),
+    defer_into_linear: bool = False,
 ) -> PassPrediction:
-    """loads: MoE layer -> tier name -> its expected load in one pass. Returns ms per token by category."""
+    """loads: MoE layer -> tier name -> its expected load in one pass. Returns ms per token by category.
+    linear_layers: the model's linear-attention layers, which DEFER_CPU defers into only with defer_into_linear."""
     moe = set(moe_layers)
+    deferred = deferred_layers(defer_cpu, [part.layers for part in parts], linear_layers, defer_into_linear)
     rows = tokens_per_pass if rows_per_pass is None else rows_per_pass
     spent: dict[str, float] = defaultdict(float)
     busy_us: dict[str, float] = defaultdict(float)
@@ -77,11 +84,10 @@ def predict_pass(
     clock = 0.0  # the pass's wall clock: parts run one after another
     lane_free = 0.0  # when the CPU lane is free
     for index, part in enumerate(parts):
-        defer = defer_cpu == 2 or (defer_cpu == 1 and index == 0)
         attention_us = (part_attention_us or {}).get(part.name, calibration.attention_us_per_layer)
         pending = None  # when the deferred CPU partial of the previous layer lands
         part_start = clock
-        for position, layer in enumerate(part.layers):
+        for layer in part.layers:
             clock += attention_us
             spent["attention"] += attention_us
             if pending is not None:
@@ -117,8 +123,7 @@ def predict_pass(
                 wait = max(0.0, done - clock)
                 spent["remote" if kind == "remote" else "gpu experts"] += wait
                 clock += wait
-            last = position == len(part.layers) - 1
-            if defer and not last:
+            if layer in deferred:
                 pending = lane_done
             else:
                 wait = max(0.0, lane_done - clock)

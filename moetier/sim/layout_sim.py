@@ -6,7 +6,8 @@ when the layout asks for it and the trace has router probabilities), gives helpe
 tiers the experts their `experts` rule holds (as `build_runtime` does), groups the trace into
 verify passes of `rows_per_pass` rows, plans every pass's MoE layers with the runtime's own
 `plan_layer` (hits to VRAM, misses to the CPU lane or a holder, tail skip past the budget),
-and times each sampled pass with `predict_pass`. Invariant: the costs are `tier_cost` of the
+and times each sampled pass with `predict_pass`, deferring where the engine would on the shape's
+linear-attention layers (moetier.sched.defer). Invariant: the costs are `tier_cost` of the
 same layout and calibration the runtime plans with, and the hit counts equal `replay`'s.
 A profile (expert shares) instead of a trace is sampled into one (`sample_trace`), whose
 consecutive tokens may share experts as real ones do (`reuse`, measured by `moetier.sim.reuse`).
@@ -21,6 +22,7 @@ import numpy as np
 
 from moetier.config import Layout
 from moetier.sched.cost import Calibration, TierCost, tier_cost
+from moetier.sched.defer import deferred_layers
 from moetier.sched.placement import ModelShape, place, served_layers
 from moetier.sched.plan import plan_layer
 from moetier.sim.critical_path import PartSpec, PassPrediction, TierLoad, predict_pass
@@ -39,11 +41,19 @@ QWEN3_NEXT_EXPERT_BYTES = 3 * 2048 * 512 // 256 * 110  # 1,351,680
 # 2048) as unsloth's UD-IQ3_XXS mix, assumed gate/up IQ3_XXS (98 bytes per 256 weights) and down IQ4_XS (136): a file's
 # own figure is `moetier info`'s bytes_per_expert; bf16 hidden states (the collapsed stream hyper-connections ship).
 GLM53_FLASH_EXPERT_BYTES = 2 * 4096 * 2048 // 256 * 98 + 4096 * 2048 // 256 * 136  # 10,878,976
+
+
+def every_fourth_full(num_layers: int) -> tuple[int, ...]:
+    """The linear-attention layers of GLM-5.3 (KDA) and Qwen3-Next (Gated DeltaNet): all but every 4th, counted
+    from 1 (layers 3, 7, ... attend over a KV cache), as their configs' defaults give (moetier.model.spec_hybrid)."""
+    return tuple(layer for layer in range(num_layers) if layer % 4 != 3)
+
+
 SHAPES = {"glm-4.5-air-q4k": ModelShape(42, tuple(range(42)), 128, 8, GLM45_AIR_EXPERT_BYTES, 4096 * 2, "glm-4.5-air-q4k"),
           "glm-5.3-flash-ud-iq3_xxs": ModelShape(45, tuple(range(3, 45)), 288, 8, GLM53_FLASH_EXPERT_BYTES, 4096 * 2,
-                                                 "glm-5.3-flash-ud-iq3_xxs"),
+                                                 "glm-5.3-flash-ud-iq3_xxs", linear_layers=every_fourth_full(45)),
           "qwen3-next-80b-a3b-iq3_s": ModelShape(48, tuple(range(48)), 512, 10, QWEN3_NEXT_EXPERT_BYTES, 2048 * 2,
-                                                 "qwen3-next-80b-a3b-iq3_s")}
+                                                 "qwen3-next-80b-a3b-iq3_s", linear_layers=every_fourth_full(48))}
 
 
 @dataclass
@@ -197,6 +207,9 @@ def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace:
     if len(starts) > max_passes:
         starts = starts[np.linspace(0, len(starts) - 1, max_passes).round().astype(int)]
     parts = [PartSpec(p.name, list(p.layers(shape.num_layers))) for p in layout.parts]
+    deferring = _defer_note(layout, shape, parts)
+    if deferring:
+        notes.append(deferring)
     serving = {l: [t.name for t in layout.tiers if l in placement[t.name].layers] for l in moe}
     memo: dict = {}
     predictions, served_count, skipped = [], {t.name: 0.0 for t in layout.tiers}, 0.0
@@ -212,12 +225,26 @@ def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace:
             for name, load in loads[layer].items():
                 served_count[name] += load.experts
         predictions.append(predict_pass(parts, moe, loads, costs, calibration, layout.scheduler.defer_cpu,
-                                        tokens_per_pass or rows_per_pass, rows_per_pass=rows_per_pass))
+                                        tokens_per_pass or rows_per_pass, rows_per_pass=rows_per_pass,
+                                        linear_layers=shape.linear_layers,
+                                        defer_into_linear=layout.scheduler.defer_into_linear))
     tokens_out = (tokens_per_pass or rows_per_pass) * len(starts)
     lookups = (trace.num_tokens - warmup_tokens) * len(moe) * k
     return Simulation(_mean(predictions), hits_total / lookups, hit_rates,
                       {n: v / tokens_out for n, v in served_count.items()}, skipped / tokens_out, len(starts), notes,
                       {name: placed.slots for name, placed in placement.items()})
+
+
+def _defer_note(layout: Layout, shape: ModelShape, parts: Sequence[PartSpec]) -> str:
+    """On a model with linear-attention layers, how many MoE layers DEFER_CPU defers and by which rule ("" else)."""
+    s = layout.scheduler
+    if not s.defer_cpu or not shape.linear_layers:
+        return ""
+    moe = set(shape.moe_layers)
+    deferred = deferred_layers(s.defer_cpu, [p.layers for p in parts], shape.linear_layers, s.defer_into_linear)
+    rule = ("into linear-attention layers too ([scheduler].defer_into_linear, the seed's)" if s.defer_into_linear
+            else "not into linear-attention layers, as the engine does (defer_into_linear = true opts in)")
+    return f"DEFER_CPU={s.defer_cpu} defers {len(deferred & moe)} of {len(moe)} MoE layers: {rule}"
 
 
 def _plan(signature, names: list[str], serving: list[str], costs: Mapping[str, TierCost], layout: Layout):
