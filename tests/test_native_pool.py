@@ -11,6 +11,7 @@ from array import array
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from test_native_formats import float64_decode, float64_dot, float64_ffn, stored
 
 from moetier.backends import ExpertWork, cpu_kernels, cpu_lane
@@ -173,6 +174,26 @@ def test_the_read_probe_sums_what_it_reads_the_same_for_any_thread_count():
         kernel.read_sum(x.double())
     rates = read_bandwidth_bytes_per_s(2, nbytes=64 << 20, repeats=2)
     assert set(rates) == {"torch.sum", "native", "best"} and rates["best"] == max(rates["torch.sum"], rates["native"]) > 0
+
+
+@pytest.mark.parametrize("tokens, n", [(1, 5), (8, 64), (37, 2048), (256, 100)])
+def test_rms_norm_on_the_pool_is_torchs(tokens, n):
+    """Prefill's RMSNorm on the pool: F.rms_norm's values to float32 rounding (the sums' order differs), with and
+    without a weight, rows whose width is not a multiple of 32 included; the same bits for 1, 2 and 3 threads (a row
+    is one granule's); bad arguments refused in Python."""
+    gen = torch.Generator().manual_seed(tokens * 1000 + n)
+    x = torch.randn(tokens, n, generator=gen) * 3
+    w = torch.randn(n, generator=gen)
+    for weight in (w, None):
+        ref = F.rms_norm(x.double(), (n,), None if weight is None else weight.double(), 1e-6)
+        outs = [kernel.with_threads(t).rms_norm(x, weight, 1e-6) for t in THREADS]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        assert (outs[0].double() - ref).abs().max().item() <= 4e-7 * ref.abs().max().item()
+    assert torch.equal(kernel.rms_norm(x.t().contiguous().t(), w, 1e-6), kernel.rms_norm(x, w, 1e-6))  # a strided view
+    with pytest.raises(ValueError, match="rms_norm: weight must be float32"):
+        kernel.rms_norm(x, w[:-1] if n > 1 else w.double(), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm: x must be float32"):
+        kernel.rms_norm(x.double(), w, 1e-6)
 
 
 def test_hand_off_cost_of_a_tiny_call(capsys):

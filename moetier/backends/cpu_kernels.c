@@ -521,6 +521,45 @@ int64_t moe_read_sum(moe_pool *pool, const float *x, int64_t n, double *sum) {
     return partial ? 0 : -2;
 }
 
+/* Prefill's RMSNorm on every pool thread: rows [rows, n] -> y = x / rms(x) * w (w NULL: no weight), a granule of
+ * RMS_ROWS rows. The squares are summed in 4 x 8 lanes, then the lanes in order (torch's F.rms_norm sums in its own
+ * order: the two agree to float32 rounding); then x * (1 / rms) * w, as the reference multiplies. */
+enum { RMS_ROWS = 4 };
+typedef struct { const float *x, *w; float *y; int64_t rows, n; float eps; } rms_job;
+
+static void rms_granule(void *job, int64_t g) {
+    const rms_job *r = job;
+    const int64_t to = (g + 1) * RMS_ROWS < r->rows ? (g + 1) * RMS_ROWS : r->rows, n = r->n;
+    for (int64_t t = g * RMS_ROWS; t < to; t++) {
+        const float *x = r->x + t * n;
+        float *y = r->y + t * n;
+        v8f acc[4] = {{0}};
+        int64_t i = 0;
+        for (; i + 32 <= n; i += 32)
+            for (int j = 0; j < 4; j++) {
+                const v8f v = load8(x + i + 8 * j);
+                acc[j] += v * v;
+            }
+        float squares = sum8((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        for (; i < n; i++) squares += x[i] * x[i];
+        const float k = 1.f / sqrtf(squares / (float)n + r->eps);
+        if (r->w)
+            for (i = 0; i < n; i++) y[i] = x[i] * k * r->w[i];
+        else
+            for (i = 0; i < n; i++) y[i] = x[i] * k;
+    }
+}
+
+int64_t moe_rms_norm(moe_pool *pool, const float *x, const float *w, int64_t rows, int64_t n, double eps, float *y) {
+    if (rows < 1 || n < 1) return -1;
+    const int64_t granules = ceil_div(rows, RMS_ROWS);
+    rms_job r = {x, w, y, rows, n, (float)eps};
+    pthread_mutex_lock(&pool->call);
+    pool_run(pool, rms_granule, &r, 1, &granules);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
+
 /* y = x / rms(x) (* w), n values (the trunk's RMSNorm: the decode step's and the latent attention's) */
 static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
     float squares = 0.f;

@@ -281,6 +281,26 @@ class DecodeKernel(MixerKernels):
         return y
 
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """y [T, n] float32 = x / rms(x) * weight, row by row on every pool thread (prefill's RMSNorm: torch's
+        F.rms_norm runs on one thread here and is ~10x slower). x: float32 [T, n] in host memory (made contiguous);
+        weight: float32 [n] or None. The same values as F.rms_norm to float32 rounding. Bad arguments: ValueError."""
+        x = _float_input("rms_norm", x)
+        tokens, n = x.shape
+        if n < 1 or eps < 0 or eps != eps:
+            raise ValueError(f"rms_norm: x must have at least one column and eps be >= 0, got {list(x.shape)}, eps {eps}")
+        if weight is not None:
+            if weight.dtype != torch.float32 or weight.device.type != "cpu" or tuple(weight.shape) != (n,):
+                raise ValueError(f"rms_norm: weight must be float32 [{n}] in host memory, got {weight.dtype} "
+                                 f"{list(weight.shape)} on {weight.device}")
+            weight = weight.contiguous()
+        y = torch.empty(tokens, n)
+        if tokens:
+            status_error("rms_norm", self.library.moe_rms_norm(self.pool.handle, x.data_ptr(),
+                                                                weight.data_ptr() if weight is not None else None,
+                                                                tokens, n, float(eps), y.data_ptr()))
+        return y
+
     def read_sum(self, x: torch.Tensor) -> float:
         """The sum of x (float32, contiguous, in host memory) read on every pool thread: the read-bandwidth probe
         (moetier.calibrate.read_bandwidth_bytes_per_s), summed in float32 per 1 MiB granule, then in float64."""
@@ -367,6 +387,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
         "moe_read_sum": (i64, [p, p, i64, p]),
+        "moe_rms_norm": (i64, [p, p, p, i64, i64, ctypes.c_double, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
         "moe_deltanet_mix": (i64, [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, dbl, p]),
         "moe_hyper_weights": (None, [p, p, p, i64, i64, i64, ctypes.c_float, p, p, p]),
