@@ -221,3 +221,26 @@ def test_hand_off_cost_of_a_tiny_call(capsys):
             lane.close()
     with capsys.disabled():
         print("\nhand-off of a tiny call: " + "; ".join(lines))
+
+
+@pytest.mark.parametrize("tokens, heads, d, rd", [(1, 1, 4, 4), (37, 6, 64, 64), (70, 3, 128, 32), (5, 2, 16, 0)])
+def test_rotary_on_the_pool_is_the_tables(tokens, heads, d, rd):
+    """Prefill's rotary on the pool: RotaryTable.apply's values (HF's rotate_half) to float32 rounding, with the heads'
+    transpose fused, from a strided slice of the projections (the engine's q and k beside v); the same bits for 1, 2
+    and 3 threads; bad arguments refused in Python."""
+    from moetier.engine.layers import RotaryTable
+
+    gen = torch.Generator().manual_seed(tokens + heads + d + rd)
+    table = RotaryTable(rd, 10000.0, torch.device("cpu"))
+    projections = torch.randn(tokens, heads + 2, d, generator=gen)
+    x = projections[:, :heads]  # [T, heads, d], token stride (heads + 2) d
+    start = 9
+    ref = table.apply(x.transpose(0, 1), start)  # [heads, T, d]
+    cos, sin = table.rows(start, start + tokens)
+    outs = [kernel.with_threads(t).rotary(x, cos, sin) for t in THREADS]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert outs[0].shape == ref.shape and (outs[0] - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
+    with pytest.raises(ValueError, match="rotary: x must be float32"):
+        kernel.rotary(x.transpose(1, 2), cos, sin)
+    with pytest.raises(ValueError, match="rotary: cos must be float32"):
+        kernel.rotary(x, cos[:-1] if tokens > 1 else cos.double(), sin)

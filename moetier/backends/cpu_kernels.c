@@ -560,6 +560,39 @@ int64_t moe_rms_norm(moe_pool *pool, const float *x, const float *w, int64_t row
     return 0;
 }
 
+/* Prefill's rotary embedding on every pool thread, the heads' transpose fused: x [T, heads, d] (token stride
+ * x_stride floats, heads d apart) at positions whose table rows are cos, sin [T, rd] -> out [heads, T, d], the first
+ * rd dims of each head rotated (HF's rotate_half: x * cos + rotate_half(x) * sin), the rest copied; a granule is a
+ * head and ROPE_TOKENS tokens. */
+enum { ROPE_TOKENS = 32 };
+typedef struct { const float *x, *cos, *sin; float *out; int64_t x_stride, heads, T, d, rd; } rope_job;
+
+static void rope_granule(void *job, int64_t g) {
+    const rope_job *r = job;
+    const int64_t blocks = ceil_div(r->T, ROPE_TOKENS), head = g / blocks, t0 = (g % blocks) * ROPE_TOKENS;
+    const int64_t t1 = t0 + ROPE_TOKENS < r->T ? t0 + ROPE_TOKENS : r->T, half = r->rd / 2, d = r->d;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *x = r->x + t * r->x_stride + head * d, *c = r->cos + t * r->rd, *s = r->sin + t * r->rd;
+        float *y = r->out + (head * r->T + t) * d;
+        for (int64_t i = 0; i < half; i++) {
+            y[i] = x[i] * c[i] + -x[i + half] * s[i];
+            y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        for (int64_t i = r->rd; i < d; i++) y[i] = x[i];
+    }
+}
+
+int64_t moe_rotary(moe_pool *pool, const float *x, int64_t x_stride, int64_t heads, int64_t T, int64_t d, const float *cos,
+                   const float *sin, int64_t rd, float *out) {
+    if (heads < 1 || T < 1 || d < 1 || rd < 0 || rd > d || rd % 2 || x_stride < heads * d) return -1;
+    const int64_t granules = heads * ceil_div(T, ROPE_TOKENS);
+    rope_job r = {x, cos, sin, out, x_stride, heads, T, d, rd};
+    pthread_mutex_lock(&pool->call);
+    pool_run(pool, rope_granule, &r, 1, &granules);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
+
 /* y = x / rms(x) (* w), n values (the trunk's RMSNorm: the decode step's and the latent attention's) */
 static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
     float squares = 0.f;

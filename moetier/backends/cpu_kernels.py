@@ -301,6 +301,31 @@ class DecodeKernel(MixerKernels):
                                                                 tokens, n, float(eps), y.data_ptr()))
         return y
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """out [heads, T, d] float32: x [T, heads, d] with the first rd dims of each head rotated by the table rows
+        cos, sin [T, rd] (HF's x * cos + rotate_half(x) * sin), the rest copied: prefill's rotary and the heads'
+        transpose in one pass on every pool thread. x: float32 in host memory whose last two dims are contiguous
+        (a slice of the token's projections serves). The same values as RotaryTable.apply to float32 rounding.
+        Bad arguments: ValueError, one line."""
+        if (x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1
+                or x.stride(1) != x.shape[2] or x.stride(0) < x.shape[1] * x.shape[2]):
+            raise ValueError(f"rotary: x must be float32 [T, heads, d] in host memory with contiguous heads, got "
+                             f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}")
+        tokens, heads, d = x.shape
+        rd = cos.shape[-1] if cos.dim() == 2 else -1
+        for name, t in (("cos", cos), ("sin", sin)):
+            if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 2
+                    or tuple(t.shape) != (tokens, rd)):
+                raise ValueError(f"rotary: {name} must be float32 [{tokens}, rd] contiguous in host memory, got "
+                                 f"{t.dtype} {list(t.shape)} on {t.device}")
+        if rd < 0 or rd > d or rd % 2:
+            raise ValueError(f"rotary: the rotated width {rd} must be even and at most the head dim {d}")
+        out = torch.empty(heads, tokens, d)
+        if out.numel():
+            status_error("rotary", self.library.moe_rotary(self.pool.handle, x.data_ptr(), x.stride(0), heads, tokens, d,
+                                                            cos.data_ptr(), sin.data_ptr(), rd, out.data_ptr()))
+        return out
+
     def read_sum(self, x: torch.Tensor) -> float:
         """The sum of x (float32, contiguous, in host memory) read on every pool thread: the read-bandwidth probe
         (moetier.calibrate.read_bandwidth_bytes_per_s), summed in float32 per 1 MiB granule, then in float64."""
@@ -388,6 +413,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
         "moe_read_sum": (i64, [p, p, i64, p]),
         "moe_rms_norm": (i64, [p, p, p, i64, i64, ctypes.c_double, p]),
+        "moe_rotary": (i64, [p, p, i64, i64, i64, i64, p, p, i64, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
         "moe_deltanet_mix": (i64, [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, dbl, p]),
         "moe_hyper_weights": (None, [p, p, p, i64, i64, i64, ctypes.c_float, p, p, p]),

@@ -438,7 +438,10 @@ class Engine:
         qk, v = qkv[:, : heads + groups], qkv[:, heads + groups :]  # [T, H + G, d], [T, G, d]
         if w.qk_norm is not None:  # per-head RMSNorm; q and k heads carry their own weights
             qk = self._norm(qk.reshape(new * (heads + groups), d), None).view(new, heads + groups, d) * w.qk_norm
-        qk = self.ropes[x.device].apply(qk.transpose(0, 1), start)  # [H + G, T, d]: one rotation for q and k
+        if self._native_attention(x.device):  # the rotation and the heads' transpose in one pass on the pool
+            qk = self._cpu_kernel.rotary(qk, *self.ropes[x.device].rows(start, start + new))  # [H + G, T, d]
+        else:
+            qk = self.ropes[x.device].apply(qk.transpose(0, 1), start)  # [H + G, T, d]: one rotation for q and k
         q, k = qk[:heads], qk[heads:]  # [H, T, d], [G, T, d]
         v = v.transpose(0, 1)  # [G, T, d]
         keys, values = cache.append(layer, k, v, start)  # [G, P, d]

@@ -61,11 +61,14 @@ class RotaryTable:
         offset = position * self.rotary_dim * self.cos.element_size()
         return self.cos.data_ptr() + offset, self.sin.data_ptr() + offset
 
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [end - start, rd] for positions start..end-1 (views of the table)."""
+        self._reach(end)
+        return self.cos[start:end], self.sin[start:end]
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x [heads, T, d] at positions start..start+T -> rotated copy."""
-        end = start + x.shape[1]
-        self._reach(end)
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, rd]
+        cos, sin = self.rows(start, start + x.shape[1])  # [T, rd]
         rd = self.rotary_dim
         rot = x[..., :rd]
         half = rd // 2
