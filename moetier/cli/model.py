@@ -250,7 +250,7 @@ def _linear_attention(s) -> dict[str, str]:
 def synth(
     out: Path = typer.Option(..., help="folder to write the checkpoint into (a .gguf file with --format gguf)"),
     arch: str = typer.Option("qwen3_moe", help="qwen3_moe | glm4_moe | mixtral | qwen3_next | glm5_next"),
-    preset: str = typer.Option("tiny", help="tiny | small | blocks | medium | wide | seed"),
+    preset: str = typer.Option("tiny", help="tiny | small | blocks | medium | wide | deep | seed"),
     seed: int = typer.Option(0),
     fused: bool = typer.Option(False, help="fused expert tensors (experts.gate_up_proj) instead of per-expert names"),
     format: str = typer.Option("hf", "--format", help="hf (safetensors folder) | gguf (the file llama.cpp's converter writes)"),

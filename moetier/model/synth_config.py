@@ -63,6 +63,10 @@ PRESETS: dict[str, SynthPreset] = {
     # qwen3_next ~2.4 GB with Qwen3-Next's linear attention (16 key heads, 32 value heads, 128 wide)
     "wide": SynthPreset(2048, 4, 16, 2, 128, 32, 8, 512, 2048, 16384, shard_bytes=500_000_000,
                         linear=LinearDims(16, 32, 128, 128)),
+    # ~7.5 GB, `wide`'s layer 16 times over: 6.4 GB of float32 experts, ~0.9 GB even as Q4_K, so every stored format's
+    # experts exceed a large last-level cache several times (the roofline's premise; bench_decode --preset deep)
+    "deep": SynthPreset(2048, 16, 16, 2, 128, 32, 8, 512, 2048, 16384, shard_bytes=500_000_000,
+                        linear=LinearDims(16, 32, 128, 128)),
     # Qwen3-Next's routing geometry (48 MoE layers of 512 experts, top-10) on small matrices: routing and
     # placement at the real expert count; ~0.6 GB for every arch (mixtral: 8 experts 1024 wide, the same bytes);
     # glm5_next GLM-5.3-Flash's (45 layers, 3 dense then 42 MoE of 288 experts, top-8): ~0.3 GB
