@@ -172,13 +172,14 @@ def test_many_tokens_cross_the_activation_tile(kernels):
     assert np.all(np.abs(y - exact) <= BOUND * scale)
 
 
-def test_one_token_on_rows_longer_than_the_stack_copy(kernels):
-    """T = 1, 65 blocks a row: the AVX-512 Q4_K gemv copies its activations to the heap past 64 blocks."""
-    n, fmt = 65 * 256, BY_NAME["Q4_K"]
-    w, x = case("Q4_K", 1, n, seed=11, rows=3)
+@pytest.mark.parametrize("name", ("Q4_K", "IQ3_S"))
+def test_one_token_on_rows_longer_than_the_stack_copy(kernels, name):
+    """T = 1, 65 blocks a row: the AVX-512 Q4_K and IQ3_S gemvs copy their activations to the heap past 64 blocks."""
+    n, fmt = 65 * 256, BY_NAME[name]
+    w, x = case(name, 1, n, seed=11, rows=3)
     xq = kernels.quantize(A.ACT_Q8_K, torch.from_numpy(x))
     y = kernels.dot(fmt.id, A.ACT_Q8_K, torch.from_numpy(w), xq, n).numpy()
-    exact, scale = reference("Q4_K", w, xq.numpy(), n)
+    exact, scale = reference(name, w, xq.numpy(), n)
     assert np.all(np.abs(y - exact) <= BOUND * scale)
 
 

@@ -76,6 +76,10 @@ static int tables_ready;
  * of entry e (low, high nibble), [1][e] values 2 and 3; levels_*[k] is level k's value. */
 static uint8_t code_xxs[2][256] __attribute__((aligned(64))), code_s[2][512] __attribute__((aligned(64)));
 static uint8_t levels_xxs[16], levels_s[16];  /* each grid's distinct values, ascending */
+/* IQ3_S's grid for its one-token loop (AVX-512): plane 0 of entry e holds values 0 and 1 (low, high nibble), plane
+ * 1 values 2 and 3; the values themselves (1..15), not level numbers. nibbles_s: every value fits a nibble. */
+static uint8_t nib_s[2][512] __attribute__((aligned(64)));
+static int nibbles_s;
 static uint8_t sign_table[128] __attribute__((aligned(64)));  /* IQ3_XXS's sign patterns, from their rule */
 
 static inline uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -131,6 +135,13 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     for (int i = 0; i < 4 * 512; i++)
         if ((i < 4 * 256 && iq3_xxs[i] > OFFSET_XXS) || iq3_s[i] > OFFSET_S) return 2;
     if (!level_codes(iq3_xxs, 256, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, levels_s, code_s[0])) return 2;
+    nibbles_s = 1;
+    for (int e = 0; e < 512; e++)
+        for (int plane = 0; plane < 2; plane++) {
+            const uint8_t lo = iq3_s[4 * e + 2 * plane], hi = iq3_s[4 * e + 2 * plane + 1];
+            nibbles_s &= lo < 16 && hi < 16;
+            nib_s[plane][e] = (uint8_t)(lo | hi << 4);
+        }
     memcpy(grid_xxs, iq3_xxs, sizeof grid_xxs);
     memcpy(grid_s, iq3_s, sizeof grid_s);
     memcpy(kvalues, kv, sizeof kvalues);
@@ -1080,6 +1091,108 @@ static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
     if (xp != stack) free(xp);
     return 1;
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && !defined(DOTK_IQ3S_GENERIC)
+#define IQ3S_GEMV 1
+/* ---- IQ3_S at T = 1 with AVX-512 VNNI and BITALG: the grid's nibbles dotted as the lookup leaves them ---------
+ * The loop above looks up two code planes (8 vpermi2b, 2 cycles each on Intel's port 5), then spends as many
+ * shuffles again putting each entry's 4 values in order (unpacks, a vpshufb to levels) and spreading the scales
+ * (4 vpermw). Here a plane is 8 vpermb on quarters of the grid (64 entries each), merged by masks of index bits 6
+ * and 7, blended by bit 8; the planes hold the values themselves (1..15) as nibbles (nib_s), and a block's 4
+ * vectors are the planes' low and high nibbles: vector j is value j of each of the 64 entries. So byte p of every
+ * vector belongs to entry p, and each int32 lane (4 entries) to one 32-value sub-block, the same in all 4. The
+ * token's quants are copied once per call into that order (x_iq3s: vector j, byte p = quant 4p + j), the signs'
+ * bits picked into it by vpshufbitqmb; 4 vpdpbusd (|w| x signed q) sum 16 products a lane (|sum| <= 16 * 15 *
+ * 127 < 2^15), one vpmaddwd times the lane's scale 2s + 1. Numerics as the loop above: each block's integer sums
+ * exact in int32, then times d_w * d_x in float32 (the lanes split a block's sum otherwise: float32 order only).
+ * -DDOTK_IQ3S_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
+enum { XS_QS = 0, XS_D = 256, XS_BYTES = 320, XS_ON_STACK = 64 };
+
+static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
+    /* 64 bytes (16 quads) -> byte k of each quad, k = 0..3, 16 bytes each */
+    const __m512i gather = _mm512_set_epi32(0x3f3b3733, 0x2f2b2723, 0x1f1b1713, 0x0f0b0703, 0x3e3a3632, 0x2e2a2622,
+                                            0x1e1a1612, 0x0e0a0602, 0x3d393531, 0x2d292521, 0x1d191511, 0x0d090501,
+                                            0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400);
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *xb = x + Q8K_BYTES * i;
+        uint8_t *o = out + XS_BYTES * i;
+        for (int c = 0; c < 4; c++) {  /* quants 64c .. 64c + 63: quads 16c .. 16c + 15 */
+            uint8_t t[64] __attribute__((aligned(64)));
+            _mm512_store_si512(t, _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(xb + 4 + 64 * c)));
+            for (int k = 0; k < 4; k++) memcpy(o + XS_QS + 64 * k + 16 * c, t + 16 * k, 16);
+        }
+        memcpy(o + XS_D, xb, 4);
+    }
+}
+
+/* one row's sum in the lanes of a vector */
+static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
+    const __m512i *t = (const __m512i *)nib_s[0];  /* plane 0: t[0..7], plane 1: t[8..15] */
+    const __m512i m4 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    /* vector j, byte p: sign bit 4p + j, in qword p / 16 of the signs: the qwords doubled, so qword lane p / 8 */
+    const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i quad = _mm512_and_si512(_mm512_slli_epi16(iota8(), 2), _mm512_set1_epi8(63));
+    const __m512i pick[4] = {quad, _mm512_add_epi8(quad, _mm512_set1_epi8(1)), _mm512_add_epi8(quad, _mm512_set1_epi8(2)),
+                             _mm512_add_epi8(quad, _mm512_set1_epi8(3))};
+    /* lane L: a right rotation by 4 * (L / 2) - 1 brings 2 * (nibble L / 2) to bits 1..4 */
+    const __m512i nibble = _mm512_set_epi32(27, 27, 23, 23, 19, 19, 15, 15, 11, 11, 7, 7, 3, 3, 31, 31);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = row + 110 * i, *x = xp + XS_BYTES * i;
+        for (int line = 0; line < 128; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 110 bytes: 2-3 lines */
+        __builtin_prefetch(b + STREAM_AHEAD + 109);
+        const __m512i idx = _mm512_loadu_si512(b + 2);
+        /* each of the 4 quarters (64 entries) of the low and high 256: a vpermb, merged over the entries below */
+        const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit6 = _mm512_movepi8_mask(_mm512_add_epi8(idx, idx));
+        const __mmask64 from64 = _kor_mask64(bit6, bit7), from192 = _kand_mask64(bit6, bit7), bit8 = _cvtu64_mask64(u64_at(b + 66));
+        __m512i plane[2];
+        for (int h = 0; h < 2; h++) {
+            __m512i half[2];
+            for (int k = 0; k < 2; k++) {
+                const __m512i *p = t + 8 * h + 4 * k;
+                __m512i r = _mm512_permutexvar_epi8(idx, p[0]);
+                r = _mm512_mask_permutexvar_epi8(r, from64, idx, p[1]);
+                r = _mm512_mask_permutexvar_epi8(r, bit7, idx, p[2]);
+                half[k] = _mm512_mask_permutexvar_epi8(r, from192, idx, p[3]);
+            }
+            plane[h] = _mm512_mask_blend_epi8(bit8, half[0], half[1]);
+        }
+        const __m512i q[4] = {_mm512_and_si512(plane[0], m4), _mm512_and_si512(_mm512_srli_epi16(plane[0], 4), m4),
+                              _mm512_and_si512(plane[1], m4), _mm512_and_si512(_mm512_srli_epi16(plane[1], 4), m4)};
+        const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
+        __m512i a[4];
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
+            a[j] = _mm512_mask_sub_epi8(a[j], _mm512_bitshuffle_epi64_mask(signs, pick[j]), zero, a[j]);
+        }
+        const __m512i s = _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
+                                           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
+        /* 2s + 1 of lane L's sub-block L / 2, in the lane's low int16 (its high int16 zero) */
+        const __m512i sc = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + 106)), nibble),
+                                                     _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
+        const float dd = f16_at(b) * f32_at(x + XS_D);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_madd_epi16(s, sc)), acc);
+    }
+    return acc;
+}
+
+/* the IQ3_S gemv with its activation copy, 16 rows' sums folded together; 0 if out of memory */
+static int iq3s_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
+    const int64_t blocks = n / QK;
+    uint8_t stack[XS_ON_STACK * XS_BYTES] __attribute__((aligned(64)));
+    uint8_t *xp = blocks <= XS_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XS_BYTES));
+    if (xp == NULL) return 0;
+    x_iq3s(xq, blocks, xp);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
+        __m512 sums[16];
+        for (int64_t r = 0; r < rr; r++) sums[r] = iq3s_row(w + (r0 + r) * row_bytes, blocks, xp);
+        acc_store(sums, rr, y + r0);
+    }
+    if (xp != stack) free(xp);
+    return 1;
+}
+#endif
 #endif
 
 #if defined(DOTK_AVX2)
@@ -1596,6 +1709,9 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #endif
 #if defined(DOTK_AVX512)
     if (loop != NULL && wtype == Q4_K && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
+#if defined(IQ3S_GEMV)
+    if (loop != NULL && wtype == IQ3_S && T == 1 && nibbles_s && iq3s_one_token(n, wb, row_bytes, rows, x, y)) return;
+#endif
 #if defined(__AVX512VNNI__)
     if (loop != NULL && wtype == Q6_K && T == 1) {
         gemv_q6k(n, wb, row_bytes, rows, x, y);
