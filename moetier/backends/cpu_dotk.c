@@ -1092,8 +1092,8 @@ static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
     return 1;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && !defined(DOTK_IQ3S_GENERIC)
-#define IQ3S_GEMV 1
+#if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && !defined(DOTK_IQ3_GENERIC)
+#define IQ3_GEMV 1
 /* ---- IQ3_S at T = 1 with AVX-512 VNNI and BITALG: the grid's nibbles dotted as the lookup leaves them ---------
  * The loop above looks up two code planes (8 vpermi2b, 2 cycles each on Intel's port 5), then spends as many
  * shuffles again putting each entry's 4 values in order (unpacks, a vpshufb to levels) and spreading the scales
@@ -1105,7 +1105,7 @@ static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
  * bits picked into it by vpshufbitqmb; 4 vpdpbusd (|w| x signed q) sum 16 products a lane (|sum| <= 16 * 15 *
  * 127 < 2^15), one vpmaddwd times the lane's scale 2s + 1. Numerics as the loop above: each block's integer sums
  * exact in int32, then times d_w * d_x in float32 (the lanes split a block's sum otherwise: float32 order only).
- * -DDOTK_IQ3S_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
+ * -DDOTK_IQ3_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
 enum { XS_QS = 0, XS_D = 256, XS_BYTES = 320, XS_ON_STACK = 64 };
 
 static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
@@ -1176,8 +1176,58 @@ static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row,
     return acc;
 }
 
-/* the IQ3_S gemv with its activation copy, 16 rows' sums folded together; 0 if out of memory */
-static int iq3s_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
+/* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles level numbers (gguf's values 4..62,
+ * one vpshufb a vector: a level's top bit, and so each byte's bit 7, is clear); its sign fields through their 128
+ * patterns as decode_iq3xxs reads them; its scales are each u32's top 4 bits. A lane's 16 products reach 16 * 62 *
+ * 127 > 2^15, so the scale is one vpmulld. */
+static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
+    const __m512i *t = (const __m512i *)code_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs)), zero = _mm512_setzero_si512();
+    const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i quad = _mm512_and_si512(_mm512_slli_epi16(iota8(), 2), _mm512_set1_epi8(63));
+    const __m512i pick[4] = {quad, _mm512_add_epi8(quad, _mm512_set1_epi8(1)), _mm512_add_epi8(quad, _mm512_set1_epi8(2)),
+                             _mm512_add_epi8(quad, _mm512_set1_epi8(3))};
+    const __m256i field_at = _mm256_set1_epi64x(0x352e2720150e0700ll);  /* the 7-bit sign fields of each u32 */
+    const __m512i signs_lo = _mm512_load_si512(sign_table), signs_hi = _mm512_load_si512(sign_table + 64);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = row + 98 * i, *x = xp + XS_BYTES * i;
+        for (int line = 0; line < 128; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 98 bytes: 2-3 lines */
+        __builtin_prefetch(b + STREAM_AHEAD + 97);
+        const __m512i idx = _mm512_loadu_si512(b + 2);
+        const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit6 = _mm512_movepi8_mask(_mm512_add_epi8(idx, idx));
+        const __mmask64 from64 = _kor_mask64(bit6, bit7), from192 = _kand_mask64(bit6, bit7);
+        __m512i plane[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i *p = t + 4 * h;
+            __m512i r = _mm512_permutexvar_epi8(idx, p[0]);
+            r = _mm512_mask_permutexvar_epi8(r, from64, idx, p[1]);
+            r = _mm512_mask_permutexvar_epi8(r, bit7, idx, p[2]);
+            plane[h] = _mm512_mask_permutexvar_epi8(r, from192, idx, p[3]);
+        }
+        const __m512i q[4] = {_mm512_shuffle_epi8(values, plane[0]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[0], 4)),
+                              _mm512_shuffle_epi8(values, plane[1]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[1], 4))};
+        const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+        const __m512i patterns = _mm512_permutex2var_epi8(signs_lo, _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)), signs_hi);
+        const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
+        __m512i a[4];
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
+            a[j] = _mm512_mask_sub_epi8(a[j], _mm512_bitshuffle_epi64_mask(signs, pick[j]), zero, a[j]);
+        }
+        const __m512i s = _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
+                                           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
+        /* 2s + 1 of lane L's sub-block L / 2: the top 4 bits of its u32 */
+        const __m512i sc = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27),
+                                                     _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
+        const float dd = 0.25f * f16_at(b) * f32_at(x + XS_D);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_mullo_epi32(s, sc)), acc);
+    }
+    return acc;
+}
+
+/* the IQ3_S (xxs = 0) or IQ3_XXS gemv with its activation copy, 16 rows' sums folded together; 0 if out of memory */
+static int iq3_one_token(int xxs, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
     const int64_t blocks = n / QK;
     uint8_t stack[XS_ON_STACK * XS_BYTES] __attribute__((aligned(64)));
     uint8_t *xp = blocks <= XS_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XS_BYTES));
@@ -1186,7 +1236,8 @@ static int iq3s_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
         __m512 sums[16];
-        for (int64_t r = 0; r < rr; r++) sums[r] = iq3s_row(w + (r0 + r) * row_bytes, blocks, xp);
+        for (int64_t r = 0; r < rr; r++)
+            sums[r] = xxs ? iq3xxs_row(w + (r0 + r) * row_bytes, blocks, xp) : iq3s_row(w + (r0 + r) * row_bytes, blocks, xp);
         acc_store(sums, rr, y + r0);
     }
     if (xp != stack) free(xp);
@@ -1709,8 +1760,9 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #endif
 #if defined(DOTK_AVX512)
     if (loop != NULL && wtype == Q4_K && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
-#if defined(IQ3S_GEMV)
-    if (loop != NULL && wtype == IQ3_S && T == 1 && nibbles_s && iq3s_one_token(n, wb, row_bytes, rows, x, y)) return;
+#if defined(IQ3_GEMV)
+    if (loop != NULL && wtype == IQ3_S && T == 1 && nibbles_s && iq3_one_token(0, n, wb, row_bytes, rows, x, y)) return;
+    if (loop != NULL && wtype == IQ3_XXS && T == 1 && iq3_one_token(1, n, wb, row_bytes, rows, x, y)) return;
 #endif
 #if defined(__AVX512VNNI__)
     if (loop != NULL && wtype == Q6_K && T == 1) {
