@@ -15,21 +15,22 @@
  * Only the float sums' order differs from llama.cpp's (vector lanes, blocks in turn): float32 rounding.
  * IQ3_XXS's factor 0.25 is folded into d (exact).
  *
- * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory
- * bound): row by row, block by block, STREAM_AHEAD bytes prefetched, 16 rows' sums folded at once; Q4_K with
- * AVX-512 has its own gemv, which reads the quant bytes as they lie and the activations reordered to match
- * (see "Q4_K at T = 1"). T > 1 (prefill): the activation blocks are first copied so their quants sit on
- * 64-byte lines (a Q8_K block is 292 bytes: every load would split a line), then 4 rows at a time walk
- * the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in L1 for every row
- * and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows on a
- * vector's lanes, one vpdpbusd per token and 4 values (see "T > 1 with AVX-512 VNNI" below); with AVX2, from
- * 12 to 64 tokens by format, Q2_K..Q5_K and IQ3_S take 16-row tiles on two vectors' lanes, one vpmaddubsw per
- * token and 4 values of 8 rows (see "T > 1 with AVX2"). No threads here: callers split rows.
+ * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory bound):
+ * row by row, block by block, STREAM_AHEAD bytes prefetched, 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS and
+ * IQ3_S with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's and the IQ3 formats' against
+ * the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at T = 1"). T > 1 (prefill): the activation blocks
+ * are first copied so their quants sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line),
+ * then 4 rows at a time walk the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in
+ * L1 for every row and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows
+ * on a vector's lanes, one vpdpbusd per token and 4 values (see "T > 1 with AVX-512 VNNI" below); with AVX2, from 12 to
+ * 64 tokens by format, Q2_K..Q5_K and IQ3_S take 16-row tiles on two vectors' lanes, one vpmaddubsw per token and 4
+ * values of 8 rows (see "T > 1 with AVX2"). No threads here: callers split rows.
  *
- * SIMD paths, chosen at build time (-march=native): AVX-512 F/BW/VL/VBMI on 64-value vectors (vpdpwssd with
- * VNNI); the IQ3 grids are looked up in registers (vpermi2b on nibble codes of the grids' 8 levels: gathers
- * cost 30+ cycles on Zen 4 / 5). AVX2 + FMA on 32-value vectors (maddubs / madd, as ggml's x86 code; IQ3 grid
- * rows by scalar loads), which machines with AVX-512 but no VBMI also take. A portable scalar path elsewhere.
+ * SIMD paths, chosen at build time (-march=native): AVX-512 F/BW/VL/VBMI on 64-value vectors (vpdpwssd with VNNI); the
+ * IQ3 grids are looked up in registers (vpermi2b on nibble codes of the grids' 8 levels, vpermb on quarters of the
+ * grids in the one-token gemvs: gathers cost 30+ cycles on Zen 4 / 5). AVX2 + FMA on 32-value vectors (maddubs / madd,
+ * as ggml's x86 code; IQ3 grid rows by scalar loads), which machines with AVX-512 but no VBMI also take. A portable
+ * scalar path elsewhere.
  *
  * Tables: IQ3_XXS's and IQ3_S's grids and IQ4_NL's kvalues come from the gguf package through dotk_tables;
  * until it is called those three formats are not offered (act_type -1). IQ3_XXS's sign patterns follow a rule
