@@ -64,11 +64,12 @@ class LaneOnly:
 
 def reference_deferred(engine: Engine, ids: np.ndarray, boundaries: list[range], defer_parts: set[int]) -> np.ndarray:
     """DEFER_CPU written out plainly: a layer's lane partial joins after the next layer's attention,
-    flushed at the end of each part."""
-    from moetier.engine.layers import attention_mask, rms_norm
+    flushed at the end of each part. The engine's own pieces (its RMSNorm, attention, MoE), so the order of the
+    additions is all that differs."""
+    from moetier.engine.layers import attention_mask
     from moetier.backends.torch_backend import swiglu
 
-    spec, eps = engine.spec, engine.spec.rms_norm_eps
+    spec = engine.spec
     cache = engine.new_cache()
     tokens = torch.tensor(ids)
     h = engine.embed.rows(tokens)
@@ -77,10 +78,10 @@ def reference_deferred(engine: Engine, ids: np.ndarray, boundaries: list[range],
         pending = None
         for layer in part:
             w = engine.layers[layer]
-            h = h + engine._attention(layer, w, rms_norm(h, w.input_norm, eps), cache, 0, mask)
+            h = h + engine._attention(layer, w, engine._norm(h, w.input_norm), cache, 0, mask)
             if pending is not None:
                 h, pending = h + pending, None
-            x = rms_norm(h, w.post_norm, eps)
+            x = engine._norm(h, w.post_norm)
             if w.mlp is not None:
                 h = h + swiglu(x, w.mlp)
                 continue
@@ -91,7 +92,7 @@ def reference_deferred(engine: Engine, ids: np.ndarray, boundaries: list[range],
             else:
                 h = h + (partials.now + lane)
         assert pending is None  # flushed inside the part
-    return engine.lm_head(rms_norm(h, engine.final_norm, eps)).numpy()
+    return engine.lm_head(engine._norm(h, engine.final_norm)).numpy()
 
 
 def test_nothing_deferred_crosses_a_part_boundary(four_moe_layers):
