@@ -1126,15 +1126,30 @@ static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
     }
 }
 
+/* 256 table bytes p[0..3] (64 entries each) looked up by idx's low 8 bits: a vpermb per quarter, each merged over
+ * the entries from its quarter on (masks of index bits 6 and 7) */
+static inline __attribute__((always_inline)) __m512i quarters256(const __m512i *p, __m512i idx) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit6 = _mm512_movepi8_mask(_mm512_add_epi8(idx, idx));
+    __m512i r = _mm512_permutexvar_epi8(idx, p[0]);
+    r = _mm512_mask_permutexvar_epi8(r, _kor_mask64(bit6, bit7), idx, p[1]);
+    r = _mm512_mask_permutexvar_epi8(r, bit7, idx, p[2]);
+    return _mm512_mask_permutexvar_epi8(r, _kand_mask64(bit6, bit7), idx, p[3]);
+}
+
+/* the bit indices vpshufbitqmb takes for vector j: byte p of it holds sign bit 4p + j (of a qword lane p / 8) */
+static inline void sign_picks(__m512i pick[4]) {
+    const __m512i quad = _mm512_and_si512(_mm512_slli_epi16(iota8(), 2), _mm512_set1_epi8(63));
+    for (int j = 0; j < 4; j++) pick[j] = _mm512_add_epi8(quad, _mm512_set1_epi8((char)j));
+}
+
 /* one row's sum in the lanes of a vector */
 static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
     const __m512i *t = (const __m512i *)nib_s[0];  /* plane 0: t[0..7], plane 1: t[8..15] */
     const __m512i m4 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
     /* vector j, byte p: sign bit 4p + j, in qword p / 16 of the signs: the qwords doubled, so qword lane p / 8 */
     const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i quad = _mm512_and_si512(_mm512_slli_epi16(iota8(), 2), _mm512_set1_epi8(63));
-    const __m512i pick[4] = {quad, _mm512_add_epi8(quad, _mm512_set1_epi8(1)), _mm512_add_epi8(quad, _mm512_set1_epi8(2)),
-                             _mm512_add_epi8(quad, _mm512_set1_epi8(3))};
+    __m512i pick[4];
+    sign_picks(pick);
     /* lane L: a right rotation by 4 * (L / 2) - 1 brings 2 * (nibble L / 2) to bits 1..4 */
     const __m512i nibble = _mm512_set_epi32(27, 27, 23, 23, 19, 19, 15, 15, 11, 11, 7, 7, 3, 3, 31, 31);
     __m512 acc = _mm512_setzero_ps();
@@ -1143,21 +1158,10 @@ static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row,
         for (int line = 0; line < 128; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 110 bytes: 2-3 lines */
         __builtin_prefetch(b + STREAM_AHEAD + 109);
         const __m512i idx = _mm512_loadu_si512(b + 2);
-        /* each of the 4 quarters (64 entries) of the low and high 256: a vpermb, merged over the entries below */
-        const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit6 = _mm512_movepi8_mask(_mm512_add_epi8(idx, idx));
-        const __mmask64 from64 = _kor_mask64(bit6, bit7), from192 = _kand_mask64(bit6, bit7), bit8 = _cvtu64_mask64(u64_at(b + 66));
+        const __mmask64 bit8 = _cvtu64_mask64(u64_at(b + 66));
         __m512i plane[2];
-        for (int h = 0; h < 2; h++) {
-            __m512i half[2];
-            for (int k = 0; k < 2; k++) {
-                const __m512i *p = t + 8 * h + 4 * k;
-                __m512i r = _mm512_permutexvar_epi8(idx, p[0]);
-                r = _mm512_mask_permutexvar_epi8(r, from64, idx, p[1]);
-                r = _mm512_mask_permutexvar_epi8(r, bit7, idx, p[2]);
-                half[k] = _mm512_mask_permutexvar_epi8(r, from192, idx, p[3]);
-            }
-            plane[h] = _mm512_mask_blend_epi8(bit8, half[0], half[1]);
-        }
+        for (int h = 0; h < 2; h++)  /* the low and the high 256 entries, blended by index bit 8 */
+            plane[h] = _mm512_mask_blend_epi8(bit8, quarters256(t + 8 * h, idx), quarters256(t + 8 * h + 4, idx));
         const __m512i q[4] = {_mm512_and_si512(plane[0], m4), _mm512_and_si512(_mm512_srli_epi16(plane[0], 4), m4),
                               _mm512_and_si512(plane[1], m4), _mm512_and_si512(_mm512_srli_epi16(plane[1], 4), m4)};
         const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
@@ -1185,9 +1189,8 @@ static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *ro
     const __m512i *t = (const __m512i *)code_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
     const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs)), zero = _mm512_setzero_si512();
     const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i quad = _mm512_and_si512(_mm512_slli_epi16(iota8(), 2), _mm512_set1_epi8(63));
-    const __m512i pick[4] = {quad, _mm512_add_epi8(quad, _mm512_set1_epi8(1)), _mm512_add_epi8(quad, _mm512_set1_epi8(2)),
-                             _mm512_add_epi8(quad, _mm512_set1_epi8(3))};
+    __m512i pick[4];
+    sign_picks(pick);
     const __m256i field_at = _mm256_set1_epi64x(0x352e2720150e0700ll);  /* the 7-bit sign fields of each u32 */
     const __m512i signs_lo = _mm512_load_si512(sign_table), signs_hi = _mm512_load_si512(sign_table + 64);
     __m512 acc = _mm512_setzero_ps();
@@ -1196,16 +1199,7 @@ static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *ro
         for (int line = 0; line < 128; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 98 bytes: 2-3 lines */
         __builtin_prefetch(b + STREAM_AHEAD + 97);
         const __m512i idx = _mm512_loadu_si512(b + 2);
-        const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit6 = _mm512_movepi8_mask(_mm512_add_epi8(idx, idx));
-        const __mmask64 from64 = _kor_mask64(bit6, bit7), from192 = _kand_mask64(bit6, bit7);
-        __m512i plane[2];
-        for (int h = 0; h < 2; h++) {
-            const __m512i *p = t + 4 * h;
-            __m512i r = _mm512_permutexvar_epi8(idx, p[0]);
-            r = _mm512_mask_permutexvar_epi8(r, from64, idx, p[1]);
-            r = _mm512_mask_permutexvar_epi8(r, bit7, idx, p[2]);
-            plane[h] = _mm512_mask_permutexvar_epi8(r, from192, idx, p[3]);
-        }
+        const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
         const __m512i q[4] = {_mm512_shuffle_epi8(values, plane[0]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[0], 4)),
                               _mm512_shuffle_epi8(values, plane[1]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[1], 4))};
         const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
