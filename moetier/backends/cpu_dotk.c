@@ -1142,10 +1142,24 @@ static inline void sign_picks(__m512i pick[4]) {
     for (int j = 0; j < 4; j++) pick[j] = _mm512_add_epi8(quad, _mm512_set1_epi8((char)j));
 }
 
+/* the 4 vectors' magnitudes q dotted with the token's quants (x_iq3s's order) carrying the weights' signs (bit
+ * 4p + j of signs for byte p of vector j, picked by sign_picks): each int32 lane sums 16 products (4 vpdpbusd) */
+static inline __attribute__((always_inline)) __m512i signed_dot4(const __m512i q[4], const uint8_t *x, __m512i signs,
+                                                                 const __m512i pick[4]) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i a[4];
+    for (int j = 0; j < 4; j++) {
+        a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
+        a[j] = _mm512_mask_sub_epi8(a[j], _mm512_bitshuffle_epi64_mask(signs, pick[j]), zero, a[j]);
+    }
+    return _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
+                            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
+}
+
 /* one row's sum in the lanes of a vector */
 static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
     const __m512i *t = (const __m512i *)nib_s[0];  /* plane 0: t[0..7], plane 1: t[8..15] */
-    const __m512i m4 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    const __m512i m4 = _mm512_set1_epi8(15);
     /* vector j, byte p: sign bit 4p + j, in qword p / 16 of the signs: the qwords doubled, so qword lane p / 8 */
     const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
     __m512i pick[4];
@@ -1165,13 +1179,7 @@ static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row,
         const __m512i q[4] = {_mm512_and_si512(plane[0], m4), _mm512_and_si512(_mm512_srli_epi16(plane[0], 4), m4),
                               _mm512_and_si512(plane[1], m4), _mm512_and_si512(_mm512_srli_epi16(plane[1], 4), m4)};
         const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
-        __m512i a[4];
-        for (int j = 0; j < 4; j++) {
-            a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
-            a[j] = _mm512_mask_sub_epi8(a[j], _mm512_bitshuffle_epi64_mask(signs, pick[j]), zero, a[j]);
-        }
-        const __m512i s = _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
-                                           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
+        const __m512i s = signed_dot4(q, x, signs, pick);
         /* 2s + 1 of lane L's sub-block L / 2, in the lane's low int16 (its high int16 zero) */
         const __m512i sc = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + 106)), nibble),
                                                      _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
@@ -1187,7 +1195,7 @@ static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row,
  * 127 > 2^15, so the scale is one vpmulld. */
 static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
     const __m512i *t = (const __m512i *)code_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
-    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs)), zero = _mm512_setzero_si512();
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs));
     const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     __m512i pick[4];
     sign_picks(pick);
@@ -1205,13 +1213,7 @@ static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *ro
         const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
         const __m512i patterns = _mm512_permutex2var_epi8(signs_lo, _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)), signs_hi);
         const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
-        __m512i a[4];
-        for (int j = 0; j < 4; j++) {
-            a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
-            a[j] = _mm512_mask_sub_epi8(a[j], _mm512_bitshuffle_epi64_mask(signs, pick[j]), zero, a[j]);
-        }
-        const __m512i s = _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
-                                           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
+        const __m512i s = signed_dot4(q, x, signs, pick);
         /* 2s + 1 of lane L's sub-block L / 2: the top 4 bits of its u32 */
         const __m512i sc = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27),
                                                      _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
