@@ -40,7 +40,7 @@ import torch
 
 from moetier.backends import activations, dot_kernels
 from moetier.backends.base import ExpertWork
-from moetier.backends.cpu_mixers import MixerKernels
+from moetier.backends.cpu_mixers import MixerKernels, float_input
 from moetier.backends.cpu_status import status_error
 from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS, Format, format_of
@@ -112,14 +112,6 @@ def expert_record(weights: ExpertWeights, dim: int | None = None, inter: int | N
         flags |= CLAMP | struct.unpack("<I", struct.pack("<f", weights.swiglu_limit))[0] << 32
         flags -= 1 << 64 if flags >= 1 << 63 else 0  # the word is a signed int64
     return RECORD.pack(gate_up.data_ptr(), down.data_ptr(), gate_up_type, down_type, flags)
-
-
-def _float_input(what: str, x: torch.Tensor) -> torch.Tensor:
-    """x as float32 [T, n] contiguous in host memory, or ValueError."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"{what}: x must be float32 [T, n] in host memory, got {x.dtype} {list(x.shape)} on {x.device}")
-    return x.contiguous()
-
 
 
 class NativePool:
@@ -231,7 +223,7 @@ class DecodeKernel(MixerKernels):
         that `fits`, all of hidden size D and the first one's width I), rows [n] int64 in [0, T) and weights [n]
         float32, in host memory; a group of no rows is skipped. Each expert's rows are converted once and its
         weights read once for all of them."""
-        x = _float_input("experts", x)
+        x = float_input("experts", x)
         tokens, dim = x.shape
         groups = [g for g in groups if g.rows.numel()]
         if not groups or not tokens:
@@ -262,7 +254,7 @@ class DecodeKernel(MixerKernels):
         (float [rows, n] of the format's dtype, or uint8 [rows, row bytes] of blocks). float_acts: float32
         activations for F16 / BF16 weights (a HF checkpoint); else x is converted as llama.cpp converts it for
         wtype's dot product (`act_type`). Bad arguments: ValueError, one line."""
-        x = _float_input("linear", x)
+        x = float_input("linear", x)
         if x.shape[1] < 1:
             raise ValueError(f"linear: x must have at least one column, got {list(x.shape)}")
         fmt = FORMATS.get(wtype)
@@ -281,51 +273,6 @@ class DecodeKernel(MixerKernels):
         return y
 
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        """y [T, n] float32 = x / rms(x) * weight, row by row on every pool thread (prefill's RMSNorm: torch's
-        F.rms_norm runs on one thread here and is ~10x slower). x: float32 [T, n] in host memory (made contiguous);
-        weight: float32 [n] or None. The same values as F.rms_norm to float32 rounding. Bad arguments: ValueError."""
-        x = _float_input("rms_norm", x)
-        tokens, n = x.shape
-        if n < 1 or eps < 0 or eps != eps:
-            raise ValueError(f"rms_norm: x must have at least one column and eps be >= 0, got {list(x.shape)}, eps {eps}")
-        if weight is not None:
-            if weight.dtype != torch.float32 or weight.device.type != "cpu" or tuple(weight.shape) != (n,):
-                raise ValueError(f"rms_norm: weight must be float32 [{n}] in host memory, got {weight.dtype} "
-                                 f"{list(weight.shape)} on {weight.device}")
-            weight = weight.contiguous()
-        y = torch.empty(tokens, n)
-        if tokens:
-            status_error("rms_norm", self.library.moe_rms_norm(self.pool.handle, x.data_ptr(),
-                                                                weight.data_ptr() if weight is not None else None,
-                                                                tokens, n, float(eps), y.data_ptr()))
-        return y
-
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """out [heads, T, d] float32: x [T, heads, d] with the first rd dims of each head rotated by the table rows
-        cos, sin [T, rd] (HF's x * cos + rotate_half(x) * sin), the rest copied: prefill's rotary and the heads'
-        transpose in one pass on every pool thread. x: float32 in host memory whose last two dims are contiguous
-        (a slice of the token's projections serves). The same values as RotaryTable.apply to float32 rounding.
-        Bad arguments: ValueError, one line."""
-        if (x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1
-                or x.stride(1) != x.shape[2] or x.stride(0) < x.shape[1] * x.shape[2]):
-            raise ValueError(f"rotary: x must be float32 [T, heads, d] in host memory with contiguous heads, got "
-                             f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}")
-        tokens, heads, d = x.shape
-        rd = cos.shape[-1] if cos.dim() == 2 else -1
-        for name, t in (("cos", cos), ("sin", sin)):
-            if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 2
-                    or tuple(t.shape) != (tokens, rd)):
-                raise ValueError(f"rotary: {name} must be float32 [{tokens}, rd] contiguous in host memory, got "
-                                 f"{t.dtype} {list(t.shape)} on {t.device}")
-        if rd < 0 or rd > d or rd % 2:
-            raise ValueError(f"rotary: the rotated width {rd} must be even and at most the head dim {d}")
-        out = torch.empty(heads, tokens, d)
-        if out.numel():
-            status_error("rotary", self.library.moe_rotary(self.pool.handle, x.data_ptr(), x.stride(0), heads, tokens, d,
-                                                            cos.data_ptr(), sin.data_ptr(), rd, out.data_ptr()))
-        return out
-
     def read_sum(self, x: torch.Tensor) -> float:
         """The sum of x (float32, contiguous, in host memory) read on every pool thread: the read-bandwidth probe
         (moetier.calibrate.read_bandwidth_bytes_per_s), summed in float32 per 1 MiB granule, then in float64."""
@@ -334,27 +281,6 @@ class DecodeKernel(MixerKernels):
         total = ctypes.c_double()
         status_error("read_sum", self.library.moe_read_sum(self.pool.handle, x.data_ptr(), x.numel(), ctypes.byref(total)))
         return total.value
-
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None) -> torch.Tensor:
-        """out [T, H d] = softmax(q k^T / sqrt(d)) v for q [H, T, d] at positions start.. (causal; the last `window`
-        keys of each query when window is given) over the KV buffers keys / values [G, capacity, d] (positions below
-        start + T written), GQA heads (H a multiple of G); float32, contiguous, in host memory, on every pool thread
-        (a granule per head and 16 queries). Bad arguments: ValueError, one line."""
-        heads, tokens, d = q.shape if q.dim() == 3 else (0, 0, 0)
-        if heads == 0 or keys.dim() != 3 or keys.shape != values.shape or keys.shape[2] != d or heads % keys.shape[0]:
-            raise ValueError(f"attention: q [H, T, d] and caches [G, capacity, d] with G dividing H, got {list(q.shape)}, "
-                             f"{list(keys.shape)}, {list(values.shape)}")
-        groups, capacity = keys.shape[0], keys.shape[1]
-        if start < 0 or start + tokens > capacity or (window is not None and window < 1):
-            raise ValueError(f"attention: positions {start}..{start + tokens - 1} outside a cache of {capacity}, or window {window}")
-        for name, t in (("q", q), ("keys", keys), ("values", values)):
-            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
-                raise ValueError(f"attention: {name} must be float32 contiguous in host memory, got {t.dtype} on {t.device}")
-        out = torch.empty(tokens, heads * d)
-        if out.numel():
-            status_error("attention", self.library.moe_attention(self.pool.handle, q.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                                                  capacity, heads, groups, d, tokens, start, window or 0, out.data_ptr()))
-        return out
 
 
 def _mark_forked() -> None:
