@@ -21,9 +21,10 @@
  * formats on AVX-512: 6, 24 accumulators beside 6 activation vectors and a weight vector, the activations packed
  * per token tile first so a step loads 10 vectors for 24 FMAs: tile_floats), an accumulator each; at T = 1 block
  * formats take 8 rows (AVX2: 4; Q8_0: 1 on AVX-512, its decode cheap next to its bytes; on AVX2 its own 4-row tile), floats 1 row with four
- * accumulators (one FMA chain would wait on its latency). Each block-format tile prefetches the next tile's
- * rows at its own offset: a tile's rows are short streams the hardware prefetcher would find anew every tile,
- * and on AMD a masked load that misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without, 36 with).
+ * accumulators (one FMA chain would wait on its latency). At one token on AVX-512 each row is a prefetched stream
+ * (cpu_stream.h); else each block-format tile prefetches the next tile's rows at its own offset: a tile's
+ * rows are short streams the hardware prefetcher would find anew every tile, and on AMD a masked load that
+ * misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without, 36 with).
  * The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32; AVX-512 also
  * each block pair's -o * sums of four and its scale lanes, which a row-at-a-time Q8_0 tile would redo per row) into
  * scratch: the stack, or malloc for large T * n (if that fails, the scalar path runs, which needs none); the
@@ -51,6 +52,7 @@
 
 #include "cpu_dot.h"
 #include "cpu_vnni.h"
+#include "cpu_stream.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -383,9 +385,12 @@ INLINE void pair_step(const int f, const int R, const int TT, const int single, 
         __m512i u;
         __m512 dw, mw = _mm512_setzero_ps();
         decode_pair(f, single, w + r * row_bytes + b * block_bytes(f), &u, &dw, &mw);
-        /* the next tile's rows, at this offset: a tile's short rows are streams the hardware prefetcher would
-         * have to find anew each tile (and a masked load that misses stalls); one line per pair, two for Q8_0 */
-        if (own_prefetch) {
+        /* one token: each row a stream (cpu_stream.h); more: the next tile's rows, at this offset. A tile's short
+         * rows are streams the hardware prefetcher would have to find anew each tile (and a masked load that
+         * misses stalls); one line per pair, two for Q8_0 */
+        if (own_prefetch && TT == 1) {
+            stream_prefetch(w + r * row_bytes + b * block_bytes(f), 2 * block_bytes(f));
+        } else if (own_prefetch) {
             _mm_prefetch((const char *)(w + (R + r) * row_bytes + b * block_bytes(f)), _MM_HINT_T0);
             if (2 * block_bytes(f) > 64) _mm_prefetch((const char *)(w + (R + r) * row_bytes + b * block_bytes(f) + 64), _MM_HINT_T0);
         }
@@ -415,29 +420,10 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
     }
 }
 
-/* Q8_0 at one token (AVX-512), rows of up to Q8_TILE_BLOCKS blocks: tiles of four rows, each row's pairs as
- * tile_blocks computes them (the same bits as its one-row tile), one software prefetch stream Q8_AHEAD bytes past
- * the tile's end at the tile's rate, as AVX2's tile below. One core, Zen 4, interleaved, GB/s from DRAM against
- * the one-row tile: rows of 512 values 19.0 -> 22.2, of 1024 21.5 -> 24.3, of 2048 23.9 -> 22.0 (so longer rows
- * keep the one-row tile, one sequential stream), of 256 21.3 -> 20.7. */
-enum { Q8_AHEAD = 2048, Q8_TILE_BLOCKS = 32 };
-INLINE void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
-    __m512 acc[ACC_ROWS][TILE_TOKENS];
-    for (int r = 0; r < 4; r++) acc[r][0] = _mm512_setzero_ps();
-    const uint8_t *ahead = w + 4 * row_bytes + Q8_AHEAD;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, ahead += 4 * 68) {
-        for (int line = 0; line < 4 * 68; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
-        pair_step(Q8_0, 4, 1, 0, w, row_bytes, x, b, acc, 0);
-    }
-    for (int r = 0; r < 4; r++) y[r] = _mm512_reduce_add_ps(acc[r][0]);
-    if (nb & 1) {
-        __m512 last[ACC_ROWS][TILE_TOKENS];
-        for (int r = 0; r < 4; r++) last[r][0] = _mm512_setzero_ps();
-        pair_step(Q8_0, 4, 1, 1, w, row_bytes, x, nb - 1, last, 0);
-        for (int r = 0; r < 4; r++) y[r] += _mm512_reduce_add_ps(last[r][0]);
-    }
-}
+/* Q8_0 at one token (AVX-512): rows of up to Q8_TILE_BLOCKS blocks in tiles of four (the same bits as the one-row
+ * tile), longer ones a row at a time. One core, Zen 4, interleaved, GB/s from DRAM, four rows against one: rows of
+ * 512 values 19.0 -> 22.2, of 1024 21.5 -> 24.3, of 2048 23.9 -> 22.0, of 256 21.3 -> 20.7. */
+enum { Q8_TILE_BLOCKS = 32 };
 
 /* 16 weights from k (the first `live` of them when live < 16) as float32 */
 INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int tail, __mmask16 live) {
@@ -500,7 +486,10 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
         return;
     }
     for (; k + 64 <= n; k += 64)
-        for (int j = 0; j < 4; j++) acc[0][0][j] = _mm512_fmadd_ps(float_weights(f, w, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[0][0][j]);
+        for (int j = 0; j < 4; j++) {
+            stream_prefetch(w + (k + 16 * j) * (f == F32 ? 4 : 2), f == F32 ? 64 : 32);
+            acc[0][0][j] = _mm512_fmadd_ps(float_weights(f, w, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[0][0][j]);
+        }
     for (; k < n; k += 16) {
         const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
         acc[0][0][0] = _mm512_fmadd_ps(float_weights(f, w, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[0][0][0]);
@@ -526,6 +515,7 @@ INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, 
                 const int64_t at = k + 32 * j;
                 const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + r * row_bytes) + at);
                 if (R > 1) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * 2, _MM_HINT_T0);
+                else stream_prefetch(w + at * 2, 64);
                 for (int t = 0; t < TT; t++)
                     acc[r][t][j] = _mm512_dpbf16_ps(acc[r][t][j], wv, (__m512bh)_mm512_loadu_si512(x + t * n + at));
             }
@@ -842,7 +832,7 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
 #elif defined(PATH_AVX512)
     if (f == Q8_0 && T == 1 && nb <= Q8_TILE_BLOCKS) {
         int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) q8_0_tile4(w + r * row_bytes, row_bytes, xv, nb, y + r);
+        for (; r + 4 <= rows; r += 4) tile_blocks(Q8_0, 4, 1, w + r * row_bytes, row_bytes, xv, nb, y + r, ldy);
         for (; r < rows; r++) tile_blocks(Q8_0, 1, 1, w + r * row_bytes, row_bytes, xv, nb, y + r, ldy);
         return;
     }

@@ -16,7 +16,7 @@
  * IQ3_XXS's factor 0.25 is folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory bound):
- * row by row, block by block, STREAM_AHEAD bytes prefetched, 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS and
+ * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS and
  * IQ3_S with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's and the IQ3 formats' against
  * the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at T = 1"). T > 1 (prefill): the activation blocks
  * are first copied so their quants sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line),
@@ -42,6 +42,7 @@
 
 #include "cpu_dot.h"
 #include "cpu_vnni.h"
+#include "cpu_stream.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define DOTK_AVX512 1
@@ -886,10 +887,6 @@ static inline void apply_pair(const wblock *w, const uint8_t *x0, const uint8_t 
 /* AHEAD: bytes of each row prefetched ahead when rows are walked together (T > 1): the hardware prefetchers lose
  * 4 slow interleaved streams (seen: a 9.4 MB Q4_K matrix at T = 8, 4.1 ns a block and token without, 1.8 with) */
 enum { TILE = 64, ROW_GROUP = 4, AHEAD = 1024 };
-/* STREAM_AHEAD: bytes prefetched ahead at T = 1, where each row is one stream: the pool's granules are ~64 KiB
- * runs the hardware prefetcher finds anew each time (seen: Q4_K from DRAM, 2 threads, 60-row granules, 23-25 GB/s
- * without, 29-32 with; Q5_K and Q6_K +10-15%; 2048 to 8192 about alike) */
-enum { STREAM_AHEAD = 4096 };
 
 /* T activation rows (Q8_K) -> packed blocks, block-major: out[i][t] */
 static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *out) {
@@ -924,8 +921,7 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
                         acc[r] = acc_zero();                                                                         \
                         for (int64_t i = 0; i < blocks; i++) {                                                       \
                             wblock wb;                                                                               \
-                            for (int line = 0; line < (block_bytes); line += 64)                                     \
-                                __builtin_prefetch(row + (block_bytes) * i + STREAM_AHEAD + line);                   \
+                            stream_prefetch(row + (block_bytes) * i, (block_bytes));                                 \
                             decode(row + (block_bytes) * i, &wb);                                                    \
                             acc[r] = apply_block(&wb, x + Q8K_BYTES * i, acc[r], kind, 0);                           \
                         }                                                                                            \
@@ -1006,7 +1002,7 @@ static inline __attribute__((always_inline)) __m512 q4k_row(const uint8_t *row, 
     __m128 mins = _mm_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = row + 144 * i, *x = xp + XQ4_BYTES * i;
-        for (int line = 0; line < 192; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 144 bytes: 3 lines */
+        stream_prefetch(b, 144);
         const __m128i sm = q4k_scales_mins(b);
         const __m512i sz = _mm512_castsi128_si512(sm);
         const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
@@ -1051,7 +1047,7 @@ static inline __attribute__((always_inline)) __m512 q6k_row(const uint8_t *row, 
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = row + 210 * i, *x = xq + Q8K_BYTES * i;
-        for (int line = 0; line < 256; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 210 bytes: 4 lines */
+        stream_prefetch(b, 210);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
         const __m512i sc = _mm512_castsi256_si512(s16);
         __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 260))),
@@ -1169,8 +1165,7 @@ static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row,
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = row + 110 * i, *x = xp + XS_BYTES * i;
-        for (int line = 0; line < 128; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 110 bytes: 2-3 lines */
-        __builtin_prefetch(b + STREAM_AHEAD + 109);
+        stream_prefetch(b, 110);
         const __m512i idx = _mm512_loadu_si512(b + 2);
         const __mmask64 bit8 = _cvtu64_mask64(u64_at(b + 66));
         __m512i plane[2];
@@ -1204,8 +1199,7 @@ static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *ro
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = row + 98 * i, *x = xp + XS_BYTES * i;
-        for (int line = 0; line < 128; line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);  /* 98 bytes: 2-3 lines */
-        __builtin_prefetch(b + STREAM_AHEAD + 97);
+        stream_prefetch(b, 98);
         const __m512i idx = _mm512_loadu_si512(b + 2);
         const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
         const __m512i q[4] = {_mm512_shuffle_epi8(values, plane[0]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[0], 4)),
@@ -1345,7 +1339,7 @@ static inline float sum128(__m128 h) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* rows x one token, each row's blocks in turn, STREAM_AHEAD bytes prefetched; a function per format, so its
+/* rows x one token, each row's blocks in turn, streamed (stream_prefetch); a function per format, so its
  * accumulators stay in registers */
 #define ONE_TOKEN_AVX2(name, bytes, block)                                                                              \
     static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {    \
@@ -1355,7 +1349,7 @@ static inline float sum128(__m128 h) {
             __m128 mins = _mm_setzero_ps();                                                                          \
             for (int64_t i = 0; i < n / QK; i++) {                                                                   \
                 const uint8_t *b = row + (bytes) * i, *xb = xq + Q8K_BYTES * i;                                      \
-                for (int line = 0; line < (bytes); line += 64) __builtin_prefetch(b + STREAM_AHEAD + line);          \
+                stream_prefetch(b, (bytes));                                                                         \
                 block;                                                                                               \
             }                                                                                                        \
             y[r] = acc_sum(acc) - sum128(mins);                                                                      \
