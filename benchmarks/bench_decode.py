@@ -3,9 +3,9 @@
 Regime: CPU, batch 1, greedy. One synthetic checkpoint (`--preset`, default
 `medium`: 16 layers of 80 experts, top-10, 1.0 GB of float32 experts, 32x the
 L3 here; `wide`: 4 layers of 32 experts of Qwen3-Next's shape, hidden 2048,
-width 512, top-8, 1.6 GB of float32 experts) written by moetier, converted to an F32 GGUF by moetier and quantized
-by llama.cpp's own quantizer (BF16, Q8_0, Q4_K_M, Q6_K, IQ3_S), cached in
-`--models`. Per format moetier's Engine and llama.cpp (llama-cpp-python) run
+width 512, top-8, 1.6 GB of float32 experts; `deep`: `wide`'s layer 16 times) written by moetier, or a
+checkpoint of your own (`--checkpoint DIR`, its prompt drawn from its vocabulary), converted to an F32 GGUF by
+moetier and quantized by llama.cpp's own quantizer (BF16, Q8_0, Q4_K_M, Q6_K, IQ3_S), cached in `--models`. Per format moetier's Engine and llama.cpp (llama-cpp-python) run
 the same GGUF file; transformers runs the HF float32 checkpoint the files came
 from (its row is F32's). Each engine loads once in a process of its own
 (decode_peers.py) with `--threads` threads, every process pinned to the same
@@ -92,14 +92,31 @@ def quantize(source: Path, out: Path, ftype: int) -> None:
     os.replace(staged, out)
 
 
-def prepare_models(root: Path, arch: str, preset: str, formats: list[str]) -> tuple[Path, dict[str, Path], dict[str, str]]:
+def checkpoint_digest(hf: Path) -> str:
+    """A user's checkpoint folder's identity for the file cache: its config.json and its weight files' names,
+    sizes and modification times (a changed checkpoint gets new GGUF files)."""
+    import hashlib
+
+    parts = [(hf / "config.json").read_bytes()]
+    for f in sorted(hf.glob("*.safetensors")):
+        stat = f.stat()
+        parts.append(f"{f.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return hashlib.sha256(b"\0\0".join(parts)).hexdigest()[:8]
+
+
+def prepare_models(root: Path, arch: str, preset: str, formats: list[str],
+                   checkpoint: Path | None = None) -> tuple[Path, dict[str, Path], dict[str, str]]:
     """(HF folder, format -> GGUF file, format -> why its file is missing); written once, reused after.
-    The folder name carries the synthetic generator's version, so an older generator's files are never reused."""
+    The folder name carries the synthetic generator's version (or a user checkpoint's digest), so files of an
+    older generator or checkpoint are never reused."""
     from moetier.model.gguf_write import write_gguf
     from moetier.model.synth import synth_version, write_synthetic
 
-    folder = root / f"{arch}-{preset}-seed0-{synth_version(arch, preset)}"
-    hf = folder / "hf"
+    if checkpoint is not None:
+        hf, folder = checkpoint, root / f"{checkpoint.resolve().name}-{checkpoint_digest(checkpoint)}"
+    else:
+        folder = root / f"{arch}-{preset}-seed0-{synth_version(arch, preset)}"
+        hf = folder / "hf"
     if not (hf / "config.json").exists():
         log(f"writing the synthetic {arch} {preset} checkpoint to {hf} (once)")
         write_synthetic(hf, arch=arch, preset=preset)
@@ -257,6 +274,8 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=REPO / "benchmarks" / ".models", help="cache folder for the model files")
     parser.add_argument("--preset", default="medium", help="moetier.model.synth preset")
     parser.add_argument("--arch", default="qwen3_moe")
+    parser.add_argument("--checkpoint", type=Path, help="an HF checkpoint folder (config.json, *.safetensors) to run "
+                        "instead of a synthetic one: converted to F32 GGUF by moetier, quantized by llama.cpp, cached in --models")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one load or timed pass may take")
     parser.add_argument("--quiet-wait", type=float, default=30, help="before each timed pass, wait up to this many "
                         "seconds for other processes to use under 10%% of the CPUs for 0.5 s (0: do not wait)")
@@ -272,6 +291,17 @@ def main() -> None:
         parser.error(f"--threads {args.threads} (expected 1..{8 * os.cpu_count()})")
     if args.tokens < 1 or args.runs < 1 or args.retries < 0 or args.quiet_wait < 0:
         parser.error("--tokens and --runs must be >= 1, --retries and --quiet-wait >= 0")
+    if args.checkpoint is not None:  # its arch and vocabulary from its config; --arch and --preset name it
+        config = args.checkpoint / "config.json"
+        try:
+            top = json.loads(config.read_text())
+            text = top.get("text_config") or top
+            args.arch, args.vocab_size = str(top["model_type"]), int(text["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--checkpoint {args.checkpoint}: no readable config.json with model_type and vocab_size ({error})")
+        if not any(args.checkpoint.glob("*.safetensors")):
+            parser.error(f"--checkpoint {args.checkpoint}: no *.safetensors files (expected an HF checkpoint folder)")
+        args.preset = args.checkpoint.resolve().name
 
     # Every engine (each worker inherits this) and the bandwidth run on the same `threads` CPUs, whatever
     # thread count an engine picks by itself ("every CPU this process may run on").
@@ -283,8 +313,13 @@ def main() -> None:
     from moetier.model.synth import sample_session
 
     loadavg_before = _loadavg()
-    hf, files, file_errors = prepare_models(args.models, args.arch, args.preset, formats)
-    prompt = [int(i) for i in sample_session(hf, phases=("explore",), tokens_per_phase=PREFILL_TOKENS, seed=1)[0][1]]
+    hf, files, file_errors = prepare_models(args.models, args.arch, args.preset, formats, args.checkpoint)
+    if args.checkpoint is None:
+        prompt = [int(i) for i in sample_session(hf, phases=("explore",), tokens_per_phase=PREFILL_TOKENS, seed=1)[0][1]]
+    else:  # a user's checkpoint: token ids drawn uniformly from its vocabulary
+        import numpy as np
+
+        prompt = [int(i) for i in np.random.default_rng(1).integers(0, args.vocab_size, PREFILL_TOKENS)]
     per_token = {f: weight_bytes_per_token(files[f]) for f in {"F32", *formats} if f in files}
     context = PREFILL_TOKENS + args.tokens + 16
 

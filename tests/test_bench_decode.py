@@ -62,3 +62,38 @@ def test_bench_decode_runs_on_the_tiny_preset(repo_root, tmp_path):
     assert sorted(samples)[(len(samples) - 1) // 2] <= last["read_bandwidth"]["usual_bytes_per_s"] <= sorted(samples)[len(samples) // 2]
     assert "read roofline" in run.stdout and "use_extra_bufts" in run.stdout and "at the top bandwidth level" in run.stdout
     assert "at the usual bandwidth level" in run.stdout
+
+
+def test_bench_decode_runs_a_checkpoint_of_ones_own(repo_root, tmp_path):
+    """--checkpoint: a transformers-written Qwen3-MoE folder (no tokenizer, no moetier metadata) is converted,
+    run by all three engines, and named in the JSON by its config's model_type and its folder."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    folder = tmp_path / "mine"
+    transformers.Qwen3MoeForCausalLM(config).float().save_pretrained(folder)
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_decode.py"), "--checkpoint", str(folder),
+                          "--formats", "F32", "--tokens", "4", "--runs", "1", "--threads", "2", "--quiet-wait", "0",
+                          "--retries", "0", "--models", str(tmp_path / "models"), "--json", str(out)],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = json.loads(out.read_text())
+    assert (last["arch"], last["preset"]) == ("qwen3_moe", "mine")
+    for engine in ENGINES:
+        assert last["cells"][engine]["F32"]["decode_tok_per_s"] > 0, (engine, last["cells"][engine]["F32"])
+    assert last["cells"]["moetier"]["F32"]["same_greedy_tokens_as_transformers"] == 5  # the prefill's token and 4 steps
+
+
+@pytest.mark.parametrize("config, why", [(None, "no readable config.json"), ({"model_type": "qwen3_moe", "vocab_size": 8}, "no *.safetensors")])
+def test_bench_decode_refuses_a_folder_that_is_no_checkpoint(repo_root, tmp_path, config, why):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_decode.py"), "--checkpoint", str(tmp_path)],
+                         check=False, capture_output=True, text=True, timeout=120)
+    last = run.stderr.strip().splitlines()[-1]  # argparse's usage, then one line: what, where, what was expected
+    assert run.returncode == 2 and last.startswith("bench_decode.py: error: --checkpoint") and why in last, run.stderr
