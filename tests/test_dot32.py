@@ -163,6 +163,27 @@ def test_row_tiles_with_tails(fmt):
             assert_same_tokens(fmt, together, alone, scale)
 
 
+@pytest.mark.parametrize("n", (231, 1024))
+def test_float32_outer_products_with_tails(n):
+    """F32 weights from OUTER_FROM (16) tokens take the outer-product tiles (AVX-512): 8 rows x 48 tokens, each
+    (row, token) summed in k order. 37 rows (four tiles and 5 alone), token counts at and around the tile's 16-token
+    vectors, n with a tail past 16: within the float64 reference's bound, the same as one token at a time within
+    it, and each token's values the same whatever tokens share its call (the order depends on n only)."""
+    fmt, rng = BY_NAME["F32"], np.random.default_rng(n)
+    w = weights(fmt, 37, n, rng)
+    x = tokens(75, n, rng)
+    xq = torch.from_numpy(A.quantize(A.ACT_F32, x))
+    first = None
+    for T in (16, 17, 33, 48, 75):
+        together = kernels.dot(fmt.id, A.ACT_F32, w, xq[:T], n)  # [T, 37]
+        want, scale = reference(fmt, w, A.ACT_F32, xq[:T], n)
+        assert (np.abs(together.numpy() - want) / scale).max() <= 1e-5, T
+        first = together[:16] if first is None else first
+        assert torch.equal(together[:16], first), T
+    alone = torch.cat([kernels.dot(fmt.id, A.ACT_F32, w, xq[t:t + 1], n) for t in range(75)])
+    assert_same_tokens(fmt, together, alone, scale)
+
+
 @pytest.mark.parametrize("name", ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16"))
 def test_scratch_beyond_the_stack_buffer(name):
     """T x n whose unpacked activations outgrow the kernel's 32 KB stack buffer (malloc'd scratch): one token at a

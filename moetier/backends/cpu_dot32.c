@@ -866,11 +866,92 @@ INLINE void floats_pack(const float *x, int64_t n, int64_t n16, int64_t T, float
 }
 #endif
 
+#if defined(PATH_AVX512)
+/* ---- F32 weights at T >= OUTER_FROM (AVX-512): outer products, no horizontal sums -------------------------------
+ * The float tiles dot a row with a token along k, end every (row, token) with a horizontal sum and read the packed
+ * activations from L2 again for every 4 rows: on [768, 768] at T = 43 about half this core's FMA rate (torch's
+ * sgemm: 1.1-1.5x theirs). Here a tile of up to 48 tokens is packed k-major ([n][48]: value k of its tokens side
+ * by side, by 16 x 16 transposes), and 8 rows x 3 token vectors keep 24 accumulators: per k, 3 vector loads, each
+ * row's weight broadcast from memory, 24 FMAs, and the rows of the next tile prefetched a line per 16 k. Each
+ * (row, token) adds its n products in k order in float32 (the tiles: 16 lanes, then a tree), so the two agree
+ * within float32 rounding; the order depends on n only, not on T, the tile or the thread count. */
+enum { OUTER_ROWS = 8, OUTER_VECS = 3, OUTER_TOKENS = 16 * OUTER_VECS, OUTER_FROM = 16 };
+
+/* tokens x [tt, n] (tt <= 16 * tv) -> packed [n][OUTER_TOKENS], vectors 0..tv-1 of each k, zeros past tt */
+INLINE void outer_pack(const float *x, int64_t n, int64_t tt, int64_t tv, float *packed) {
+    for (int64_t k = 0; k < n; k += 16) {
+        const int64_t kk = n - k < 16 ? n - k : 16;
+        const __mmask16 live = (__mmask16)((1u << kk) - 1);
+        for (int64_t v = 0; v < tv; v++) {
+            __m512i m[16];
+            for (int64_t j = 0; j < 16; j++)
+                m[j] = 16 * v + j < tt ? _mm512_castps_si512(_mm512_maskz_loadu_ps(live, x + (16 * v + j) * n + k)) : _mm512_setzero_si512();
+            transpose16(m);  /* m[c]: value k + c of tokens 16v .. 16v + 15 */
+            for (int64_t c = 0; c < kk; c++) _mm512_store_si512((__m512i *)(packed + (k + c) * OUTER_TOKENS + 16 * v), m[c]);
+        }
+    }
+}
+
+/* R rows (stride floats apart) x TV token vectors of packed: y[t * ldy + r] for the tile's tt tokens */
+INLINE void outer_tile(const int R, const int TV, const float *w, int64_t stride, const float *packed, int64_t n, int64_t tt,
+                       float *y, int64_t ldy) {
+    __m512 acc[OUTER_ROWS][OUTER_VECS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < TV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < n; k0 += 16) {
+        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (R + r) * stride + k0), _MM_HINT_T0);
+        const int64_t end = n - k0 < 16 ? n : k0 + 16;
+        for (int64_t k = k0; k < end; k++) {
+            const float *p = packed + k * OUTER_TOKENS;
+            __m512 xv[OUTER_VECS];
+            for (int v = 0; v < TV; v++) xv[v] = _mm512_load_ps(p + 16 * v);
+            for (int r = 0; r < R; r++) {
+                const __m512 wv = _mm512_set1_ps(w[r * stride + k]);
+                for (int v = 0; v < TV; v++) acc[r][v] = _mm512_fmadd_ps(wv, xv[v], acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < TV; v++) {
+            float out[16] __attribute__((aligned(64)));
+            _mm512_store_ps(out, acc[r][v]);
+            for (int j = 0; j < 16 && 16 * v + j < tt; j++) y[(16 * v + j) * ldy + r] = out[j];
+        }
+}
+
+/* -> 1, or 0 when the packed activations' memory would not come */
+static int floats_outer(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x, int64_t T, float *y,
+                        int64_t ldy) {
+    float *packed = aligned_alloc(64, (size_t)n * OUTER_TOKENS * sizeof(float));
+    if (packed == NULL) return 0;
+    const float *wf = (const float *)w;
+    const int64_t stride = row_bytes / 4;
+    for (int64_t t0 = 0; t0 < T; t0 += OUTER_TOKENS) {
+        const int64_t tt = T - t0 < OUTER_TOKENS ? T - t0 : OUTER_TOKENS, tv = (tt + 15) / 16;
+        outer_pack(x + t0 * n, n, tt, tv, packed);
+        float *yt = y + t0 * ldy;
+#define OUTER_ROWS_OF(TV)                                                                                              \
+    do {                                                                                                               \
+        int64_t r = 0;                                                                                                 \
+        for (; r + OUTER_ROWS <= rows; r += OUTER_ROWS) outer_tile(OUTER_ROWS, TV, wf + r * stride, stride, packed, n, tt, yt + r, ldy); \
+        for (; r < rows; r++) outer_tile(1, TV, wf + r * stride, stride, packed, n, tt, yt + r, ldy);                  \
+    } while (0)
+        if (tv == 3) OUTER_ROWS_OF(3);
+        else if (tv == 2) OUTER_ROWS_OF(2);
+        else OUTER_ROWS_OF(1);
+#undef OUTER_ROWS_OF
+    }
+    free(packed);
+    return 1;
+}
+#endif
+
 /* -> 1, or 0 when the packed activations' memory would not come. T > 1 on AVX-512: tokens in chunks of about
  * FLOAT_CHUNK_BYTES of packed activations, each packed once for all the rows. */
 INLINE int floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                        int64_t T, float *y, int64_t ldy) {
 #if defined(PATH_AVX512)
+    if (f == F32 && T >= OUTER_FROM && floats_outer(n, w, row_bytes, rows, x, T, y, ldy)) return 1;
     if (T > 1) {
         const int64_t n16 = (n + 15) & ~(int64_t)15, fit = FLOAT_CHUNK_BYTES / (n16 * 4) / FLOAT_TOKENS * FLOAT_TOKENS;
         const int64_t chunk = fit < FLOAT_TOKENS ? FLOAT_TOKENS : fit > T ? T : fit;
