@@ -873,9 +873,10 @@ INLINE void floats_pack(const float *x, int64_t n, int64_t n16, int64_t T, float
  * sgemm: 1.1-1.5x theirs). Here a tile of up to 48 tokens is packed k-major ([n][48]: value k of its tokens side
  * by side, by 16 x 16 transposes), and 8 rows x 3 token vectors keep 24 accumulators: per k, 3 vector loads, each
  * row's weight broadcast from memory, 24 FMAs, and the rows of the next tile prefetched a line per 16 k. Each
- * (row, token) adds its n products in k order in float32 (the tiles: 16 lanes, then a tree), so the two agree
- * within float32 rounding; the order depends on n only, not on T, the tile or the thread count. */
-enum { OUTER_ROWS = 8, OUTER_VECS = 3, OUTER_TOKENS = 16 * OUTER_VECS, OUTER_FROM = 16 };
+ * (row, token) adds its products in k order in float32 within chunks of OUTER_CHUNK values, then the chunks' sums in
+ * order (the tiles: 16 lanes, then a tree; one running sum over all n read noticeably rounder on 2048-long rows), so
+ * the two agree within float32 rounding; the order depends on n only, not on T, the tile or the thread count. */
+enum { OUTER_ROWS = 8, OUTER_VECS = 3, OUTER_TOKENS = 16 * OUTER_VECS, OUTER_FROM = 16, OUTER_CHUNK = 128 };
 
 /* tokens x [tt, n] (tt <= 16 * tv) -> packed [n][OUTER_TOKENS], vectors 0..tv-1 of each k, zeros past tt */
 INLINE void outer_pack(const float *x, int64_t n, int64_t tt, int64_t tv, float *packed) {
@@ -895,26 +896,34 @@ INLINE void outer_pack(const float *x, int64_t n, int64_t tt, int64_t tv, float 
 /* R rows (stride floats apart) x TV token vectors of packed: y[t * ldy + r] for the tile's tt tokens */
 INLINE void outer_tile(const int R, const int TV, const float *w, int64_t stride, const float *packed, int64_t n, int64_t tt,
                        float *y, int64_t ldy) {
-    __m512 acc[OUTER_ROWS][OUTER_VECS];
+    __m512 total[OUTER_ROWS][OUTER_VECS];  /* the chunks' sums */
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < TV; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < n; k0 += 16) {
-        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (R + r) * stride + k0), _MM_HINT_T0);
-        const int64_t end = n - k0 < 16 ? n : k0 + 16;
-        for (int64_t k = k0; k < end; k++) {
-            const float *p = packed + k * OUTER_TOKENS;
-            __m512 xv[OUTER_VECS];
-            for (int v = 0; v < TV; v++) xv[v] = _mm512_load_ps(p + 16 * v);
-            for (int r = 0; r < R; r++) {
-                const __m512 wv = _mm512_set1_ps(w[r * stride + k]);
-                for (int v = 0; v < TV; v++) acc[r][v] = _mm512_fmadd_ps(wv, xv[v], acc[r][v]);
+        for (int v = 0; v < TV; v++) total[r][v] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < n; c0 += OUTER_CHUNK) {
+        __m512 acc[OUTER_ROWS][OUTER_VECS];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < TV; v++) acc[r][v] = _mm512_setzero_ps();
+        const int64_t c1 = n - c0 < OUTER_CHUNK ? n : c0 + OUTER_CHUNK;
+        for (int64_t k0 = c0; k0 < c1; k0 += 16) {
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (R + r) * stride + k0), _MM_HINT_T0);
+            const int64_t end = c1 - k0 < 16 ? c1 : k0 + 16;
+            for (int64_t k = k0; k < end; k++) {
+                const float *p = packed + k * OUTER_TOKENS;
+                __m512 xv[OUTER_VECS];
+                for (int v = 0; v < TV; v++) xv[v] = _mm512_load_ps(p + 16 * v);
+                for (int r = 0; r < R; r++) {
+                    const __m512 wv = _mm512_set1_ps(w[r * stride + k]);
+                    for (int v = 0; v < TV; v++) acc[r][v] = _mm512_fmadd_ps(wv, xv[v], acc[r][v]);
+                }
             }
         }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < TV; v++) total[r][v] = _mm512_add_ps(total[r][v], acc[r][v]);
     }
     for (int r = 0; r < R; r++)
         for (int v = 0; v < TV; v++) {
             float out[16] __attribute__((aligned(64)));
-            _mm512_store_ps(out, acc[r][v]);
+            _mm512_store_ps(out, total[r][v]);
             for (int j = 0; j < 16 && 16 * v + j < tt; j++) y[(16 * v + j) * ldy + r] = out[j];
         }
 }
