@@ -170,12 +170,23 @@ def last_level_cache_bytes() -> int:
     return sizes[max(sizes)] if sizes else 32 << 20
 
 
+@functools.cache
+def probe_buffer(nbytes: int):
+    """The bandwidth probes' float32 buffer, allocated and touched once for the whole run (before the engines load):
+    a new one at every sample took gigabytes each time and pushed moetier's memory-mapped GGUF pages out of the page
+    cache, while llama.cpp (use_mmap=False) and transformers hold theirs in anonymous memory (seen: moetier's `wide`
+    F32 prefill at 330-380 tok/s in the run, ~600 outside it)."""
+    import torch
+
+    return torch.ones(nbytes // 4)
+
+
 def read_bandwidth(threads: int, nbytes: int) -> dict[str, float]:
     """Bytes read per second by each reader of moetier.calibrate.read_bandwidth_bytes_per_s ("torch.sum", "native",
-    "best": the faster), over an nbytes float32 buffer with `threads` threads, best of 5."""
+    "best": the faster), over the run's nbytes float32 buffer with `threads` threads, best of 5."""
     from moetier.calibrate import read_bandwidth_bytes_per_s
 
-    return read_bandwidth_bytes_per_s(threads, nbytes)
+    return read_bandwidth_bytes_per_s(threads, nbytes, buffer=probe_buffer(nbytes))
 
 
 def _busy_ticks() -> int:
@@ -323,6 +334,9 @@ def main() -> None:
     per_token = {f: weight_bytes_per_token(files[f]) for f in {"F32", *formats} if f in files}
     context = PREFILL_TOKENS + args.tokens + 16
 
+    bandwidth_bytes = max(1 << 30, 8 * last_level_cache_bytes())
+    probe_buffer(bandwidth_bytes)  # held from before the engines load to the end (probe_buffer)
+
     # the timed order within a run; transformers after F32's pair (its weights are F32's)
     order = [(engine, f) for f in formats for engine in ("moetier", "llama.cpp")]
     if "F32" in formats:
@@ -348,7 +362,6 @@ def main() -> None:
             errors[engine, f] = f"warm-up: {error}"
             worker.close()
 
-    bandwidth_bytes = max(1 << 30, 8 * last_level_cache_bytes())
     bandwidth: dict[int, list[tuple[dict, float | None]]] = {args.threads: [], 1: []}  # (reader -> bytes/s, others' share)
     timings: dict[tuple[str, str], list[tuple[dict, float | None]]] = {key: [] for key in order}
     waited_s = 0.0

@@ -53,13 +53,19 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float
     return nbytes / best
 
 
-def read_probes(threads: int, nbytes: int = 1 << 30) -> dict[str, Callable[[], object]]:
+def read_probes(threads: int, nbytes: int = 1 << 30, buffer: torch.Tensor | None = None) -> dict[str, Callable[[], object]]:
     """Readers of one nbytes float32 buffer (touched first, so no page fault is timed) on `threads` threads, each a
     reduction that reads every byte once and writes nothing: "torch.sum", and "native" (the kernels' read probe on
-    their pool of `threads`: one contiguous stretch a thread, eight vector accumulators) where the kernels build."""
+    their pool of `threads`: one contiguous stretch a thread, eight vector accumulators) where the kernels build.
+    buffer: a float32 tensor of nbytes // 4 values to read instead of a new one (a caller sampling the bandwidth
+    again and again keeps one: allocating and touching gigabytes each time pushes other processes' file-backed
+    pages, such as a memory-mapped model's, out of the page cache)."""
     from moetier.backends import cpu_kernels
 
-    buffer = torch.ones(nbytes // 4)
+    if buffer is None:
+        buffer = torch.ones(nbytes // 4)
+    elif buffer.dtype != torch.float32 or buffer.numel() != nbytes // 4 or not buffer.is_contiguous():
+        raise ValueError(f"read_probes: buffer must be {nbytes // 4} contiguous float32 values, got {buffer.dtype} x {buffer.numel()}")
     kernel = cpu_kernels.decode_kernel(threads)
 
     def torch_sum() -> float:
@@ -76,12 +82,14 @@ def read_probes(threads: int, nbytes: int = 1 << 30) -> dict[str, Callable[[], o
     return probes
 
 
-def read_bandwidth_bytes_per_s(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth on `threads` threads: bytes per second of each of `read_probes`, best of `repeats`, and
-    "best", the fastest: a roofline is a bound, so it takes the highest read rate measured (torch.sum alone read
-    slower than llama.cpp's decode did on the AVX-512 host, and slower at 2 threads than the native probe)."""
+def read_bandwidth_bytes_per_s(threads: int, nbytes: int = 1 << 30, repeats: int = 5,
+                               buffer: torch.Tensor | None = None) -> dict[str, float]:
+    """Read bandwidth on `threads` threads: bytes per second of each of `read_probes` (over `buffer` if given), best
+    of `repeats`, and "best", the fastest: a roofline is a bound, so it takes the highest read rate measured
+    (torch.sum alone read slower than llama.cpp's decode did on the AVX-512 host, and slower at 2 threads than the
+    native probe)."""
     rates = {}
-    for name, read in read_probes(threads, nbytes).items():
+    for name, read in read_probes(threads, nbytes, buffer).items():
         read()
         best = float("inf")
         for _ in range(repeats):
