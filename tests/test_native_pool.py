@@ -174,6 +174,11 @@ def test_the_read_probe_sums_what_it_reads_the_same_for_any_thread_count():
         kernel.read_sum(x.double())
     rates = read_bandwidth_bytes_per_s(2, nbytes=64 << 20, repeats=2)
     assert set(rates) == {"torch.sum", "native", "best"} and rates["best"] == max(rates["torch.sum"], rates["native"]) > 0
+    held = torch.ones(16 << 20)  # a caller's own buffer (bench_decode keeps one for the run): read, not replaced
+    assert read_bandwidth_bytes_per_s(1, nbytes=64 << 20, repeats=1, buffer=held)["best"] > 0
+    for wrong in (held[:-1], held.double(), held.view(-1, 2)[:, 0]):
+        with pytest.raises(ValueError, match="read_probes: buffer must be"):
+            read_bandwidth_bytes_per_s(1, nbytes=64 << 20, repeats=1, buffer=wrong)
 
 
 @pytest.mark.parametrize("tokens, n", [(1, 5), (8, 64), (37, 2048), (256, 100)])
