@@ -13,7 +13,9 @@
  * operations in every tile shape: T tokens at once are bit for bit T calls of one); from WIDE_FROM tokens, on
  * AVX-512, the 16-row tiles (below) add the same per-block terms block after block: within float32 rounding of
  * the row loop, and still independent of the rows beside a row. Float formats sum in four interleaved
- * accumulators at T = 1 and in one per (row, token) in the T > 1 tiles, equal within float32 rounding.
+ * accumulators at T = 1 and in one per (row, token) in the T > 1 tiles, equal within float32 rounding; F32
+ * weights from OUTER_FROM tokens on AVX-512 take the outer-product tiles (below), which add each (row, token)'s
+ * products in k order in chunks of OUTER_CHUNK: within float32 rounding of the others, and a function of n only.
  *
  * Loop order: tiles of rows outermost, then tiles of tokens, each over the whole row: a weight block decoded
  * into registers serves the tile's tokens, and the tile's rows stay in L1 while the other token tiles pass, so
@@ -485,11 +487,11 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
         floats_store(R, TT, K, acc, y, ldy);
         return;
     }
-    for (; k + 64 <= n; k += 64)
-        for (int j = 0; j < 4; j++) {
-            stream_prefetch(w + (k + 16 * j) * (f == F32 ? 4 : 2), f == F32 ? 64 : 32);
-            acc[0][0][j] = _mm512_fmadd_ps(float_weights(f, w, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[0][0][j]);
-        }
+    const int size = f == F32 ? 4 : 2;
+    for (; k + 64 <= n; k += 64) {
+        stream_prefetch(w + k * size, 64 * size);
+        for (int j = 0; j < 4; j++) acc[0][0][j] = _mm512_fmadd_ps(float_weights(f, w, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[0][0][j]);
+    }
     for (; k < n; k += 16) {
         const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
         acc[0][0][0] = _mm512_fmadd_ps(float_weights(f, w, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[0][0][0]);
