@@ -65,17 +65,13 @@ def test_bench_decode_runs_on_the_tiny_preset(repo_root, tmp_path):
 
 
 def test_bench_decode_runs_a_checkpoint_of_ones_own(repo_root, tmp_path):
-    """--checkpoint: a transformers-written Qwen3-MoE folder (no tokenizer, no moetier metadata) is converted,
-    run by all three engines, and named in the JSON by its config's model_type and its folder."""
-    import torch
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512)
-    torch.manual_seed(0)
+    """--checkpoint: a transformers-written Qwen3-MoE folder (no tokenizer, no moetier metadata; written by
+    scripts/make_qwen3moe_checkpoint.py, small) is converted, run by all three engines, and named in the JSON by
+    its config's model_type and its folder."""
     folder = tmp_path / "mine"
-    transformers.Qwen3MoeForCausalLM(config).float().save_pretrained(folder)
+    subprocess.run([sys.executable, str(repo_root / "scripts" / "make_qwen3moe_checkpoint.py"), str(folder), "--layers", "2",
+                    "--experts", "8", "--top-k", "2", "--hidden", "64", "--width", "32", "--heads", "4", "--kv-heads", "2",
+                    "--vocab", "512"], check=True, capture_output=True, timeout=300)
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_decode.py"), "--checkpoint", str(folder),
                           "--formats", "F32", "--tokens", "4", "--runs", "1", "--threads", "2", "--quiet-wait", "0",
