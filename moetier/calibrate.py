@@ -56,7 +56,8 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float
 def read_probes(threads: int, nbytes: int = 1 << 30, buffer: torch.Tensor | None = None) -> dict[str, Callable[[], object]]:
     """Readers of one nbytes float32 buffer (touched first, so no page fault is timed) on `threads` threads, each a
     reduction that reads every byte once and writes nothing: "torch.sum", and "native" (the kernels' read probe on
-    their pool of `threads`: one contiguous stretch a thread, eight vector accumulators) where the kernels build.
+    their pool of `threads`: 1 MiB granules, each read as four prefetched streams into eight vector accumulators,
+    the fastest way this machine was found to read; cpu_kernels.c) where the kernels build.
     buffer: a float32 tensor of nbytes // 4 values to read instead of a new one (a caller sampling the bandwidth
     again and again keeps one: allocating and touching gigabytes each time pushes other processes' file-backed
     pages, such as a memory-mapped model's, out of the page cache)."""
