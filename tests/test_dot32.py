@@ -144,6 +144,26 @@ def test_tokens_at_once_are_one_at_a_time(fmt):
         assert torch.equal(together, rows), (fmt.name, act)  # a row's sum never depends on the rows beside it
 
 
+def one_token_rows_apart(family, fmt: Format) -> list[int]:
+    """One token over the first `rows` of 70 rows in one call against each row alone -> the row counts whose
+    values differ in any bit. Q8_0 at one token reads a call's rows as four streams (cpu_dot32.c q8_0_streams):
+    1, 3, 5, 17, 56 and 70 rows leave its quarters empty, uneven or even."""
+    rng = np.random.default_rng(fmt.id + 70)
+    n = 768
+    w, x = weights(fmt, 70, n, rng), tokens(1, n, rng)
+    wrong = []
+    for act in acts_of(fmt):
+        xq = torch.from_numpy(A.quantize(act, x))
+        alone = torch.cat([family.dot(fmt.id, act, w[r:r + 1], xq, n) for r in range(70)], dim=1)
+        wrong += [rows for rows in (1, 3, 5, 17, 56, 70) if not torch.equal(family.dot(fmt.id, act, w[:rows], xq, n), alone[:, :rows])]
+    return wrong
+
+
+@pytest.mark.parametrize("fmt", FAMILY, ids=lambda f: f.name)
+def test_one_token_rows_are_each_row_alone(fmt):
+    assert one_token_rows_apart(kernels, fmt) == [], fmt.name
+
+
 @pytest.mark.parametrize("fmt", [f for f in FAMILY if f.dtype is None], ids=lambda f: f.name)
 def test_row_tiles_with_tails(fmt):
     """From WIDE_FROM tokens the block formats take 16-row tiles (AVX-512): 37 rows (two tiles and 5), 75 tokens
@@ -217,6 +237,8 @@ def test_every_simd_path_keeps_the_bound(path):
         pytest.skip(f"{path} build: this machine's -march=native lacks it (path {lib.dot32_path()})")
     for fmt in FAMILY:
         assert worst_error(fmt, family, shapes=[(1, 256), (5, 352), (9, 224)], rows=6) <= 1e-5, (path, fmt.name)
+    if path != "scalar":  # the portable loop may be reassociated by the compiler
+        assert one_token_rows_apart(family, BY_NAME["Q8_0"]) == [], path
     # the float16 conversions without F16C (scalar): subnormal halves, ties, overflow to inf, every exponent
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((4, 1024)) * 10.0 ** rng.uniform(-9, 5.5, (4, 1024))).astype(np.float32)

@@ -162,6 +162,29 @@ def test_row_tiles_with_tails(kernels, name, tiles):
     assert np.all(np.abs(together - apart) <= BOUND * scale), (name, tiles)
 
 
+def streams_mismatch(kernels, name: str, exact: bool = True, n: int = 512) -> list[int]:
+    """One token over the first `rows` rows of 70 in one call against each row dotted alone -> the row counts
+    whose values differ in any bit (exact), or beyond float32 rounding (BOUND). One token reads a call's rows as
+    four interleaved streams (cpu_dotk.c four_streams), each row's blocks in order into its own sum: with
+    intrinsics the same bits; the portable loop, which the compiler may reassociate, within rounding. 1, 3, 5,
+    17, 56 and 70 rows leave the quarters empty, uneven or even."""
+    w, x = case(name, 1, n, seed=21, rows=70)
+    fmt, xq = BY_NAME[name], kernels.quantize(A.ACT_Q8_K, torch.from_numpy(x))
+    alone = np.concatenate([kernels.dot(fmt.id, A.ACT_Q8_K, torch.from_numpy(w[r:r + 1]), xq, n).numpy()[0] for r in range(70)])
+    scale = reference(name, w, xq.numpy(), n)[1][0]
+    wrong = []
+    for rows in (1, 3, 5, 17, 56, 70):
+        got = kernels.dot(fmt.id, A.ACT_Q8_K, torch.from_numpy(w[:rows]), xq, n).numpy()[0]
+        if not (np.array_equal(got, alone[:rows]) if exact else np.all(np.abs(got - alone[:rows]) <= BOUND * scale[:rows])):
+            wrong.append(rows)
+    return wrong
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_token_rows_read_as_streams_equal_each_row_alone(kernels, name):
+    assert streams_mismatch(kernels, name) == [], name
+
+
 def test_many_tokens_cross_the_activation_tile(kernels):
     """T = 70: more activation rows than one tile (64) of the C loop."""
     n, fmt = 512, BY_NAME["Q4_K"]
@@ -247,6 +270,8 @@ def test_other_paths_of_the_same_file(kernels, tmp_path, path):
             y = other.dot(BY_NAME[name].id, A.ACT_Q8_K, torch.from_numpy(w), xq, 1024).numpy()
             exact, scale = reference(name, w, xq.numpy(), 1024)
             assert np.all(np.abs(y - exact) <= BOUND * scale), (path, name, T)
+    for name in NAMES:
+        assert streams_mismatch(other, name, exact=path != "scalar") == [], (path, name)
 
 
 class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu

@@ -422,11 +422,6 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
     }
 }
 
-/* Q8_0 at one token (AVX-512): rows of up to Q8_TILE_BLOCKS blocks in tiles of four (the same bits as the one-row
- * tile), longer ones a row at a time. One core, Zen 4, interleaved, GB/s from DRAM, four rows against one: rows of
- * 512 values 19.0 -> 22.2, of 1024 21.5 -> 24.3, of 2048 23.9 -> 22.0, of 256 21.3 -> 20.7. */
-enum { Q8_TILE_BLOCKS = 32 };
-
 /* 16 weights from k (the first `live` of them when live < 16) as float32 */
 INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int tail, __mmask16 live) {
     if (f == F32) return tail ? _mm512_maskz_loadu_ps(live, (const float *)row + k) : _mm512_loadu_ps((const float *)row + k);
@@ -718,9 +713,9 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
 }
 
 /* Q8_0 at one token (AVX2). A block: |w| times x with w's signs, maddubs + madd to int32, one fma by d_w d_x. Rows
- * go in tiles of four (the token's block loaded once for them), with a software
- * prefetch running 2048 bytes past the tile's end: the one-row loop before it (a sum8 a row, a prefetch one row
- * ahead) read rows of 512 values at 12-16 GB/s a core from DRAM on a Zen 3, 23 GB/s on two; this 17-19 and 28
+ * go in tiles of four (the token's block loaded once for them; q8_0_streams: one row from each quarter), each row
+ * a stream (cpu_stream.h). Tiles of four adjacent rows with one prefetch 2048 bytes past the tile against the
+ * one-row loop before them: rows of 512 values 12-16 -> 17-19 GB/s a core from DRAM on a Zen 3, 23 -> 28 on two
  * (in L3 one core 21.5 -> 26.5; rows of 2048 values 14-20 -> 17-19 from DRAM, 24 -> 27.5 in L3). Each row's lanes
  * accumulate and reduce (sum8) as tile_blocks' do: the same bits as the T > 1 tiles. */
 INLINE __m256 q8_0_block(const uint8_t *p, __m256i xq, float dx, __m256 acc) {
@@ -729,30 +724,26 @@ INLINE __m256 q8_0_block(const uint8_t *p, __m256i xq, float dx, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(half_float(load16(p)) * dx), acc);
 }
 
-INLINE void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
+static void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const uint8_t *ahead = w + 4 * row_bytes + 2048;
-    for (int64_t b = 0; b < nb; b++, ahead += 136) {
-        _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-        _mm_prefetch((const char *)ahead + 64, _MM_HINT_T0);
+    for (int64_t b = 0; b < nb; b++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         const float dx = x->d[b];
-        for (int r = 0; r < 4; r++) a[r] = q8_0_block(w + r * row_bytes + 34 * b, xq, dx, a[r]);
+        for (int r = 0; r < 4; r++) {
+            stream_prefetch(w + r * row_bytes + 34 * b, 34);
+            a[r] = q8_0_block(w + r * row_bytes + 34 * b, xq, dx, a[r]);
+        }
     }
     for (int r = 0; r < 4; r++) y[r] = sum8(a[r]);
 }
 
-static void q8_0_rows(const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *x, int64_t nb, float *y) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4, w += 4 * row_bytes) q8_0_tile4(w, row_bytes, x, nb, y + r);
-    for (; r < rows; r++, w += row_bytes) {  /* the last rows, a prefetch 2048 bytes ahead */
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            if (!(b & 1)) _mm_prefetch((const char *)(w + 2048 + 34 * b), _MM_HINT_T0);
-            a = q8_0_block(w + 34 * b, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)), x->d[b], a);
-        }
-        y[r] = sum8(a);
+static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        stream_prefetch(w + 34 * b, 34);
+        a = q8_0_block(w + 34 * b, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)), x->d[b], a);
     }
+    return sum8(a);
 }
 
 INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
@@ -795,6 +786,37 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
 }
 #endif /* PATH_AVX2 */
 
+#if defined(PATH_AVX512)
+static void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
+    tile_blocks(Q8_0, 4, 1, w, row_bytes, x, nb, y, 1);
+}
+static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
+    float y;
+    tile_blocks(Q8_0, 1, 1, w, 0, x, nb, &y, 1);
+    return y;
+}
+#endif
+
+#if defined(PATH_AVX512) || defined(PATH_AVX2)
+/* Q8_0 at one token as four streams (cpu_dotk.c's four_streams): a tile's four rows are row j of each quarter of
+ * the call's rows (row stride: a quarter), their values put back in place; the rows that the last, shorter quarter
+ * lacks, one at a time. A row's value is the same either way (AVX-512: tile_blocks, the same bits as one row).
+ * Before, four adjacent rows a tile, which on a Zen 4 (one core, from DRAM) beat one row at a time for rows of 512
+ * and 1024 values (19.0 -> 22.2, 21.5 -> 24.3 GB/s) and lost for 2048 (23.9 -> 22.0), so AVX-512 took them up to
+ * 1024 values only. */
+static void q8_0_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *x, int64_t nb, float *y) {
+    const int64_t quarter = (rows + 3) / 4;
+    int64_t j = 0;
+    for (; 3 * quarter + j < rows; j++) {
+        float y4[4];
+        q8_0_tile4(w + j * row_bytes, quarter * row_bytes, x, nb, y4);
+        for (int s = 0; s < 4; s++) y[s * quarter + j] = y4[s];
+    }
+    for (int s = 0; s < 3; s++)
+        for (int64_t r = s * quarter + j; r < (s + 1) * quarter && r < rows; r++) y[r] = q8_0_row(w + r * row_bytes, x, nb);
+}
+#endif
+
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
 /* Rows in tiles of ROWS (the last few one at a time), each over every token in tiles of up to TTMAX. At T = 1 a tile
  * is ROWS1 rows: one where decoding is cheap next to the bytes (Q8_0, the float formats: one sequential stream,
@@ -826,19 +848,10 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
 INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *xv,
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (xv + (t))
-#if defined(PATH_AVX2)
     if (f == Q8_0 && T == 1) {
-        q8_0_rows(w, row_bytes, rows, xv, nb, y);
+        q8_0_streams(w, row_bytes, rows, xv, nb, y);
         return;
     }
-#elif defined(PATH_AVX512)
-    if (f == Q8_0 && T == 1 && nb <= Q8_TILE_BLOCKS) {
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) tile_blocks(Q8_0, 4, 1, w + r * row_bytes, row_bytes, xv, nb, y + r, ldy);
-        for (; r < rows; r++) tile_blocks(Q8_0, 1, 1, w + r * row_bytes, row_bytes, xv, nb, y + r, ldy);
-        return;
-    }
-#endif
     TILES(tile_blocks, f, TILE_ROWS, (f == Q8_0 ? 1 : ROWS_AT_ONE_TOKEN), TILE_TOKENS, AT, nb);
 #undef AT
 }

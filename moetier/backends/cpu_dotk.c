@@ -884,6 +884,66 @@ static inline void apply_pair(const wblock *w, const uint8_t *x0, const uint8_t 
 #endif
 
 
+/* ---- one token: four streams -----------------------------------------------------------------------------
+ * A gemv reads each weight byte once, so it runs at the rate the memory system streams rows to a core, and one
+ * stream a thread (the rows in turn) leaves part of that rate unused: on the Intel development host, 2 threads
+ * of the read probe read 24-25 GB/s as one prefetched stream each and 28-30 as four (cpu_kernels.c). So a call's
+ * rows are cut in four quarters, and the format's `four` reads row j of each quarter together, block by block,
+ * each row into its own sum (`one`: a row alone, where the last quarter is shorter); 16 rows' sums of a quarter
+ * are folded at once. Formats whose decoding takes more registers than four rows leave (IQ3_S, IQ3_XXS, the
+ * generic loop's decoded blocks) lost by it (IQ3_S 19.4 -> 17.5 GB/s, Q5_K 17.3 -> 16.5): they pass no `four`
+ * and read their rows as one stream, in turn.
+ * A row's sum is the same either way (its blocks in order into its own accumulator): the order of the rows
+ * changes what is read when, not what is computed. Q4_K [1536, 2048] from DRAM, 2 threads in the pool's 64 KiB
+ * granules, interleaved: 22.1 -> 24.0 GB/s (rows by quarters but each row alone: 22.3, no gain). */
+typedef void (*four_rows_fn)(const uint8_t *const row[4], int64_t blocks, const uint8_t *x, acc_t sum[4]);
+typedef acc_t (*one_row_fn)(const uint8_t *row, int64_t blocks, const uint8_t *x);
+
+static void four_streams(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *x, float *y,
+                         four_rows_fn four, one_row_fn one) {
+    const int64_t quarter = four != NULL ? (rows + 3) / 4 : rows, blocks = n / QK;  /* s: [s * quarter, (s + 1) * quarter) */
+    for (int64_t j0 = 0; j0 < quarter; j0 += 16) {
+        acc_t sums[4][16];
+        int64_t rr[4];  /* rows of this group of 16 in each quarter: rr[0] >= rr[1] >= rr[2] >= rr[3] */
+        for (int s = 0; s < 4; s++) {
+            const int64_t end = (s + 1) * quarter < rows ? (s + 1) * quarter : rows, left = end - (s * quarter + j0);
+            rr[s] = left < 0 ? 0 : left < 16 ? left : 16;
+        }
+        for (int64_t r = 0; r < rr[0]; r++) {
+            if (r < rr[3]) {
+                const uint8_t *const row[4] = {w + (j0 + r) * row_bytes, w + (quarter + j0 + r) * row_bytes,
+                                               w + (2 * quarter + j0 + r) * row_bytes, w + (3 * quarter + j0 + r) * row_bytes};
+                acc_t got[4];
+                four(row, blocks, x, got);
+                for (int s = 0; s < 4; s++) sums[s][r] = got[s];
+            } else {
+                for (int s = 0; s < 4 && r < rr[s]; s++) sums[s][r] = one(w + (s * quarter + j0 + r) * row_bytes, blocks, x);
+            }
+        }
+        for (int s = 0; s < 4; s++)
+            if (rr[s] > 0) acc_store(sums[s], rr[s], y + s * quarter + j0);
+    }
+}
+
+/* name_one (and with STREAMED name_four: four_streams) from a format's block step: step(block, its activations,
+ * &sum) adds one block into a sum_t (init: zero), finish(sum) gives the row's acc_t */
+#define ONE_ROW(name, bytes, x_bytes, sum_t, init, step, finish)                                                      \
+    static acc_t name##_one(const uint8_t *row, int64_t blocks, const uint8_t *x) {                                  \
+        sum_t sum = init;                                                                                            \
+        for (int64_t i = 0; i < blocks; i++) step(row + (bytes) * i, x + (x_bytes) * i, &sum);                       \
+        return finish(sum);                                                                                          \
+    }
+#define STREAMED(name, bytes, x_bytes, sum_t, init, step, finish)                                                     \
+    ONE_ROW(name, bytes, x_bytes, sum_t, init, step, finish)                                                         \
+    static void name##_four(const uint8_t *const row[4], int64_t blocks, const uint8_t *x, acc_t out[4]) {          \
+        sum_t sum[4] = {init, init, init, init};                                                                     \
+        for (int64_t i = 0; i < blocks; i++)                                                                         \
+            for (int s = 0; s < 4; s++) step(row[s] + (bytes) * i, x + (x_bytes) * i, &sum[s]);                      \
+        for (int s = 0; s < 4; s++) out[s] = finish(sum[s]);                                                         \
+    }
+
+static inline acc_t as_is(acc_t a) { return a; }
+
 /* AHEAD: bytes of each row prefetched ahead when rows are walked together (T > 1): the hardware prefetchers lose
  * 4 slow interleaved streams (seen: a 9.4 MB Q4_K matrix at T = 8, 4.1 ns a block and token without, 1.8 with) */
 enum { TILE = 64, ROW_GROUP = 4, AHEAD = 1024 };
@@ -903,31 +963,24 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
         }
 }
 
-/* One token: each row's blocks in turn (decode's gemv, memory-bound). Many: the tokens' blocks packed, then
- * ROW_GROUP rows at a time, block by block, so one block column of activations (tt x 320 bytes) stays in L1
- * while every row of the group and every token use it; each weight block is decoded once. */
+/* One token: four streams of rows, each row's blocks in turn (decode's gemv, memory-bound). Many: the tokens'
+ * blocks packed, then ROW_GROUP rows at a time, block by block, so one block column of activations (tt x 320
+ * bytes) stays in L1 while every row of the group and every token use it; each weight block is decoded once. */
 #define ROWS(name, decode, block_bytes, kind)                                                                        \
+    static inline __attribute__((always_inline)) void name##_step(const uint8_t *b, const uint8_t *x, acc_t *acc) { \
+        wblock wb;                                                                                                   \
+        stream_prefetch(b, (block_bytes));                                                                           \
+        decode(b, &wb);                                                                                              \
+        *acc = apply_block(&wb, x, *acc, kind, 0);                                                                   \
+    }                                                                                                                \
+    ONE_ROW(name##_t1, block_bytes, Q8K_BYTES, acc_t, acc_zero(), name##_step, as_is)                                \
     static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,     \
                      float *y, int64_t ldy) {                                                                        \
         const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                    \
         uint8_t *packed = T > 1 ? aligned_alloc(64, (size_t)(TILE * blocks * PACKED_BYTES)) : NULL;                  \
-        if (packed == NULL) {                                                                                        \
+        if (packed == NULL) {  /* one token (or no memory for the packed tokens): a token at a time */               \
             for (int64_t t = 0; t < T; t++)                                                                          \
-                for (int64_t r0 = 0; r0 < rows; r0 += 16) {  /* 16 rows' sums folded together */                     \
-                    const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;                                              \
-                    acc_t acc[16];                                                                                   \
-                    for (int64_t r = 0; r < rr; r++) {                                                               \
-                        const uint8_t *row = w + (r0 + r) * row_bytes, *x = xq + t * xrow;                           \
-                        acc[r] = acc_zero();                                                                         \
-                        for (int64_t i = 0; i < blocks; i++) {                                                       \
-                            wblock wb;                                                                               \
-                            stream_prefetch(row + (block_bytes) * i, (block_bytes));                                 \
-                            decode(row + (block_bytes) * i, &wb);                                                    \
-                            acc[r] = apply_block(&wb, x + Q8K_BYTES * i, acc[r], kind, 0);                           \
-                        }                                                                                            \
-                    }                                                                                                \
-                    acc_store(acc, rr, y + t * ldy + r0);                                                            \
-                }                                                                                                    \
+                four_streams(n, w, row_bytes, rows, xq + t * xrow, y + t * ldy, NULL, name##_t1_one);                 \
             return;                                                                                                  \
         }                                                                                                            \
         for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                                   \
@@ -993,45 +1046,33 @@ static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
     }
 }
 
-/* one row's sum in the lanes of a vector (the mins' share off the first 4) */
-static inline __attribute__((always_inline)) __m512 q4k_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
+/* one block into a row's sum: the lanes of acc, the mins' share in mins (off the first 4 lanes at the end) */
+typedef struct { __m512 acc; __m128 mins; } q4k_sum;
+#define Q4K_ZERO ((q4k_sum){_mm512_setzero_ps(), _mm_setzero_ps()})
+static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, const uint8_t *x, q4k_sum *sum) {
     const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i pick[4] = {bits8(0, 2), bits8(1, 3), bits8(4, 6), bits8(5, 7)};  /* vector c's sub-blocks */
     const __mmask64 even = 0x5555555555555555ull;  /* int16 lanes: the scale byte, a zero above it */
-    __m512 acc = _mm512_setzero_ps();
-    __m128 mins = _mm_setzero_ps();
-    for (int64_t i = 0; i < blocks; i++) {
-        const uint8_t *b = row + 144 * i, *x = xp + XQ4_BYTES * i;
-        stream_prefetch(b, 144);
-        const __m128i sm = q4k_scales_mins(b);
-        const __m512i sz = _mm512_castsi128_si512(sm);
-        const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
-        const __m512i q[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
-                              _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
-        __m512i p[4], sc[4];
-        for (int c = 0; c < 4; c++) {
-            p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + XQ4_QS + 64 * c));
-            sc[c] = _mm512_maskz_permutexvar_epi8(even, pick[c], sz);
-        }
-        const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
-                                           dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
-        const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
-        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(x + XQ4_D)));
-        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), acc);
-        mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), mins);
+    stream_prefetch(b, 144);
+    const __m128i sm = q4k_scales_mins(b);
+    const __m512i sz = _mm512_castsi128_si512(sm);
+    const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
+    const __m512i q[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                          _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
+    __m512i p[4], sc[4];
+    for (int c = 0; c < 4; c++) {
+        p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + XQ4_QS + 64 * c));
+        sc[c] = _mm512_maskz_permutexvar_epi8(even, pick[c], sz);
     }
-    return _mm512_sub_ps(acc, _mm512_zextps128_ps512(mins));
+    const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
+                                       dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
+    const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
+    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(x + XQ4_D)));
+    sum->acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), sum->acc);
+    sum->mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), sum->mins);
 }
-
-/* 16 rows at a time, their sums folded together (one core, Q4_K [4096, 512] in L2: 22.6 -> 27.0 GB/s) */
-static void gemv_q4k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xp, float *y) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
-        __m512 sums[16];
-        for (int64_t r = 0; r < rr; r++) sums[r] = q4k_row(w + (r0 + r) * row_bytes, n / QK, xp);
-        acc_store(sums, rr, y + r0);
-    }
-}
+static inline __m512 q4k_finish(q4k_sum sum) { return _mm512_sub_ps(sum.acc, _mm512_zextps128_ps512(sum.mins)); }
+STREAMED(q4k, 144, XQ4_BYTES, q4k_sum, Q4K_ZERO, q4k_step, q4k_finish)
 
 /* ---- Q6_K at T = 1 with AVX-512: the block streamed 64 values at a time, the activations as they lie -------
  * A half block's 64 low-bit bytes are one load: their low nibbles are values 0..63 of the half, their high
@@ -1040,42 +1081,28 @@ static void gemv_q4k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t row
  * 64 values in order, each 128-bit lane one group of 16, whose int16 scale one vpermw spreads; the offset 32's
  * share is taken once a block through the bsums. Numerics as the loop above. (One core, a 110 MB matrix
  * from DRAM: the loop above read 14.6 GB/s where llama.cpp's AVX2 loop read 14.9.) */
-static inline __attribute__((always_inline)) __m512 q6k_row(const uint8_t *row, int64_t blocks, const uint8_t *xq) {
+static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m512i low_shift = shifts16(4, 2), high_shift = shifts16(0, 2);
     const __m512i group[4] = {lane16(0), lane16(1), lane16(2), lane16(3)};  /* vector c: groups 4c .. 4c + 3 */
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < blocks; i++) {
-        const uint8_t *b = row + 210 * i, *x = xq + Q8K_BYTES * i;
-        stream_prefetch(b, 210);
-        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-        const __m512i sc = _mm512_castsi256_si512(s16);
-        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 260))),
-                                        _mm512_zextsi256_si512(_mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5))));
-        for (int h = 0; h < 2; h++) {
-            const __m512i l = _mm512_loadu_si512(b + 64 * h), qh = dup256(b + 128 + 32 * h);
-            const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, low_shift), m30));
-            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                               _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), m30));
-            const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_loadu_si512(x + 4 + 128 * h));
-            const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + 4 + 128 * h + 64));
-            s = _mm512_dpwssd_epi32(s, pl, _mm512_permutexvar_epi16(group[2 * h], sc));
-            s = _mm512_dpwssd_epi32(s, ph, _mm512_permutexvar_epi16(group[2 * h + 1], sc));
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), acc);
+    stream_prefetch(b, 210);
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    const __m512i sc = _mm512_castsi256_si512(s16);
+    __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 260))),
+                                    _mm512_zextsi256_si512(_mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5))));
+    for (int h = 0; h < 2; h++) {
+        const __m512i l = _mm512_loadu_si512(b + 64 * h), qh = dup256(b + 128 + 32 * h);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, low_shift), m30));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), m30));
+        const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_loadu_si512(x + 4 + 128 * h));
+        const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + 4 + 128 * h + 64));
+        s = _mm512_dpwssd_epi32(s, pl, _mm512_permutexvar_epi16(group[2 * h], sc));
+        s = _mm512_dpwssd_epi32(s, ph, _mm512_permutexvar_epi16(group[2 * h + 1], sc));
     }
-    return acc;
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), *acc);
 }
-
-/* 16 rows at a time, their sums folded together */
-static void gemv_q6k(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
-        __m512 sums[16];
-        for (int64_t r = 0; r < rr; r++) sums[r] = q6k_row(w + (r0 + r) * row_bytes, n / QK, xq);
-        acc_store(sums, rr, y + r0);
-    }
-}
+STREAMED(q6k, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
 
 /* the Q4_K gemv with its activation copy; 0 if out of memory (the caller takes the loop above) */
 static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
@@ -1084,7 +1111,7 @@ static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
     uint8_t *xp = blocks <= XQ4_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XQ4_BYTES));
     if (xp == NULL) return 0;
     x_q4k(xq, blocks, xp);
-    gemv_q4k(n, w, row_bytes, rows, xp, y);
+    four_streams(n, w, row_bytes, rows, xp, y, q4k_four, q4k_one);
     if (xp != stack) free(xp);
     return 1;
 }
@@ -1152,8 +1179,8 @@ static inline __attribute__((always_inline)) __m512i signed_dot4(const __m512i q
                             _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
 }
 
-/* one row's sum in the lanes of a vector */
-static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
+/* one block into a row's sum (the lanes of acc) */
+static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     const __m512i *t = (const __m512i *)nib_s[0];  /* plane 0: t[0..7], plane 1: t[8..15] */
     const __m512i m4 = _mm512_set1_epi8(15);
     /* vector j, byte p: sign bit 4p + j, in qword p / 16 of the signs: the qwords doubled, so qword lane p / 8 */
@@ -1162,33 +1189,29 @@ static inline __attribute__((always_inline)) __m512 iq3s_row(const uint8_t *row,
     sign_picks(pick);
     /* lane L: a right rotation by 4 * (L / 2) - 1 brings 2 * (nibble L / 2) to bits 1..4 */
     const __m512i nibble = _mm512_set_epi32(27, 27, 23, 23, 19, 19, 15, 15, 11, 11, 7, 7, 3, 3, 31, 31);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < blocks; i++) {
-        const uint8_t *b = row + 110 * i, *x = xp + XS_BYTES * i;
-        stream_prefetch(b, 110);
-        const __m512i idx = _mm512_loadu_si512(b + 2);
-        const __mmask64 bit8 = _cvtu64_mask64(u64_at(b + 66));
-        __m512i plane[2];
-        for (int h = 0; h < 2; h++)  /* the low and the high 256 entries, blended by index bit 8 */
-            plane[h] = _mm512_mask_blend_epi8(bit8, quarters256(t + 8 * h, idx), quarters256(t + 8 * h + 4, idx));
-        const __m512i q[4] = {_mm512_and_si512(plane[0], m4), _mm512_and_si512(_mm512_srli_epi16(plane[0], 4), m4),
-                              _mm512_and_si512(plane[1], m4), _mm512_and_si512(_mm512_srli_epi16(plane[1], 4), m4)};
-        const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
-        const __m512i s = signed_dot4(q, x, signs, pick);
-        /* 2s + 1 of lane L's sub-block L / 2, in the lane's low int16 (its high int16 zero) */
-        const __m512i sc = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + 106)), nibble),
-                                                     _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
-        const float dd = f16_at(b) * f32_at(x + XS_D);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_madd_epi16(s, sc)), acc);
-    }
-    return acc;
+    stream_prefetch(b, 110);
+    const __m512i idx = _mm512_loadu_si512(b + 2);
+    const __mmask64 bit8 = _cvtu64_mask64(u64_at(b + 66));
+    __m512i plane[2];
+    for (int h = 0; h < 2; h++)  /* the low and the high 256 entries, blended by index bit 8 */
+        plane[h] = _mm512_mask_blend_epi8(bit8, quarters256(t + 8 * h, idx), quarters256(t + 8 * h + 4, idx));
+    const __m512i q[4] = {_mm512_and_si512(plane[0], m4), _mm512_and_si512(_mm512_srli_epi16(plane[0], 4), m4),
+                          _mm512_and_si512(plane[1], m4), _mm512_and_si512(_mm512_srli_epi16(plane[1], 4), m4)};
+    const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
+    const __m512i s = signed_dot4(q, x, signs, pick);
+    /* 2s + 1 of lane L's sub-block L / 2, in the lane's low int16 (its high int16 zero) */
+    const __m512i sc = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + 106)), nibble),
+                                                 _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
+    const float dd = f16_at(b) * f32_at(x + XS_D);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_madd_epi16(s, sc)), *acc);
 }
+ONE_ROW(iq3s, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3s_step, as_is)
 
 /* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles level numbers (gguf's values 4..62,
  * one vpshufb a vector: a level's top bit, and so each byte's bit 7, is clear); its sign fields through their 128
  * patterns as decode_iq3xxs reads them; its scales are each u32's top 4 bits. A lane's 16 products reach 16 * 62 *
  * 127 > 2^15, so the scale is one vpmulld. */
-static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *row, int64_t blocks, const uint8_t *xp) {
+static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     const __m512i *t = (const __m512i *)code_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
     const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs));
     const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -1196,41 +1219,31 @@ static inline __attribute__((always_inline)) __m512 iq3xxs_row(const uint8_t *ro
     sign_picks(pick);
     const __m256i field_at = _mm256_set1_epi64x(0x352e2720150e0700ll);  /* the 7-bit sign fields of each u32 */
     const __m512i signs_lo = _mm512_load_si512(sign_table), signs_hi = _mm512_load_si512(sign_table + 64);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < blocks; i++) {
-        const uint8_t *b = row + 98 * i, *x = xp + XS_BYTES * i;
-        stream_prefetch(b, 98);
-        const __m512i idx = _mm512_loadu_si512(b + 2);
-        const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
-        const __m512i q[4] = {_mm512_shuffle_epi8(values, plane[0]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[0], 4)),
-                              _mm512_shuffle_epi8(values, plane[1]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[1], 4))};
-        const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
-        const __m512i patterns = _mm512_permutex2var_epi8(signs_lo, _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)), signs_hi);
-        const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
-        const __m512i s = signed_dot4(q, x, signs, pick);
-        /* 2s + 1 of lane L's sub-block L / 2: the top 4 bits of its u32 */
-        const __m512i sc = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27),
-                                                     _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
-        const float dd = 0.25f * f16_at(b) * f32_at(x + XS_D);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_mullo_epi32(s, sc)), acc);
-    }
-    return acc;
+    stream_prefetch(b, 98);
+    const __m512i idx = _mm512_loadu_si512(b + 2);
+    const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
+    const __m512i q[4] = {_mm512_shuffle_epi8(values, plane[0]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[0], 4)),
+                          _mm512_shuffle_epi8(values, plane[1]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[1], 4))};
+    const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+    const __m512i patterns = _mm512_permutex2var_epi8(signs_lo, _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)), signs_hi);
+    const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
+    const __m512i s = signed_dot4(q, x, signs, pick);
+    /* 2s + 1 of lane L's sub-block L / 2: the top 4 bits of its u32 */
+    const __m512i sc = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27),
+                                                 _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
+    const float dd = 0.25f * f16_at(b) * f32_at(x + XS_D);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_mullo_epi32(s, sc)), *acc);
 }
+ONE_ROW(iq3xxs, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
 
-/* the IQ3_S (xxs = 0) or IQ3_XXS gemv with its activation copy, 16 rows' sums folded together; 0 if out of memory */
+/* the IQ3_S (xxs = 0) or IQ3_XXS gemv with its activation copy, its rows in turn; 0 if out of memory */
 static int iq3_one_token(int xxs, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
     const int64_t blocks = n / QK;
     uint8_t stack[XS_ON_STACK * XS_BYTES] __attribute__((aligned(64)));
     uint8_t *xp = blocks <= XS_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XS_BYTES));
     if (xp == NULL) return 0;
     x_iq3s(xq, blocks, xp);
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int64_t rr = rows - r0 < 16 ? rows - r0 : 16;
-        __m512 sums[16];
-        for (int64_t r = 0; r < rr; r++)
-            sums[r] = xxs ? iq3xxs_row(w + (r0 + r) * row_bytes, blocks, xp) : iq3s_row(w + (r0 + r) * row_bytes, blocks, xp);
-        acc_store(sums, rr, y + r0);
-    }
+    four_streams(n, w, row_bytes, rows, xp, y, NULL, xxs ? iq3xxs_one : iq3s_one);
     if (xp != stack) free(xp);
     return 1;
 }
@@ -1334,38 +1347,40 @@ static inline __attribute__((always_inline)) void iq3s_block(const uint8_t *b, c
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
 }
 
-static inline float sum128(__m128 h) {
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+/* rows x one token through four_streams: a block step a format (each prefetching its block, cpu_stream.h) */
+typedef struct { __m256 acc; __m128 mins; } q45k_sum;  /* the mins' share apart, off the first 4 lanes at the end */
+#define Q45K_ZERO ((q45k_sum){_mm256_setzero_ps(), _mm_setzero_ps()})
+static inline __m256 q45k_finish(q45k_sum sum) { return _mm256_sub_ps(sum.acc, _mm256_zextps128_ps256(sum.mins)); }
+static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, const uint8_t *x, q45k_sum *sum) {
+    stream_prefetch(b, 144);
+    q45k_block(b, x, 0, &sum->acc, &sum->mins);
 }
+static inline __attribute__((always_inline)) void q5k_step(const uint8_t *b, const uint8_t *x, q45k_sum *sum) {
+    stream_prefetch(b, 176);
+    q45k_block(b, x, 1, &sum->acc, &sum->mins);
+}
+static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 210);
+    q6k_block(b, x, acc);
+}
+static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 110);
+    iq3s_block(b, x, acc);
+}
+STREAMED(q4k, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
+STREAMED(q5k, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
+STREAMED(q6k, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
+ONE_ROW(iq3s, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3s_step, as_is)
 
-/* rows x one token, each row's blocks in turn, streamed (stream_prefetch); a function per format, so its
- * accumulators stay in registers */
-#define ONE_TOKEN_AVX2(name, bytes, block)                                                                              \
-    static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {    \
-        for (int64_t r = 0; r < rows; r++) {                                                                         \
-            const uint8_t *row = w + r * row_bytes;                                                                  \
-            __m256 acc = _mm256_setzero_ps();                                                                        \
-            __m128 mins = _mm_setzero_ps();                                                                          \
-            for (int64_t i = 0; i < n / QK; i++) {                                                                   \
-                const uint8_t *b = row + (bytes) * i, *xb = xq + Q8K_BYTES * i;                                      \
-                stream_prefetch(b, (bytes));                                                                         \
-                block;                                                                                               \
-            }                                                                                                        \
-            y[r] = acc_sum(acc) - sum128(mins);                                                                      \
-        }                                                                                                            \
+/* the one-token loop of wtype: 1 (its four, or NULL, and one in *four, *one), or 0 (the loop above) */
+static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
+    switch (wtype) {
+    case Q4_K: *four = q4k_four, *one = q4k_one; return 1;
+    case Q5_K: *four = q5k_four, *one = q5k_one; return 1;
+    case Q6_K: *four = q6k_four, *one = q6k_one; return 1;
+    case IQ3_S: *four = NULL, *one = iq3s_one; return 1;  /* its table loads: four rows lost (7.1 -> 5.9 GB/s) */
+    default: return 0;
     }
-
-ONE_TOKEN_AVX2(one_token_q4k, 144, q45k_block(b, xb, 0, &acc, &mins))
-ONE_TOKEN_AVX2(one_token_q5k, 176, q45k_block(b, xb, 1, &acc, &mins))
-ONE_TOKEN_AVX2(one_token_q6k, 210, q6k_block(b, xb, &acc))
-ONE_TOKEN_AVX2(one_token_iq3s, 110, iq3s_block(b, xb, &acc))
-
-/* the one-token loop of wtype, or NULL (the loop above) */
-typedef void (*one_token_fn)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, float *);
-static one_token_fn one_token_avx2(int64_t wtype) {
-    return wtype == Q4_K ? one_token_q4k : wtype == Q5_K ? one_token_q5k : wtype == Q6_K ? one_token_q6k
-         : wtype == IQ3_S ? one_token_iq3s : NULL;
 }
 #endif
 
@@ -1757,7 +1772,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #endif
 #if defined(__AVX512VNNI__)
     if (loop != NULL && wtype == Q6_K && T == 1) {
-        gemv_q6k(n, wb, row_bytes, rows, x, y);
+        four_streams(n, wb, row_bytes, rows, x, y, q6k_four, q6k_one);
         return;
     }
 #endif
@@ -1775,8 +1790,10 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
             return;
         }
     }
-    if (loop != NULL && T == 1 && one_token_avx2(wtype) != NULL) {
-        one_token_avx2(wtype)(n, wb, row_bytes, rows, x, y);
+    four_rows_fn four;
+    one_row_fn one;
+    if (loop != NULL && T == 1 && one_token_avx2(wtype, &four, &one)) {
+        four_streams(n, wb, row_bytes, rows, x, y, four, one);
         return;
     }
 #endif
