@@ -224,15 +224,19 @@ typedef struct {
     int64_t rows;       /* a linear layer's output columns: all its parts' rows */
 } moe_job;
 
-/* Rows of a matrix per granule: ~64 KiB of weights for up to 8 tokens, less for more (a granule's work is
- * weight bytes times tokens), never under 32 at one token or 64 at more: a granule reads all its tokens'
+/* Rows of a matrix per granule: ~256 KiB of weights at one token, ~64 KiB for 2 to 8 tokens, less for more (a
+ * granule's work is weight bytes times tokens), never under 32 at one token or 64 at more. One token reads a
+ * granule's rows as four streams (cpu_dotk.c four_streams), each a quarter of it: 64 KiB granules made streams of
+ * 16 KiB that the prefetchers found anew four times as often (Q4_K from DRAM, 2 threads, C harness: 25.0-25.4 ->
+ * 28.9-29.1 GB/s at 256 KiB, 29.4 at 512; Q6_K 26.2 -> 29.3). More tokens: a granule reads all its tokens'
  * activations for each of its row tiles, so few rows and many tokens stream activations from L2 or beyond (Q8_0
  * [1024, 2048] at T = 256, 1 thread: 4 rows a granule 30 GMAC/s, 32 rows 63), and each dot call first unpacks
  * or packs its tokens' activations, once per granule (the `wide` F32 and Q8_0 prefill, 2 threads: 32 -> 64 rows
  * 5-10% faster). A function of the shapes only: the same cut for any thread count. */
-enum { GRANULE_ROWS_MIN = 32, GRANULE_ROWS_MIN_TOKENS = 64 };
+enum { GRANULE_ROWS_MIN = 32, GRANULE_ROWS_MIN_TOKENS = 64, ONE_TOKEN_GRANULE_BYTES = 262144 };
 static int64_t granule_rows(int64_t row_bytes, int64_t tokens) {
-    const int64_t target = (int64_t)65536 * 8 / (tokens > 8 ? tokens : 8), least = tokens > 1 ? GRANULE_ROWS_MIN_TOKENS : GRANULE_ROWS_MIN;
+    const int64_t target = tokens == 1 ? ONE_TOKEN_GRANULE_BYTES : (int64_t)65536 * 8 / (tokens > 8 ? tokens : 8);
+    const int64_t least = tokens > 1 ? GRANULE_ROWS_MIN_TOKENS : GRANULE_ROWS_MIN;
     const int64_t r = (target + row_bytes - 1) / row_bytes;
     return r < least ? least : (r + 3) & ~(int64_t)3;
 }
