@@ -146,8 +146,8 @@ def test_tokens_at_once_are_one_at_a_time(fmt):
 
 def one_token_rows_apart(family, fmt: Format) -> list[int]:
     """One token over the first `rows` of 70 rows in one call against each row alone -> the row counts whose
-    values differ in any bit. Q8_0 at one token reads a call's rows as four streams (cpu_dot32.c q8_0_streams):
-    1, 3, 5, 17, 56 and 70 rows leave its quarters empty, uneven or even."""
+    values differ in any bit. Q8_0 and the float formats at one token read a call's rows as four streams
+    (cpu_dot32.c four_streams): 1, 3, 5, 17, 56 and 70 rows leave its quarters empty, uneven or even."""
     rng = np.random.default_rng(fmt.id + 70)
     n = 768
     w, x = weights(fmt, 70, n, rng), tokens(1, n, rng)
@@ -238,7 +238,8 @@ def test_every_simd_path_keeps_the_bound(path):
     for fmt in FAMILY:
         assert worst_error(fmt, family, shapes=[(1, 256), (5, 352), (9, 224)], rows=6) <= 1e-5, (path, fmt.name)
     if path != "scalar":  # the portable loop may be reassociated by the compiler
-        assert one_token_rows_apart(family, BY_NAME["Q8_0"]) == [], path
+        for name in ("Q8_0", "F32", "BF16"):
+            assert one_token_rows_apart(family, BY_NAME[name]) == [], (path, name)
     # the float16 conversions without F16C (scalar): subnormal halves, ties, overflow to inf, every exponent
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((4, 1024)) * 10.0 ** rng.uniform(-9, 5.5, (4, 1024))).astype(np.float32)

@@ -431,6 +431,14 @@ INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* a0 + a1 + a2 + a3 as (a0 + a1) + (a2 + a3), pinned: the build lets the compiler reassociate float sums, which it
+ * then does differently where one row or four are summed (floats_four must give each row's lone-row bits) */
+INLINE __m512 add4_pinned(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(a0, a1), s23 = _mm512_add_ps(a2, a3);
+    __asm__("" : "+v"(s01), "+v"(s23));
+    return _mm512_add_ps(s01, s23);
+}
+
 /* The float tiles' accumulators [row][token][4]: zeroed; summed into y (the first one, or all four when K = 4) */
 INLINE void floats_clear(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4]) {
     for (int r = 0; r < R; r++)
@@ -441,8 +449,7 @@ INLINE void floats_clear(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT
 INLINE void floats_store(const int R, const int TT, const int K, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4], float *y, int64_t ldy) {
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++)
-            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : _mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]),
-                                                                                        _mm512_add_ps(acc[r][t][2], acc[r][t][3])));
+            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : add4_pinned(acc[r][t][0], acc[r][t][1], acc[r][t][2], acc[r][t][3]));
 }
 
 /* R rows x TT tokens: an accumulator each, or four (k in 64s) for a lone row and token, whose one FMA chain would
@@ -492,6 +499,28 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
         acc[0][0][0] = _mm512_fmadd_ps(float_weights(f, w, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[0][0][0]);
     }
     floats_store(R, TT, K, acc, y, ldy);
+}
+/* four rows `stride` bytes apart at one token, each as tile_floats' lone row (four accumulators in 64-value steps,
+ * the last 16s and the masked tail into the first, the four added pairwise): the same value as that row alone */
+INLINE void floats_four(const int f, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y4) {
+    const int size = f == F32 ? 4 : 2;
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= n; k += 64)
+        for (int r = 0; r < 4; r++) {
+            stream_prefetch(w + r * stride + k * size, 64 * size);
+            for (int j = 0; j < 4; j++)
+                acc[r][j] = _mm512_fmadd_ps(float_weights(f, w + r * stride, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[r][j]);
+        }
+    for (; k < n; k += 16) {
+        const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
+        for (int r = 0; r < 4; r++)
+            acc[r][0] = _mm512_fmadd_ps(float_weights(f, w + r * stride, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[r][0]);
+    }
+    for (int r = 0; r < 4; r++)
+        y4[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 #if defined(__AVX512BF16__)
 #define PATH_BF16_PAIRS 1
@@ -713,7 +742,7 @@ INLINE void tile_blocks(const int f, const int R, const int TT, const uint8_t *w
 }
 
 /* Q8_0 at one token (AVX2). A block: |w| times x with w's signs, maddubs + madd to int32, one fma by d_w d_x. Rows
- * go in tiles of four (the token's block loaded once for them; q8_0_streams: one row from each quarter), each row
+ * go in tiles of four (the token's block loaded once for them; four_streams: one row from each quarter), each row
  * a stream (cpu_stream.h). Tiles of four adjacent rows with one prefetch 2048 bytes past the tile against the
  * one-row loop before them: rows of 512 values 12-16 -> 17-19 GB/s a core from DRAM on a Zen 3, 23 -> 28 on two
  * (in L3 one core 21.5 -> 26.5; rows of 2048 values 14-20 -> 17-19 from DRAM, 24 -> 27.5 in L3). Each row's lanes
@@ -744,6 +773,13 @@ static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
         a = q8_0_block(w + 34 * b, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)), x->d[b], a);
     }
     return sum8(a);
+}
+
+/* as the AVX-512 add4_pinned */
+INLINE __m256 add4_pinned(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 s01 = _mm256_add_ps(a0, a1), s23 = _mm256_add_ps(a2, a3);
+    __asm__("" : "+x"(s01), "+x"(s23));
+    return _mm256_add_ps(s01, s23);
 }
 
 INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
@@ -778,11 +814,34 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
         }
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TT; t++) {
-            float sum = sum8(K == 1 ? acc[r][t][0] : _mm256_add_ps(_mm256_add_ps(acc[r][t][0], acc[r][t][1]),
-                                                                   _mm256_add_ps(acc[r][t][2], acc[r][t][3])));
+            float sum = sum8(K == 1 ? acc[r][t][0] : add4_pinned(acc[r][t][0], acc[r][t][1], acc[r][t][2], acc[r][t][3]));
             for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * row_bytes, j) * x[t * n + j];
             y[t * ldy + r] = sum;
         }
+}
+
+/* four rows `stride` bytes apart at one token, each as tile_floats' lone row (four accumulators in 32-value steps,
+ * the last 8s into the first, the rest in scalar), each row a stream (cpu_stream.h): the same value as that row
+ * alone */
+INLINE void floats_four(const int f, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y4) {
+    const int size = f == F32 ? 4 : 2;
+    __m256 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32)
+        for (int r = 0; r < 4; r++) {
+            stream_prefetch(w + r * stride + k * size, 32 * size);
+            for (int j = 0; j < 4; j++)
+                acc[r][j] = _mm256_fmadd_ps(float_weights(f, w + r * stride, k + 8 * j), _mm256_loadu_ps(x + k + 8 * j), acc[r][j]);
+        }
+    const int64_t k8 = k;
+    for (int r = 0; r < 4; r++) {
+        for (k = k8; k + 8 <= n; k += 8) acc[r][0] = _mm256_fmadd_ps(float_weights(f, w + r * stride, k), _mm256_loadu_ps(x + k), acc[r][0]);
+        float sum = sum8(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * stride, j) * x[j];
+        y4[r] = sum;
+    }
 }
 #endif /* PATH_AVX2 */
 
@@ -798,23 +857,47 @@ static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
 #endif
 
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
-/* Q8_0 at one token as four streams (cpu_dotk.c's four_streams): a tile's four rows are row j of each quarter of
- * the call's rows (row stride: a quarter), their values put back in place; the rows that the last, shorter quarter
- * lacks, one at a time. A row's value is the same either way (AVX-512: tile_blocks, the same bits as one row).
- * Before, four adjacent rows a tile, which on a Zen 4 (one core, from DRAM) beat one row at a time for rows of 512
+/* One token as four streams (cpu_dotk.c's four_streams): a tile's four rows are row j of each quarter of the call's
+ * rows (row stride: a quarter), their values put back in place; the rows that the last, shorter quarter lacks, one
+ * at a time. `four` computes each of its rows as `one` does (the same operations in the same order), so a row's
+ * value is the same either way. Q8_0: the tile of four rows (AVX-512: tile_blocks, the same bits as one row);
+ * before, four adjacent rows a tile, which on a Zen 4 (one core, from DRAM) beat one row at a time for rows of 512
  * and 1024 values (19.0 -> 22.2, 21.5 -> 24.3 GB/s) and lost for 2048 (23.9 -> 22.0), so AVX-512 took them up to
- * 1024 values only. */
-static void q8_0_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const act_view *x, int64_t nb, float *y) {
+ * 1024 values only. The float formats: the lone row's four accumulators, for four rows at once (floats_four). */
+typedef struct { const act_view *xv; int64_t nb; const float *x; int64_t n; } one_token;
+typedef void (*four_rows_fn)(const one_token *t, const uint8_t *w, int64_t stride, float *y4);
+typedef float (*one_row_fn)(const one_token *t, const uint8_t *w);
+
+static void four_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, four_rows_fn four,
+                         one_row_fn one, float *y) {
     const int64_t quarter = (rows + 3) / 4;
     int64_t j = 0;
     for (; 3 * quarter + j < rows; j++) {
         float y4[4];
-        q8_0_tile4(w + j * row_bytes, quarter * row_bytes, x, nb, y4);
+        four(t, w + j * row_bytes, quarter * row_bytes, y4);
         for (int s = 0; s < 4; s++) y[s * quarter + j] = y4[s];
     }
     for (int s = 0; s < 3; s++)
-        for (int64_t r = s * quarter + j; r < (s + 1) * quarter && r < rows; r++) y[r] = q8_0_row(w + r * row_bytes, x, nb);
+        for (int64_t r = s * quarter + j; r < (s + 1) * quarter && r < rows; r++) y[r] = one(t, w + r * row_bytes);
 }
+
+static void q8_0_four(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { q8_0_tile4(w, stride, t->xv, t->nb, y4); }
+static float q8_0_one(const one_token *t, const uint8_t *w) { return q8_0_row(w, t->xv, t->nb); }
+
+/* the float formats' four and one, a pair per format (f a constant in each) */
+#define FLOAT_STREAMS(F)                                                                                                \
+    static void floats_four_##F(const one_token *t, const uint8_t *w, int64_t stride, float *y4) {                     \
+        floats_four(F, w, stride, t->x, t->n, y4);                                                                     \
+    }                                                                                                                  \
+    static float floats_one_##F(const one_token *t, const uint8_t *w) {                                                \
+        float y;                                                                                                       \
+        tile_floats(F, 1, 1, w, 0, t->x, t->n, &y, 1);                                                                 \
+        return y;                                                                                                      \
+    }
+FLOAT_STREAMS(F32)
+FLOAT_STREAMS(F16)
+FLOAT_STREAMS(BF16)
+#undef FLOAT_STREAMS
 #endif
 
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
@@ -849,7 +932,8 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (xv + (t))
     if (f == Q8_0 && T == 1) {
-        q8_0_streams(w, row_bytes, rows, xv, nb, y);
+        const one_token t = {xv, nb, NULL, 0};
+        four_streams(w, row_bytes, rows, &t, q8_0_four, q8_0_one, y);
         return;
     }
     TILES(tile_blocks, f, TILE_ROWS, (f == Q8_0 ? 1 : ROWS_AT_ONE_TOKEN), TILE_TOKENS, AT, nb);
@@ -859,6 +943,13 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
 /* The float tiles over x's T rows, `stride` floats apart (a packed token tile of x when stride is n16, below) */
 INLINE void floats_tiles(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                          int64_t stride, int64_t T, float *y, int64_t ldy) {
+    if (T == 1) {
+        const one_token t = {NULL, 0, x, n};
+        if (f == F32) four_streams(w, row_bytes, rows, &t, floats_four_F32, floats_one_F32, y);
+        else if (f == F16) four_streams(w, row_bytes, rows, &t, floats_four_F16, floats_one_F16, y);
+        else four_streams(w, row_bytes, rows, &t, floats_four_BF16, floats_one_BF16, y);
+        return;
+    }
 #define AT(t) (x + (t) * stride)
     TILES(tile_floats, f, FLOAT_ROWS, 1, FLOAT_TOKENS, AT, n);
 #undef AT
