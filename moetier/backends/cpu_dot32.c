@@ -555,6 +555,30 @@ INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, 
     }
     floats_store(R, TT, K, acc, y, ldy);
 }
+
+/* four rows `stride` bytes apart at one token, each as tile_bf16's lone row (four accumulators in 128-value steps,
+ * the masked rest into the first, the four added pairwise): the same value as that row alone */
+INLINE void bf16_four(const uint8_t *w, int64_t stride, const uint16_t *x, int64_t n, float *y4) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 128 <= n; k += 128)
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 4; r++) {
+                const int64_t at = k + 32 * j;
+                stream_prefetch(w + r * stride + at * 2, 64);
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + r * stride) + at),
+                                             (__m512bh)_mm512_loadu_si512(x + at));
+            }
+    for (; k < n; k += 32) {
+        const __mmask32 live = n - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - k)) - 1);
+        for (int r = 0; r < 4; r++)
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(live, (const uint16_t *)(w + r * stride) + k),
+                                         (__m512bh)_mm512_maskz_loadu_epi16(live, x + k));
+    }
+    for (int r = 0; r < 4; r++) y4[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
 #endif
 
 /* ---- T >= WIDE_FROM: sixteen weight rows on a vector's lanes ---------------------------------------------
@@ -863,8 +887,9 @@ static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
  * value is the same either way. Q8_0: the tile of four rows (AVX-512: tile_blocks, the same bits as one row);
  * before, four adjacent rows a tile, which on a Zen 4 (one core, from DRAM) beat one row at a time for rows of 512
  * and 1024 values (19.0 -> 22.2, 21.5 -> 24.3 GB/s) and lost for 2048 (23.9 -> 22.0), so AVX-512 took them up to
- * 1024 values only. The float formats: the lone row's four accumulators, for four rows at once (floats_four). */
-typedef struct { const act_view *xv; int64_t nb; const float *x; int64_t n; } one_token;
+ * 1024 values only. The float formats: the lone row's four accumulators, for four rows at once (floats_four;
+ * BF16 weights with BF16 activations: bf16_four). */
+typedef struct { const act_view *xv; int64_t nb; const float *x; const uint16_t *xb; int64_t n; } one_token;
 typedef void (*four_rows_fn)(const one_token *t, const uint8_t *w, int64_t stride, float *y4);
 typedef float (*one_row_fn)(const one_token *t, const uint8_t *w);
 
@@ -898,6 +923,14 @@ FLOAT_STREAMS(F32)
 FLOAT_STREAMS(F16)
 FLOAT_STREAMS(BF16)
 #undef FLOAT_STREAMS
+#if defined(PATH_BF16_PAIRS)
+static void bf16_four_rows(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { bf16_four(w, stride, t->xb, t->n, y4); }
+static float bf16_one_row(const one_token *t, const uint8_t *w) {
+    float y;
+    tile_bf16(BF16, 1, 1, w, 0, t->xb, t->n, &y, 1);
+    return y;
+}
+#endif
 #endif
 
 #if defined(PATH_AVX512) || defined(PATH_AVX2)
@@ -932,7 +965,7 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
                         int64_t T, float *y, int64_t ldy) {
 #define AT(t) (xv + (t))
     if (f == Q8_0 && T == 1) {
-        const one_token t = {xv, nb, NULL, 0};
+        const one_token t = {xv, nb, NULL, NULL, 0};
         four_streams(w, row_bytes, rows, &t, q8_0_four, q8_0_one, y);
         return;
     }
@@ -944,7 +977,7 @@ INLINE void blocks_simd(const int f, int64_t nb, const uint8_t *w, int64_t row_b
 INLINE void floats_tiles(const int f, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                          int64_t stride, int64_t T, float *y, int64_t ldy) {
     if (T == 1) {
-        const one_token t = {NULL, 0, x, n};
+        const one_token t = {NULL, 0, x, NULL, n};
         if (f == F32) four_streams(w, row_bytes, rows, &t, floats_four_F32, floats_one_F32, y);
         else if (f == F16) four_streams(w, row_bytes, rows, &t, floats_four_F16, floats_one_F16, y);
         else four_streams(w, row_bytes, rows, &t, floats_four_BF16, floats_one_BF16, y);
@@ -1088,6 +1121,11 @@ INLINE int floats_simd(const int f, int64_t n, const uint8_t *w, int64_t row_byt
 #if defined(PATH_BF16_PAIRS)
 INLINE void bf16_simd(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint16_t *x, int64_t T, float *y,
                       int64_t ldy) {
+    if (T == 1) {
+        const one_token t = {NULL, 0, NULL, x, n};
+        four_streams(w, row_bytes, rows, &t, bf16_four_rows, bf16_one_row, y);
+        return;
+    }
 #define AT(t) (x + (t) * n)
     TILES(tile_bf16, BF16, FLOAT_ROWS, 1, TILE_TOKENS, AT, n);  /* 4 tokens: 6 measured no faster here */
 #undef AT
