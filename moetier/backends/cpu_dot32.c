@@ -500,6 +500,7 @@ INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w
     }
     floats_store(R, TT, K, acc, y, ldy);
 }
+
 /* four rows `stride` bytes apart at one token, each as tile_floats' lone row (four accumulators in 64-value steps,
  * the last 16s and the masked tail into the first, the four added pairwise): the same value as that row alone */
 INLINE void floats_four(const int f, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y4) {
