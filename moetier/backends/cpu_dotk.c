@@ -890,9 +890,10 @@ static inline void apply_pair(const wblock *w, const uint8_t *x0, const uint8_t 
  * of the read probe read 24-25 GB/s as one prefetched stream each and 28-30 as four (cpu_kernels.c). So a call's
  * rows are cut in four quarters, and the format's `four` reads row j of each quarter together, block by block,
  * each row into its own sum (`one`: a row alone, where the last quarter is shorter); 16 rows' sums of a quarter
- * are folded at once. Formats whose decoding takes more registers than four rows leave (IQ3_S, IQ3_XXS, the
- * generic loop's decoded blocks) lost by it (IQ3_S 19.4 -> 17.5 GB/s, Q5_K 17.3 -> 16.5): they pass no `four`
- * and read their rows as one stream, in turn.
+ * are folded at once. Where a format's decoding takes more registers than four rows leave, `four` reads its rows
+ * two at a time (STREAMED's `together`): four at once lost (IQ3_S 19.4 -> 17.5 GB/s, Q5_K 17.3 -> 16.5), two
+ * gained (C harness, 256 KiB granules: IQ3_S 17.5-18.3 -> 21.5, IQ3_XXS 18.4 -> 19.8-20.4); where even two
+ * lost (AVX2: IQ3_S, the generic loop), no `four`: one stream, the rows in turn.
  * A row's sum is the same either way (its blocks in order into its own accumulator): the order of the rows
  * changes what is read when, not what is computed. Q4_K [1536, 2048] from DRAM, 2 threads in the pool's 64 KiB
  * granules, interleaved: 22.1 -> 24.0 GB/s (rows by quarters but each row alone: 22.3, no gain). */
@@ -933,13 +934,16 @@ static void four_streams(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
         for (int64_t i = 0; i < blocks; i++) step(row + (bytes) * i, x + (x_bytes) * i, &sum);                       \
         return finish(sum);                                                                                          \
     }
-#define STREAMED(name, bytes, x_bytes, sum_t, init, step, finish)                                                     \
+#define STREAMED(name, together, bytes, x_bytes, sum_t, init, step, finish)                                           \
     ONE_ROW(name, bytes, x_bytes, sum_t, init, step, finish)                                                         \
     static void name##_four(const uint8_t *const row[4], int64_t blocks, const uint8_t *x, acc_t out[4]) {          \
-        sum_t sum[4] = {init, init, init, init};                                                                     \
-        for (int64_t i = 0; i < blocks; i++)                                                                         \
-            for (int s = 0; s < 4; s++) step(row[s] + (bytes) * i, x + (x_bytes) * i, &sum[s]);                      \
-        for (int s = 0; s < 4; s++) out[s] = finish(sum[s]);                                                         \
+        for (int h = 0; h < 4; h += (together)) { /* `together` rows at a time: 4, or 2 where 4 spill registers */  \
+            sum_t sum[together];                                                                                     \
+            for (int s = 0; s < (together); s++) sum[s] = init;                                                      \
+            for (int64_t i = 0; i < blocks; i++)                                                                     \
+                for (int s = 0; s < (together); s++) step(row[h + s] + (bytes) * i, x + (x_bytes) * i, &sum[s]);     \
+            for (int s = 0; s < (together); s++) out[h + s] = finish(sum[s]);                                        \
+        }                                                                                                            \
     }
 
 static inline acc_t as_is(acc_t a) { return a; }
@@ -963,6 +967,16 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
         }
 }
 
+/* The row loop's one-token rows: two at a time with AVX-512 (Q5_K 16.3-17.1 -> 18.2-18.9 GB/s); one with AVX2,
+ * whose 16 registers the decoded block fills (two at a time: Q3_K 12.1-13.4 -> 11.6, IQ4_XS 18.8 -> 19.0-19.8) */
+#if defined(DOTK_AVX512)
+#define ROWS_T1(name, bytes, step) STREAMED(name, 2, bytes, Q8K_BYTES, acc_t, acc_zero(), step, as_is)
+#define ROWS_T1_FOUR(name) name##_four
+#else
+#define ROWS_T1(name, bytes, step) ONE_ROW(name, bytes, Q8K_BYTES, acc_t, acc_zero(), step, as_is)
+#define ROWS_T1_FOUR(name) NULL
+#endif
+
 /* One token: four streams of rows, each row's blocks in turn (decode's gemv, memory-bound). Many: the tokens'
  * blocks packed, then ROW_GROUP rows at a time, block by block, so one block column of activations (tt x 320
  * bytes) stays in L1 while every row of the group and every token use it; each weight block is decoded once. */
@@ -973,14 +987,14 @@ static void pack_tokens(const uint8_t *xq, int64_t T, int64_t blocks, uint8_t *o
         decode(b, &wb);                                                                                              \
         *acc = apply_block(&wb, x, *acc, kind, 0);                                                                   \
     }                                                                                                                \
-    ONE_ROW(name##_t1, block_bytes, Q8K_BYTES, acc_t, acc_zero(), name##_step, as_is)                                \
+    ROWS_T1(name##_t1, block_bytes, name##_step)                                                                     \
     static void name(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, int64_t T,     \
                      float *y, int64_t ldy) {                                                                        \
         const int64_t blocks = n / QK, xrow = blocks * Q8K_BYTES;                                                    \
         uint8_t *packed = T > 1 ? aligned_alloc(64, (size_t)(TILE * blocks * PACKED_BYTES)) : NULL;                  \
         if (packed == NULL) {  /* one token (or no memory for the packed tokens): a token at a time */               \
             for (int64_t t = 0; t < T; t++)                                                                          \
-                four_streams(n, w, row_bytes, rows, xq + t * xrow, y + t * ldy, NULL, name##_t1_one);                 \
+                four_streams(n, w, row_bytes, rows, xq + t * xrow, y + t * ldy, ROWS_T1_FOUR(name##_t1), name##_t1_one); \
             return;                                                                                                  \
         }                                                                                                            \
         for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                                                   \
@@ -1072,7 +1086,7 @@ static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, con
     sum->mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), sum->mins);
 }
 static inline __m512 q4k_finish(q4k_sum sum) { return _mm512_sub_ps(sum.acc, _mm512_zextps128_ps512(sum.mins)); }
-STREAMED(q4k, 144, XQ4_BYTES, q4k_sum, Q4K_ZERO, q4k_step, q4k_finish)
+STREAMED(q4k, 4, 144, XQ4_BYTES, q4k_sum, Q4K_ZERO, q4k_step, q4k_finish)
 
 /* ---- Q6_K at T = 1 with AVX-512: the block streamed 64 values at a time, the activations as they lie -------
  * A half block's 64 low-bit bytes are one load: their low nibbles are values 0..63 of the half, their high
@@ -1102,7 +1116,7 @@ static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, con
     }
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), *acc);
 }
-STREAMED(q6k, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
+STREAMED(q6k, 4, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
 
 /* the Q4_K gemv with its activation copy; 0 if out of memory (the caller takes the loop above) */
 static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
@@ -1205,7 +1219,7 @@ static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, co
     const float dd = f16_at(b) * f32_at(x + XS_D);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_madd_epi16(s, sc)), *acc);
 }
-ONE_ROW(iq3s, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3s_step, as_is)
+STREAMED(iq3s, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3s_step, as_is)
 
 /* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles level numbers (gguf's values 4..62,
  * one vpshufb a vector: a level's top bit, and so each byte's bit 7, is clear); its sign fields through their 128
@@ -1234,7 +1248,7 @@ static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, 
     const float dd = 0.25f * f16_at(b) * f32_at(x + XS_D);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_mullo_epi32(s, sc)), *acc);
 }
-ONE_ROW(iq3xxs, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
+STREAMED(iq3xxs, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
 
 /* the IQ3_S (xxs = 0) or IQ3_XXS gemv with its activation copy, its rows in turn; 0 if out of memory */
 static int iq3_one_token(int xxs, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
@@ -1243,7 +1257,7 @@ static int iq3_one_token(int xxs, int64_t n, const uint8_t *w, int64_t row_bytes
     uint8_t *xp = blocks <= XS_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XS_BYTES));
     if (xp == NULL) return 0;
     x_iq3s(xq, blocks, xp);
-    four_streams(n, w, row_bytes, rows, xp, y, NULL, xxs ? iq3xxs_one : iq3s_one);
+    four_streams(n, w, row_bytes, rows, xp, y, xxs ? iq3xxs_four : iq3s_four, xxs ? iq3xxs_one : iq3s_one);
     if (xp != stack) free(xp);
     return 1;
 }
@@ -1367,9 +1381,9 @@ static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, co
     stream_prefetch(b, 110);
     iq3s_block(b, x, acc);
 }
-STREAMED(q4k, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
-STREAMED(q5k, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
-STREAMED(q6k, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
+STREAMED(q4k, 4, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
+STREAMED(q5k, 4, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
+STREAMED(q6k, 4, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
 ONE_ROW(iq3s, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3s_step, as_is)
 
 /* the one-token loop of wtype: 1 (its four, or NULL, and one in *four, *one), or 0 (the loop above) */
@@ -1378,7 +1392,7 @@ static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case Q4_K: *four = q4k_four, *one = q4k_one; return 1;
     case Q5_K: *four = q5k_four, *one = q5k_one; return 1;
     case Q6_K: *four = q6k_four, *one = q6k_one; return 1;
-    case IQ3_S: *four = NULL, *one = iq3s_one; return 1;  /* its table loads: four rows lost (7.1 -> 5.9 GB/s) */
+    case IQ3_S: *four = NULL, *one = iq3s_one; return 1;  /* its table loads: four rows lost (7.1 -> 5.9 GB/s), two (6.9 -> 6.5) */
     default: return 0;
     }
 }
