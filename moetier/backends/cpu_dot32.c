@@ -432,141 +432,96 @@ INLINE __m512 float_weights(const int f, const void *row, int64_t k, const int t
 }
 
 /* a0 + a1 + a2 + a3 as (a0 + a1) + (a2 + a3), pinned: the build lets the compiler reassociate float sums, which it
- * then does differently where one row or four are summed (floats_four must give each row's lone-row bits) */
+ * then does differently where one row or four are summed (floats_lone's four rows must give each row's lone-row bits) */
 INLINE __m512 add4_pinned(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     __m512 s01 = _mm512_add_ps(a0, a1), s23 = _mm512_add_ps(a2, a3);
     __asm__("" : "+v"(s01), "+v"(s23));
     return _mm512_add_ps(s01, s23);
 }
 
-/* The float tiles' accumulators [row][token][4]: zeroed; summed into y (the first one, or all four when K = 4) */
-INLINE void floats_clear(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4]) {
+/* The float tiles' accumulators [row][token]: zeroed; summed into y */
+INLINE void floats_clear(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS]) {
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm512_setzero_ps();
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
 }
 
-INLINE void floats_store(const int R, const int TT, const int K, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4], float *y, int64_t ldy) {
+INLINE void floats_store(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT_TOKENS], float *y, int64_t ldy) {
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            y[t * ldy + r] = _mm512_reduce_add_ps(K == 1 ? acc[r][t][0] : add4_pinned(acc[r][t][0], acc[r][t][1], acc[r][t][2], acc[r][t][3]));
+        for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* R rows x TT tokens: an accumulator each, or four (k in 64s) for a lone row and token, whose one FMA chain would
- * wait on its latency; the last 16s into the first, the very last masked. A lone row and token reads x as it is and
- * prefetches nothing: one row at a time is one sequential stream, which the hardware follows better alone (F32
- * from DRAM 31 -> 37 GB/s without it, as llama.cpp's vec_dot). Every other tile reads x packed (floats_packed:
- * [n16 / 16][TT][16], zeros past n), its TT vectors of a step loaded once into registers and held there by an
- * empty asm (else GCC folds each load into every row's FMA: 28 loads a step where 10 do, and this core issues
- * about one 64-byte load a cycle: F32 [1024, 2048] at T = 64, 1 thread, 50 -> 79 GMAC/s). The same FMAs on the
- * same values in the same order as x unpacked: the same bits. */
-INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
-                        int64_t n, float *y, int64_t ldy) {
-    const int K = R * TT == 1 ? 4 : 1;
-    __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
-    floats_clear(R, TT, acc);
-    int64_t k = 0;
-    if (K == 1) {
-        const float *xp = x;
-        for (; k + 16 <= n; k += 16, xp += TT * 16) {
-            __m512 xv[FLOAT_TOKENS];
-            for (int t = 0; t < TT; t++) {
-                xv[t] = _mm512_load_ps(xp + 16 * t);
-                __asm__("" : "+v"(xv[t]));  /* in a register, not folded into the FMAs below */
-            }
-            for (int r = 0; r < R; r++) {
-                const __m512 wv = float_weights(f, w + r * row_bytes, k, 0, 0);
-                for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, xv[t], acc[r][t][0]);
-            }
-        }
-        if (k < n) {  /* the last n % 16: x's zeros beside the masked weights */
-            const __mmask16 live = (__mmask16)((1u << (n - k)) - 1);
-            for (int r = 0; r < R; r++) {
-                const __m512 wv = float_weights(f, w + r * row_bytes, k, 1, live);
-                for (int t = 0; t < TT; t++) acc[r][t][0] = _mm512_fmadd_ps(wv, _mm512_load_ps(xp + 16 * t), acc[r][t][0]);
-            }
-        }
-        floats_store(R, TT, K, acc, y, ldy);
-        return;
-    }
-    const int size = f == F32 ? 4 : 2;
-    for (; k + 64 <= n; k += 64) {
-        stream_prefetch(w + k * size, 64 * size);
-        for (int j = 0; j < 4; j++) acc[0][0][j] = _mm512_fmadd_ps(float_weights(f, w, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[0][0][j]);
-    }
-    for (; k < n; k += 16) {
-        const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
-        acc[0][0][0] = _mm512_fmadd_ps(float_weights(f, w, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[0][0][0]);
-    }
-    floats_store(R, TT, K, acc, y, ldy);
-}
-
-/* four rows `stride` bytes apart at one token, each as tile_floats' lone row (four accumulators in 64-value steps,
- * the last 16s and the masked tail into the first, the four added pairwise): the same value as that row alone */
-INLINE void floats_four(const int f, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y4) {
+/* R (1 or 4) rows `stride` bytes apart at one token, each a lone row: four accumulators (k in 64s), whose one FMA
+ * chain would wait on its latency; the last 16s and the masked tail into the first, the four added pairwise. A
+ * row's value does not depend on R: tile_floats' lone row is R = 1, four_streams' tile R = 4. */
+INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y) {
     const int size = f == F32 ? 4 : 2;
     __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= n; k += 64)
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             stream_prefetch(w + r * stride + k * size, 64 * size);
             for (int j = 0; j < 4; j++)
                 acc[r][j] = _mm512_fmadd_ps(float_weights(f, w + r * stride, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[r][j]);
         }
     for (; k < n; k += 16) {
         const __mmask16 live = n - k >= 16 ? 0xffff : (__mmask16)((1u << (n - k)) - 1);
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < R; r++)
             acc[r][0] = _mm512_fmadd_ps(float_weights(f, w + r * stride, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[r][0]);
     }
-    for (int r = 0; r < 4; r++)
-        y4[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-}
-#if defined(__AVX512BF16__)
-#define PATH_BF16_PAIRS 1
-/* BF16 weights times BF16 activations (a GGUF's BF16 matrices, as llama.cpp takes them) by vdpbf16ps: 32 values a
- * step, the products of bf16 pairs exact in float32 and added pair by pair into float32 accumulators (the
- * instruction treats subnormal bf16 inputs and outputs as zero, as llama.cpp's same instruction does). An
- * accumulator per (row, token), four for a lone row and token; the tail masked. */
-INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const uint16_t *x,
-                      int64_t n, float *y, int64_t ldy) {
-    (void)f;
-    const int K = R * TT == 1 ? 4 : 1;
-    __m512 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
-    floats_clear(R, TT, acc);
-    int64_t k = 0;
-    for (; k + 32 * K <= n; k += 32 * K)
-        for (int j = 0; j < K; j++)
-            for (int r = 0; r < R; r++) {
-                const int64_t at = k + 32 * j;
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + r * row_bytes) + at);
-                if (R > 1) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * 2, _MM_HINT_T0);
-                else stream_prefetch(w + at * 2, 64);
-                for (int t = 0; t < TT; t++)
-                    acc[r][t][j] = _mm512_dpbf16_ps(acc[r][t][j], wv, (__m512bh)_mm512_loadu_si512(x + t * n + at));
-            }
-    for (; k < n; k += 32) {
-        const __mmask32 live = n - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - k)) - 1);
-        for (int r = 0; r < R; r++) {
-            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, (const uint16_t *)(w + r * row_bytes) + k);
-            for (int t = 0; t < TT; t++)
-                acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, x + t * n + k));
-        }
-    }
-    floats_store(R, TT, K, acc, y, ldy);
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
-/* four rows `stride` bytes apart at one token, each as tile_bf16's lone row (four accumulators in 128-value steps,
- * the masked rest into the first, the four added pairwise): the same value as that row alone */
-INLINE void bf16_four(const uint8_t *w, int64_t stride, const uint16_t *x, int64_t n, float *y4) {
+/* R rows x TT tokens: an accumulator each, or a lone row and token (floats_lone), which reads x as it is. Every
+ * other tile reads x packed (floats_packed:
+ * [n16 / 16][TT][16], zeros past n), its TT vectors of a step loaded once into registers and held there by an
+ * empty asm (else GCC folds each load into every row's FMA: 28 loads a step where 10 do, and this core issues
+ * about one 64-byte load a cycle: F32 [1024, 2048] at T = 64, 1 thread, 50 -> 79 GMAC/s). The same FMAs on the
+ * same values in the same order as x unpacked: the same bits. */
+INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
+                        int64_t n, float *y, int64_t ldy) {
+    if (R * TT == 1) {
+        floats_lone(f, 1, w, row_bytes, x, n, y);
+        return;
+    }
+    __m512 acc[FLOAT_ROWS][FLOAT_TOKENS];
+    floats_clear(R, TT, acc);
+    int64_t k = 0;
+    const float *xp = x;
+    for (; k + 16 <= n; k += 16, xp += TT * 16) {
+        __m512 xv[FLOAT_TOKENS];
+        for (int t = 0; t < TT; t++) {
+            xv[t] = _mm512_load_ps(xp + 16 * t);
+            __asm__("" : "+v"(xv[t]));  /* in a register, not folded into the FMAs below */
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 wv = float_weights(f, w + r * row_bytes, k, 0, 0);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    if (k < n) {  /* the last n % 16: x's zeros beside the masked weights */
+        const __mmask16 live = (__mmask16)((1u << (n - k)) - 1);
+        for (int r = 0; r < R; r++) {
+            const __m512 wv = float_weights(f, w + r * row_bytes, k, 1, live);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, _mm512_load_ps(xp + 16 * t), acc[r][t]);
+        }
+    }
+    floats_store(R, TT, acc, y, ldy);
+}
+
+#if defined(__AVX512BF16__)
+#define PATH_BF16_PAIRS 1
+/* R (1 or 4) rows `stride` bytes apart at one token, each a lone row: four accumulators in 128-value steps, the
+ * masked rest into the first, the four added pairwise; a row's value does not depend on R */
+INLINE void bf16_lone(const int R, const uint8_t *w, int64_t stride, const uint16_t *x, int64_t n, float *y) {
     __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 128 <= n; k += 128)
         for (int j = 0; j < 4; j++)
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < R; r++) {
                 const int64_t at = k + 32 * j;
                 stream_prefetch(w + r * stride + at * 2, 64);
                 acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + r * stride) + at),
@@ -574,12 +529,45 @@ INLINE void bf16_four(const uint8_t *w, int64_t stride, const uint16_t *x, int64
             }
     for (; k < n; k += 32) {
         const __mmask32 live = n - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - k)) - 1);
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < R; r++)
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(live, (const uint16_t *)(w + r * stride) + k),
                                          (__m512bh)_mm512_maskz_loadu_epi16(live, x + k));
     }
-    for (int r = 0; r < 4; r++) y4[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
+
+/* BF16 weights times BF16 activations (a GGUF's BF16 matrices, as llama.cpp takes them) by vdpbf16ps: 32 values a
+ * step, the products of bf16 pairs exact in float32 and added pair by pair into float32 accumulators (the
+ * instruction treats subnormal bf16 inputs and outputs as zero, as llama.cpp's same instruction does). An
+ * accumulator per (row, token), four for a lone row and token (bf16_lone); the tail masked. */
+INLINE void tile_bf16(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const uint16_t *x,
+                      int64_t n, float *y, int64_t ldy) {
+    (void)f;
+    if (R * TT == 1) {
+        bf16_lone(1, w, row_bytes, x, n, y);
+        return;
+    }
+    __m512 acc[FLOAT_ROWS][FLOAT_TOKENS];
+    floats_clear(R, TT, acc);
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32)
+        for (int r = 0; r < R; r++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + r * row_bytes) + k);
+            if (R > 1) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + k * 2, _MM_HINT_T0);
+            else stream_prefetch(w + k * 2, 64);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, (__m512bh)_mm512_loadu_si512(x + t * n + k));
+        }
+    if (k < n) {
+        const __mmask32 live = (__mmask32)((1u << (n - k)) - 1);
+        for (int r = 0; r < R; r++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, (const uint16_t *)(w + r * row_bytes) + k);
+            for (int t = 0; t < TT; t++)
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, x + t * n + k));
+        }
+    }
+    floats_store(R, TT, acc, y, ldy);
+}
+
 #endif
 
 /* ---- T >= WIDE_FROM: sixteen weight rows on a vector's lanes ---------------------------------------------
@@ -778,26 +766,18 @@ INLINE __m256 q8_0_block(const uint8_t *p, __m256i xq, float dx, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(half_float(load16(p)) * dx), acc);
 }
 
-static void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
+/* R (1 or 4) rows `stride` bytes apart */
+INLINE void q8_0_rows(const int R, const uint8_t *w, int64_t stride, const act_view *x, int64_t nb, float *y) {
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         const float dx = x->d[b];
-        for (int r = 0; r < 4; r++) {
-            stream_prefetch(w + r * row_bytes + 34 * b, 34);
-            a[r] = q8_0_block(w + r * row_bytes + 34 * b, xq, dx, a[r]);
+        for (int r = 0; r < R; r++) {
+            stream_prefetch(w + r * stride + 34 * b, 34);
+            a[r] = q8_0_block(w + r * stride + 34 * b, xq, dx, a[r]);
         }
     }
-    for (int r = 0; r < 4; r++) y[r] = sum8(a[r]);
-}
-
-static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        stream_prefetch(w + 34 * b, 34);
-        a = q8_0_block(w + 34 * b, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)), x->d[b], a);
-    }
-    return sum8(a);
+    for (int r = 0; r < R; r++) y[r] = sum8(a[r]);
 }
 
 /* as the AVX-512 add4_pinned */
@@ -814,70 +794,60 @@ INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* R rows x TT tokens: an accumulator each, or four (k in 32s) for a lone row and token; the last 8s into the first,
- * the last n % 8 in scalar; the next tile's rows prefetched when R > 1 (as the AVX-512 tile) */
-INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
-                        int64_t n, float *y, int64_t ldy) {
-    const int K = R * TT == 1 ? 4 : 1, size = f == F32 ? 4 : 2;
-    __m256 acc[FLOAT_ROWS][FLOAT_TOKENS][4];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++)
-            for (int j = 0; j < 4; j++) acc[r][t][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 * K <= n; k += 8 * K)
-        for (int j = 0; j < K; j++)
-            for (int r = 0; r < R; r++) {
-                const int64_t at = k + 8 * j;
-                const __m256 wv = float_weights(f, w + r * row_bytes, at);
-                if (R > 1 && (at & (size == 4 ? 8 : 24)) == 0) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + at * size, _MM_HINT_T0);
-                for (int t = 0; t < TT; t++) acc[r][t][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + at), acc[r][t][j]);
-            }
-    for (; k + 8 <= n; k += 8)
-        for (int r = 0; r < R; r++) {
-            const __m256 wv = float_weights(f, w + r * row_bytes, k);
-            for (int t = 0; t < TT; t++) acc[r][t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[r][t][0]);
-        }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) {
-            float sum = sum8(K == 1 ? acc[r][t][0] : add4_pinned(acc[r][t][0], acc[r][t][1], acc[r][t][2], acc[r][t][3]));
-            for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * row_bytes, j) * x[t * n + j];
-            y[t * ldy + r] = sum;
-        }
-}
-
-/* four rows `stride` bytes apart at one token, each as tile_floats' lone row (four accumulators in 32-value steps,
- * the last 8s into the first, the rest in scalar), each row a stream (cpu_stream.h): the same value as that row
- * alone */
-INLINE void floats_four(const int f, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y4) {
+/* R (1 or 4) rows `stride` bytes apart at one token, each a lone row: four accumulators (k in 32s), the last 8s
+ * into the first, the rest in scalar, each row a stream (cpu_stream.h); a row's value does not depend on R */
+INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y) {
     const int size = f == F32 ? 4 : 2;
     __m256 acc[4][4];
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= n; k += 32)
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             stream_prefetch(w + r * stride + k * size, 32 * size);
             for (int j = 0; j < 4; j++)
                 acc[r][j] = _mm256_fmadd_ps(float_weights(f, w + r * stride, k + 8 * j), _mm256_loadu_ps(x + k + 8 * j), acc[r][j]);
         }
     const int64_t k8 = k;
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
         for (k = k8; k + 8 <= n; k += 8) acc[r][0] = _mm256_fmadd_ps(float_weights(f, w + r * stride, k), _mm256_loadu_ps(x + k), acc[r][0]);
         float sum = sum8(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
         for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * stride, j) * x[j];
-        y4[r] = sum;
+        y[r] = sum;
     }
+}
+
+/* R rows x TT tokens: an accumulator each, the next tile's rows prefetched when R > 1 (as the AVX-512 tile), the
+ * last n % 8 in scalar; or a lone row and token (floats_lone) */
+INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
+                        int64_t n, float *y, int64_t ldy) {
+    if (R * TT == 1) {
+        floats_lone(f, 1, w, row_bytes, x, n, y);
+        return;
+    }
+    const int size = f == F32 ? 4 : 2;
+    __m256 acc[FLOAT_ROWS][FLOAT_TOKENS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int r = 0; r < R; r++) {
+            const __m256 wv = float_weights(f, w + r * row_bytes, k);
+            if (R > 1 && (k & (size == 4 ? 8 : 24)) == 0) _mm_prefetch((const char *)(w + (R + r) * row_bytes) + k * size, _MM_HINT_T0);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * n + k), acc[r][t]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) {
+            float sum = sum8(acc[r][t]);
+            for (int64_t j = k; j < n; j++) sum += float_at(f, w + r * row_bytes, j) * x[t * n + j];
+            y[t * ldy + r] = sum;
+        }
 }
 #endif /* PATH_AVX2 */
 
 #if defined(PATH_AVX512)
-static void q8_0_tile4(const uint8_t *w, int64_t row_bytes, const act_view *x, int64_t nb, float *y) {
-    tile_blocks(Q8_0, 4, 1, w, row_bytes, x, nb, y, 1);
-}
-static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
-    float y;
-    tile_blocks(Q8_0, 1, 1, w, 0, x, nb, &y, 1);
-    return y;
+INLINE void q8_0_rows(const int R, const uint8_t *w, int64_t stride, const act_view *x, int64_t nb, float *y) {
+    tile_blocks(Q8_0, R, 1, w, stride, x, nb, y, 1);
 }
 #endif
 
@@ -888,8 +858,8 @@ static float q8_0_row(const uint8_t *w, const act_view *x, int64_t nb) {
  * value is the same either way. Q8_0: the tile of four rows (AVX-512: tile_blocks, the same bits as one row);
  * before, four adjacent rows a tile, which on a Zen 4 (one core, from DRAM) beat one row at a time for rows of 512
  * and 1024 values (19.0 -> 22.2, 21.5 -> 24.3 GB/s) and lost for 2048 (23.9 -> 22.0), so AVX-512 took them up to
- * 1024 values only. The float formats: the lone row's four accumulators, for four rows at once (floats_four;
- * BF16 weights with BF16 activations: bf16_four). */
+ * 1024 values only. The float formats: floats_lone, BF16 weights with BF16 activations bf16_lone, whose R = 4 and
+ * R = 1 are four rows and one. */
 typedef struct { const act_view *xv; int64_t nb; const float *x; const uint16_t *xb; int64_t n; } one_token;
 typedef void (*four_rows_fn)(const one_token *t, const uint8_t *w, int64_t stride, float *y4);
 typedef float (*one_row_fn)(const one_token *t, const uint8_t *w);
@@ -907,17 +877,21 @@ static void four_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, cons
         for (int64_t r = s * quarter + j; r < (s + 1) * quarter && r < rows; r++) y[r] = one(t, w + r * row_bytes);
 }
 
-static void q8_0_four(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { q8_0_tile4(w, stride, t->xv, t->nb, y4); }
-static float q8_0_one(const one_token *t, const uint8_t *w) { return q8_0_row(w, t->xv, t->nb); }
+static void q8_0_four(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { q8_0_rows(4, w, stride, t->xv, t->nb, y4); }
+static float q8_0_one(const one_token *t, const uint8_t *w) {
+    float y;
+    q8_0_rows(1, w, 0, t->xv, t->nb, &y);
+    return y;
+}
 
 /* the float formats' four and one, a pair per format (f a constant in each) */
 #define FLOAT_STREAMS(F)                                                                                                \
     static void floats_four_##F(const one_token *t, const uint8_t *w, int64_t stride, float *y4) {                     \
-        floats_four(F, w, stride, t->x, t->n, y4);                                                                     \
+        floats_lone(F, 4, w, stride, t->x, t->n, y4);                                                                  \
     }                                                                                                                  \
     static float floats_one_##F(const one_token *t, const uint8_t *w) {                                                \
         float y;                                                                                                       \
-        tile_floats(F, 1, 1, w, 0, t->x, t->n, &y, 1);                                                                 \
+        floats_lone(F, 1, w, 0, t->x, t->n, &y);                                                                       \
         return y;                                                                                                      \
     }
 FLOAT_STREAMS(F32)
@@ -925,10 +899,10 @@ FLOAT_STREAMS(F16)
 FLOAT_STREAMS(BF16)
 #undef FLOAT_STREAMS
 #if defined(PATH_BF16_PAIRS)
-static void bf16_four_rows(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { bf16_four(w, stride, t->xb, t->n, y4); }
+static void bf16_four_rows(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { bf16_lone(4, w, stride, t->xb, t->n, y4); }
 static float bf16_one_row(const one_token *t, const uint8_t *w) {
     float y;
-    tile_bf16(BF16, 1, 1, w, 0, t->xb, t->n, &y, 1);
+    bf16_lone(1, w, 0, t->xb, t->n, &y);
     return y;
 }
 #endif
