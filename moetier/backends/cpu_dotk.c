@@ -896,8 +896,13 @@ static inline void apply_pair(const wblock *w, const uint8_t *x0, const uint8_t 
  * lost (AVX2: IQ3_S, the generic loop), no `four`: one stream, the rows in turn.
  * A row's sum is the same either way (its blocks in order into its own accumulator): the order of the rows
  * changes what is read when, not what is computed. Q4_K [1536, 2048] from DRAM, 2 threads in the pool's 64 KiB
- * granules, interleaved: 22.1 -> 24.0 GB/s (rows by quarters but each row alone: 22.3, no gain). */
-typedef void (*four_rows_fn)(const uint8_t *const row[4], int64_t blocks, const uint8_t *x, acc_t sum[4]);
+ * granules, interleaved: 22.1 -> 24.0 GB/s (rows by quarters but each row alone: 22.3, no gain). `four` takes a
+ * group's rows of all four quarters in one call (count <= 16, row r of quarter s from row[s] + r * row_bytes into
+ * sum[s][r]), so its tables and constants are loaded once a group, not once a row: rows of 2 blocks (a 512-wide
+ * down projection) were 10-16% slower a byte than rows of 8 (C harness from L1, n = 512: Q4_K 21.8 -> 25.4 GB/s,
+ * IQ3_S 11.1 -> 12.0; `deep`'s IQ3_S decode 70-73.5 -> 74-76 tok/s). */
+typedef void (*four_rows_fn)(const uint8_t *const row[4], int64_t count, int64_t row_bytes, int64_t blocks,
+                             const uint8_t *x, acc_t sum[4][16]);
 typedef acc_t (*one_row_fn)(const uint8_t *row, int64_t blocks, const uint8_t *x);
 
 static void four_streams(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *x, float *y,
@@ -910,17 +915,13 @@ static void four_streams(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
             const int64_t end = (s + 1) * quarter < rows ? (s + 1) * quarter : rows, left = end - (s * quarter + j0);
             rr[s] = left < 0 ? 0 : left < 16 ? left : 16;
         }
-        for (int64_t r = 0; r < rr[0]; r++) {
-            if (r < rr[3]) {
-                const uint8_t *const row[4] = {w + (j0 + r) * row_bytes, w + (quarter + j0 + r) * row_bytes,
-                                               w + (2 * quarter + j0 + r) * row_bytes, w + (3 * quarter + j0 + r) * row_bytes};
-                acc_t got[4];
-                four(row, blocks, x, got);
-                for (int s = 0; s < 4; s++) sums[s][r] = got[s];
-            } else {
-                for (int s = 0; s < 4 && r < rr[s]; s++) sums[s][r] = one(w + (s * quarter + j0 + r) * row_bytes, blocks, x);
-            }
+        if (rr[3] > 0) {
+            const uint8_t *const row[4] = {w + j0 * row_bytes, w + (quarter + j0) * row_bytes,
+                                           w + (2 * quarter + j0) * row_bytes, w + (3 * quarter + j0) * row_bytes};
+            four(row, rr[3], row_bytes, blocks, x, sums);
         }
+        for (int64_t r = rr[3]; r < rr[0]; r++)
+            for (int s = 0; s < 4 && r < rr[s]; s++) sums[s][r] = one(w + (s * quarter + j0 + r) * row_bytes, blocks, x);
         for (int s = 0; s < 4; s++)
             if (rr[s] > 0) acc_store(sums[s], rr[s], y + s * quarter + j0);
     }
@@ -936,13 +937,17 @@ static void four_streams(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
     }
 #define STREAMED(name, together, bytes, x_bytes, sum_t, init, step, finish)                                           \
     ONE_ROW(name, bytes, x_bytes, sum_t, init, step, finish)                                                         \
-    static void name##_four(const uint8_t *const row[4], int64_t blocks, const uint8_t *x, acc_t out[4]) {          \
-        for (int h = 0; h < 4; h += (together)) { /* `together` rows at a time: 4, or 2 where 4 spill registers */  \
-            sum_t sum[together];                                                                                     \
-            for (int s = 0; s < (together); s++) sum[s] = init;                                                      \
-            for (int64_t i = 0; i < blocks; i++)                                                                     \
-                for (int s = 0; s < (together); s++) step(row[h + s] + (bytes) * i, x + (x_bytes) * i, &sum[s]);     \
-            for (int s = 0; s < (together); s++) out[h + s] = finish(sum[s]);                                        \
+    static void name##_four(const uint8_t *const row[4], int64_t count, int64_t row_bytes, int64_t blocks,           \
+                            const uint8_t *x, acc_t out[4][16]) {                                                    \
+        for (int64_t r = 0; r < count; r++) {                                                                        \
+            for (int h = 0; h < 4; h += (together)) { /* `together` rows at a time: 4, or 2 where 4 spill registers */\
+                sum_t sum[together];                                                                                 \
+                for (int s = 0; s < (together); s++) sum[s] = init;                                                  \
+                for (int64_t i = 0; i < blocks; i++)                                                                 \
+                    for (int s = 0; s < (together); s++)                                                             \
+                        step(row[h + s] + r * row_bytes + (bytes) * i, x + (x_bytes) * i, &sum[s]);                  \
+                for (int s = 0; s < (together); s++) out[h + s][r] = finish(sum[s]);                                 \
+            }                                                                                                        \
         }                                                                                                            \
     }
 
