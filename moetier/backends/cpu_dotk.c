@@ -1472,22 +1472,15 @@ static inline __attribute__((always_inline)) void q5k_step(const uint8_t *b, con
     stream_prefetch(b, 176);
     q45k_block(b, x, 1, &sum->acc, &sum->mins);
 }
-static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 210);
-    q6k_block(b, x, acc);
-}
-static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 110);
-    iq3s_block(b, x, acc);
-}
-static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 98);
-    iq3xxs_block(b, x, acc);
-}
-static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 136);
-    iq4xs_block(b, x, acc);
-}
+#define BLOCK_STEP(name, bytes)                                                                                    \
+    static inline __attribute__((always_inline)) void name##_step(const uint8_t *b, const uint8_t *x, __m256 *acc) { \
+        stream_prefetch(b, (bytes));                                                                             \
+        name##_block(b, x, acc);                                                                                 \
+    }
+BLOCK_STEP(q6k, 210)
+BLOCK_STEP(iq3s, 110)
+BLOCK_STEP(iq3xxs, 98)
+BLOCK_STEP(iq4xs, 136)
 STREAMED(q4k, 4, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
 STREAMED(q5k, 4, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
