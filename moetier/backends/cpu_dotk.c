@@ -1420,11 +1420,17 @@ static inline __attribute__((always_inline)) void iq3s_block(const uint8_t *b, c
 /* IQ3_XXS the same way: its 8-bit grid indices read from the block as they lie, each 8 values' signs one of
  * the 128 parity patterns as 8 bytes of +1 / -1 (sign_ones, ggml's form) picked by a 7-bit field of the
  * sub-block's u32, the scale its top 4 bits; times d_w / 4. In place of the decoded-block loop: Intel AMX host,
- * AVX2 build, C harness, [*, 2048] rows, one thread from L1 3.6-3.7 -> 4.6 GB/s, two threads from DRAM 7.2-7.3
- * -> 9.0-9.1 (the patterns as bits expanded by sign_bytes: 3.9-4.0 and 7.7-7.9; IQ3_S's sign bits looked up
- * the same way in a 256-entry table lost, 5.6 -> 5.1 and 10.9 -> 10.0). */
+ * AVX2 build, C harness, [*, 2048] rows, one thread from L1 3.6-3.7 -> 5.1-5.2 GB/s, two threads from DRAM
+ * 7.2-7.3 -> 10.0 (the patterns as bits expanded by sign_bytes: 3.9-4.0 and 7.7-7.9; the scales in scalar code
+ * a sub-block: 4.6 and 9.0-9.1; IQ3_S's sign bits looked up like the patterns, in a 256-entry table, lost:
+ * 5.6 -> 5.1 and 10.9 -> 10.0). */
 static inline __attribute__((always_inline)) void iq3xxs_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
     const uint8_t *q = b + 2;
+    int16_t ls[8] __attribute__((aligned(16)));  /* 2 s + 1 of each sub-block: the top 4 bits of its u32 */
+    const __m256i top = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(q + 64)), 28);
+    const __m128i s4 = _mm_packs_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    _mm_store_si128((__m128i *)ls, _mm_add_epi16(_mm_add_epi16(s4, s4), _mm_set1_epi16(1)));
+    __asm__("" : "+m"(ls));  /* each broadcast from memory, not extracted from the vector */
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {  /* sub-block c: 32 values, entries 8c .. 8c + 7 */
         const uint8_t *i = q + 8 * c;
@@ -1434,7 +1440,7 @@ static inline __attribute__((always_inline)) void iq3xxs_block(const uint8_t *b,
         const __m256i sign = _mm256_set_epi64x((long long)sign_ones[(aux >> 21) & 127], (long long)sign_ones[(aux >> 14) & 127],
                                                (long long)sign_ones[(aux >> 7) & 127], (long long)sign_ones[aux & 127]);
         const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c)), sign);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(gv, x), _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(gv, x), _mm256_set1_epi16(ls[c])));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(0.25f * f16_at(b) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
 }
