@@ -1372,6 +1372,13 @@ static inline __attribute__((always_inline)) void q6k_block(const uint8_t *b, co
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b + 208) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
 }
 
+/* a block's 8 sub-block scales (int16) stored for each sub-block to broadcast its own: the asm statement keeps
+ * the compiler from extracting them from the vector instead (2 uops each, one on the shuffle port) */
+static inline __attribute__((always_inline)) void scales_in_memory(int16_t ls[8], __m128i s16) {
+    _mm_store_si128((__m128i *)ls, s16);
+    __asm__("" : "+m"(*(int16_t(*)[8])ls));
+}
+
 /* IQ3_S: one block into acc, the grid values' magnitudes (1..15) times the activations with the values' signs
  * (ggml's form, without the decoded block). The 9-bit grid indices are formed 16 at a time in a vector and
  * stored; the table is read by scalar loads of them. Tried and slower on Zen 5 (one core, a 3.6 MB matrix,
@@ -1397,11 +1404,8 @@ static inline __attribute__((always_inline)) void iq3s_block(const uint8_t *b, c
         const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi16(bits, lane_bit), _mm256_set1_epi16(256));
         _mm256_store_si256((__m256i *)(idx + 16 * k), _mm256_or_si256(lo, high));
     }
-    {
-        const __m128i sc = _mm_cvtsi32_si128((int)u32_at(b + 106)), m4 = _mm_set1_epi8(15);
-        const __m128i w = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(sc, m4), _mm_and_si128(_mm_srli_epi16(sc, 4), m4)));
-        _mm_store_si128((__m128i *)ls, _mm_add_epi16(_mm_add_epi16(w, w), _mm_set1_epi16(1)));
-    }
+    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)nibbles8(u32_at(b + 106))));
+    scales_in_memory(ls, _mm_add_epi16(_mm_add_epi16(w, w), _mm_set1_epi16(1)));
 #if defined(INDICES_FROM_MEMORY)
     __asm__("" : "+m"(idx));  /* the compiler must read them back from memory */
 #endif
@@ -1429,8 +1433,7 @@ static inline __attribute__((always_inline)) void iq3xxs_block(const uint8_t *b,
     int16_t ls[8] __attribute__((aligned(16)));  /* 2 s + 1 of each sub-block: the top 4 bits of its u32 */
     const __m256i top = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(q + 64)), 28);
     const __m128i s4 = _mm_packs_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-    _mm_store_si128((__m128i *)ls, _mm_add_epi16(_mm_add_epi16(s4, s4), _mm_set1_epi16(1)));
-    __asm__("" : "+m"(ls));  /* each broadcast from memory, not extracted from the vector */
+    scales_in_memory(ls, _mm_add_epi16(_mm_add_epi16(s4, s4), _mm_set1_epi16(1)));
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {  /* sub-block c: 32 values, entries 8c .. 8c + 7 */
         const uint8_t *i = q + 8 * c;
@@ -1454,8 +1457,7 @@ static inline __attribute__((always_inline)) void iq4xs_block(const uint8_t *b, 
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues)), m4 = _mm256_set1_epi8(15);
     int16_t ls[8] __attribute__((aligned(16)));  /* each sub-block's scale - 32 */
     const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
-    _mm_store_si128((__m128i *)ls, _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32))));
-    __asm__("" : "+m"(ls));  /* each broadcast from memory, not extracted from the vector */
+    scales_in_memory(ls, _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32))));
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * c));
