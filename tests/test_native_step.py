@@ -176,14 +176,17 @@ def test_who_takes_the_python_path_and_why(models, monkeypatch):
             engine.native_step.step(token, engine.new_cache(), 0)
 
 
-@pytest.mark.parametrize("start, tokens, window", [(0, 37, None), (20, 5, None), (11, 19, 6), (300, 1, 7), (0, 1, None)])
-def test_the_native_attention_is_sdpas(start, tokens, window):
+@pytest.mark.parametrize("start, tokens, window, heads, groups, d", [
+    (0, 37, None, 6, 2, 24), (20, 5, None, 6, 2, 24), (11, 19, 6, 6, 2, 24), (300, 1, 7, 6, 2, 24), (0, 1, None, 6, 2, 24),
+    # one query block over more than 256 keys: its keys cut in ranges, merged after (with a window, from its start)
+    (600, 1, None, 16, 2, 128), (700, 9, 500, 6, 3, 20), (3990, 3, None, 4, 1, 24), (1000, 16, 999, 8, 8, 16)])
+def test_the_native_attention_is_sdpas(start, tokens, window, heads, groups, d):
     from moetier.backends import cpu_kernels
     from moetier.engine.layers import attend, attention_mask
 
     kernel = cpu_kernels.decode_kernel(2)
     g = torch.Generator().manual_seed(start + tokens)
-    heads, groups, d, capacity = 6, 2, 24, 512
+    capacity = 4096
     q = torch.randn(heads, tokens, d, generator=g)
     keys, values = torch.randn(groups, capacity, d, generator=g), torch.randn(groups, capacity, d, generator=g)
     end = start + tokens
@@ -191,10 +194,10 @@ def test_the_native_attention_is_sdpas(start, tokens, window):
     got = kernel.attention(q, keys, values, start, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, cpu_kernels.decode_kernel(1).attention(q, keys, values, start, window))  # any pool size
-    with pytest.raises(ValueError, match="outside a cache of 512"):
+    with pytest.raises(ValueError, match="outside a cache of 4096"):
         kernel.attention(q, keys, values, capacity - tokens + 1, window)
     with pytest.raises(ValueError, match="G dividing H"):
-        kernel.attention(q[:5], keys, values, start, window)
+        kernel.attention(q[:3], torch.zeros(2, capacity, d), torch.zeros(2, capacity, d), start, window)
 
 
 def test_two_threads_decode_two_sequences_on_one_engine(models):

@@ -143,14 +143,25 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t rd) {
 }
 
 /* Attention of T queries at positions start .. start + T - 1 (causal; a sliding window of `window` keys when
- * window > 0) over a layer's KV cache, grouped-query heads: a granule per query head and block of ATTN_QUERIES
- * queries, each query's scores, softmax and weighted sum of values written by that granule alone. */
-enum { ATTN_QUERIES = 16 };
+ * window > 0) over a layer's KV cache, grouped-query heads. A granule is one kv group's R = H / G query heads, a
+ * block of ATTN_QUERIES queries and a range of key positions; it walks its range ATTN_CHUNK keys at a time, and a
+ * chunk's keys and values (ATTN_CHUNK d floats each, in L1) serve all its queries and heads before the next is
+ * read. Each (query, head) keeps a running max, sum of exponentials and weighted sum of values (the online
+ * softmax): with one range the granule writes the output rows; with more, each range's (max, sum, row) goes to
+ * `partial` and the caller merges them in range order. A query block has its range cut where the call has a
+ * single block (decode), so that a few kv groups still give every thread work: ranges of at least ATTN_SPAN
+ * positions, at most ATTN_RANGES of them. The cut is a function of the shapes, so the same bits for any thread
+ * count. Before, each head was a granule reading its group's keys and values from L2 once per head, and a head's
+ * output row (an array as long as the head) lived in memory: 16 heads, 2 groups, d = 128, one query, 2 threads,
+ * through moe_attention (~6 us of it Python's): 20.7 / 41.0 / 120 us a call at 130 / 290 / 1000 positions, now
+ * 15.1 / 28-30 / 77 (both loops then bound by their loads and multiply-adds: 16-wide vectors and a vector max
+ * gained nothing). */
+enum { ATTN_QUERIES = 16, ATTN_CHUNK = 32, ATTN_SPAN = 256, ATTN_RANGES = 16 };
 
 typedef struct {
     const float *q, *keys, *values;  /* q [H, T, d]; the caches [G, capacity, d], positions < start + T written */
-    float *out, *scores;             /* out [T, H d]; scores: `span` floats per granule */
-    int64_t H, G, d, capacity, T, start, window, blocks, span;  /* blocks: granules per head */
+    float *out, *partial, *scratch;  /* out [T, H d]; partial [T, H, ranges, d + 2]; scratch: `room` floats a granule */
+    int64_t H, G, d, capacity, T, start, window, blocks, ranges, base, span, room;  /* range r: base + [r, r + 1) span */
     float scale;
 } attn_job;
 
@@ -164,59 +175,119 @@ static inline void scores8(const float *q, const float *K, int64_t d, float *s) 
     for (int j = 0; j < 8; j++) s[j] = sum8(acc[j]);
 }
 
+/* one (query, head)'s state [m, l, row d] over keys K, values V [n, d] (n >= 1) of scores s (scratch: n floats) */
+static void attn_update(float *state, const float *q, const float *K, const float *V, int64_t n, int64_t d, float scale,
+                        float *s) {
+    const int64_t wide = d % 8 ? 0 : n & ~(int64_t)7;
+    int64_t p = 0;
+    for (; p < wide; p += 8) scores8(q, K + p * d, d, s + p);
+    for (; p < n; p++) s[p] = dot(q, K + p * d, d);
+    float top = -INFINITY;
+    for (p = 0; p < n; p++) top = (s[p] *= scale) > top ? s[p] : top;
+    const float m = state[0] > top ? state[0] : top, keep = state[0] == -INFINITY ? 0.f : expf(state[0] - m);
+    float total = 0.f;
+    p = 0;
+    if (n >= 8) {
+        v8f sums = {0};
+        for (; p + 8 <= n; p += 8) {
+            const v8f e = exp8(load8(s + p) - m);
+            store8(s + p, e);
+            sums += e;
+        }
+        total = sum8(sums);
+    }
+    for (; p < n; p++) total += (s[p] = expf(s[p] - m));
+    state[0] = m, state[1] = state[1] * keep + total;
+    /* the row 64 values at a time in registers (a fixed count of accumulators: an array as long as the head kept
+     * them in memory, a load and a store with every multiply-add), then 8 at a time, then one */
+    float *row = state + 2;
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        v8f acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = keep * load8(row + i + 8 * j);
+        for (p = 0; p < n; p++) {
+            const float w = s[p], *v = V + p * d + i;
+            for (int j = 0; j < 8; j++) acc[j] += w * load8(v + 8 * j);
+        }
+        for (int j = 0; j < 8; j++) store8(row + i + 8 * j, acc[j]);
+    }
+    for (; i + 8 <= d; i += 8) {
+        v8f acc = keep * load8(row + i);
+        for (p = 0; p < n; p++) acc += s[p] * load8(V + p * d + i);
+        store8(row + i, acc);
+    }
+    for (; i < d; i++) {
+        float acc = keep * row[i];
+        for (p = 0; p < n; p++) acc += s[p] * V[p * d + i];
+        row[i] = acc;
+    }
+}
+
 static void attn_granule(void *job, int64_t granule) {
     const attn_job *a = job;
-    const int64_t d = a->d, head = granule / a->blocks, group = head / (a->H / a->G);
-    const int64_t t0 = granule % a->blocks * ATTN_QUERIES, t1 = t0 + ATTN_QUERIES < a->T ? t0 + ATTN_QUERIES : a->T;
-    float *s = a->scores + granule * a->span;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t pos = a->start + t, first = a->window > 0 && pos + 1 > a->window ? pos + 1 - a->window : 0;
-        const int64_t P = pos + 1 - first, wide = d % 8 ? 0 : P & ~(int64_t)7;
-        const float *q = a->q + (head * a->T + t) * d, *K = a->keys + (group * a->capacity + first) * d;
-        const float *V = a->values + (group * a->capacity + first) * d;
-        float *out = a->out + (t * a->H + head) * d, top = -INFINITY, total = 0.f;
-        int64_t p = 0;
-        for (; p < wide; p += 8) scores8(q, K + p * d, d, s + p);
-        for (; p < P; p++) s[p] = dot(q, K + p * d, d);
-        for (p = 0; p < P; p++) top = (s[p] *= a->scale) > top ? s[p] : top;
-        p = 0;
-        if (wide) {
-            v8f sums = {0};
-            for (; p + 8 <= P; p += 8) {
-                const v8f e = exp8(load8(s + p) - top);
-                store8(s + p, e);
-                sums += e;
-            }
-            total = sum8(sums);
-        }
-        for (; p < P; p++) total += (s[p] = expf(s[p] - top));
-        const float inv = 1.f / total;
-        if (d % 8 == 0 && d <= 256) {  /* the output row in registers */
-            v8f acc[32];
-            for (int64_t i = 0; i < d / 8; i++) acc[i] = (v8f){0};
-            for (p = 0; p < P; p++) {
-                const float w = s[p] * inv, *v = V + p * d;
-                for (int64_t i = 0; i < d / 8; i++) acc[i] += w * load8(v + 8 * i);
-            }
-            for (int64_t i = 0; i < d / 8; i++) store8(out + 8 * i, acc[i]);
-        } else {
-            for (int64_t i = 0; i < d; i++) out[i] = 0.f;
-            for (p = 0; p < P; p++) {
-                const float w = s[p] * inv, *v = V + p * d;
-                for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
-            }
-        }
+    const int64_t d = a->d, R = a->H / a->G, range = granule % a->ranges, block = granule / a->ranges % a->blocks;
+    const int64_t group = granule / a->ranges / a->blocks, t0 = block * ATTN_QUERIES;
+    const int64_t t1 = t0 + ATTN_QUERIES < a->T ? t0 + ATTN_QUERIES : a->T, stride = d + 2;
+    const int64_t lo = a->base + range * a->span, hi = lo + a->span;
+    float *states = a->scratch + granule * a->room, *s = states + (t1 - t0) * R * stride;  /* [queries, R, d + 2] */
+    for (int64_t i = 0; i < (t1 - t0) * R; i++) {
+        states[i * stride] = -INFINITY, states[i * stride + 1] = 0.f;
+        for (int64_t j = 0; j < d; j++) states[i * stride + 2 + j] = 0.f;
     }
+    const float *K = a->keys + group * a->capacity * d, *V = a->values + group * a->capacity * d;
+    for (int64_t c0 = lo; c0 < hi && c0 < a->start + t1; c0 += ATTN_CHUNK)
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t pos = a->start + t, first = a->window > 0 && pos + 1 > a->window ? pos + 1 - a->window : 0;
+            const int64_t from = c0 > first ? c0 : first, end = c0 + ATTN_CHUNK < hi ? c0 + ATTN_CHUNK : hi;
+            const int64_t to = end < pos + 1 ? end : pos + 1;
+            for (int64_t h = 0; from < to && h < R; h++)
+                attn_update(states + ((t - t0) * R + h) * stride, a->q + ((group * R + h) * a->T + t) * d, K + from * d,
+                            V + from * d, to - from, d, a->scale, s);
+        }
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t h = 0; h < R; h++) {
+            const float *state = states + ((t - t0) * R + h) * stride;
+            const int64_t head = group * R + h;
+            if (a->ranges > 1) {
+                memcpy(a->partial + ((t * a->H + head) * a->ranges + range) * stride, state, sizeof(float) * (size_t)stride);
+                continue;
+            }
+            float *out = a->out + (t * a->H + head) * d;
+            const float inv = 1.f / state[1];
+            for (int64_t i = 0; i < d; i++) out[i] = state[2 + i] * inv;
+        }
 }
 
 /* The caller holds pool->call. -> 0, or -2 when out of memory. */
 static int64_t attention_held(moe_pool *pool, const float *q, const float *keys, const float *values, int64_t capacity,
                               int64_t H, int64_t G, int64_t d, int64_t T, int64_t start, int64_t window, float *out) {
-    const int64_t blocks = ceil_div(T, ATTN_QUERIES), granules = H * blocks;
-    const int64_t span = window > 0 && window < start + T ? window : start + T;  /* keys of a query, at most */
-    attn_job a = {q, keys, values, out, NULL, H, G, d, capacity, T, start, window, blocks, span, 1.f / sqrtf((float)d)};
-    if (!(a.scores = pool_arena(pool, sizeof(float) * (size_t)(granules * span)))) return -2;
+    const int64_t blocks = ceil_div(T, ATTN_QUERIES), R = H / G, stride = d + 2;
+    const int64_t base = window > 0 && start + 1 > window ? start + 1 - window : 0, keys_seen = start + T - base;
+    const int64_t span = blocks > 1 ? keys_seen : most(ATTN_SPAN, ceil_div(keys_seen, ATTN_RANGES));
+    const int64_t ranges = ceil_div(keys_seen, span), granules = G * blocks * ranges;
+    const int64_t room = (T < ATTN_QUERIES ? T : ATTN_QUERIES) * R * stride + ATTN_CHUNK;
+    const size_t partial = ranges > 1 ? (size_t)(T * H * ranges * stride) : 0;
+    float *arena = pool_arena(pool, sizeof(float) * ((size_t)(granules * room) + partial));
+    if (!arena) return -2;
+    attn_job a = {q, keys, values, out, arena + granules * room, arena, H, G, d, capacity, T, start, window, blocks,
+                  ranges, base, span, room, 1.f / sqrtf((float)d)};
     pool_run(pool, attn_granule, &a, 1, &granules);
+    for (int64_t t = 0; ranges > 1 && t < T; t++)  /* the ranges' states merged in range order */
+        for (int64_t head = 0; head < H; head++) {
+            const float *part = a.partial + (t * H + head) * ranges * stride;
+            float top = -INFINITY, total = 0.f, *o = out + (t * H + head) * d;
+            for (int64_t r = 0; r < ranges; r++) top = part[r * stride] > top ? part[r * stride] : top;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+            for (int64_t r = 0; r < ranges; r++) {
+                const float *state = part + r * stride;
+                if (state[1] == 0.f) continue;  /* no key of this range */
+                const float w = expf(state[0] - top);
+                total += w * state[1];
+                for (int64_t i = 0; i < d; i++) o[i] += w * state[2 + i];
+            }
+            const float inv = 1.f / total;
+            for (int64_t i = 0; i < d; i++) o[i] *= inv;
+        }
     return 0;
 }
 
