@@ -16,9 +16,10 @@
  * IQ3_XXS's factor 0.25 is folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory bound):
- * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS and
- * IQ3_S with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's and the IQ3 formats' against
- * the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at T = 1"). T > 1 (prefill): the activation blocks
+ * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS, IQ3_S
+ * and IQ4_XS with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's, IQ4_XS's and the IQ3
+ * formats' against the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at T = 1"; IQ4_XS's there takes
+ * its kvalues unsigned, + 128, and the offset's share through the sub-block sums). T > 1 (prefill): the activation blocks
  * are first copied so their quants sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line),
  * then 4 rows at a time walk the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in
  * L1 for every row and token. With AVX-512 VNNI, T >= 8 (>= 4 for the IQ formats) takes 16-row tiles instead: the rows
@@ -1052,6 +1053,16 @@ ROWS(rows_iq3s, decode_iq3s, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 
 #if defined(DOTK_AVX512)
+/* each byte's high nibble, as a byte: one affine map over GF(2) per 8 bytes where GFNI is (a shift and a mask
+ * took two: 12.0-12.2 -> 12.4-12.5 GB/s) */
+static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
+#if defined(__GFNI__)
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+#endif
+}
+
 /* ---- Q4_K at T = 1 with AVX-512: the weights' bytes as they lie, the activations reordered once per call -----
  * Decode's Q4_K gemv is compute-bound on a fast host (the generic loop above: ~25 cycles a block, most of them
  * shuffles that broadcast each 32 quant bytes to both halves of a vector and spread the scales). Here a block's
@@ -1133,37 +1144,65 @@ static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, con
 }
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
 
-/* ---- IQ4_XS at T = 1 with AVX-512 VNNI: 64 values at a time, the activations as they lie ----------------
- * Sub-blocks 2h and 2h + 1 are 32 bytes whose low nibbles are values 0..15 of each and high nibbles 16..31: the
- * 16 bytes of each broadcast to two 128-bit lanes, shifted by 0 and 4, give 64 nibbles in the activations'
- * order. A vpshufb turns them into |kvalue| (<= 127) and the kvalue's sign (nibble < 8) negates the activation,
- * so maddubs's pairs (<= 2 * 127 * 127) cannot saturate; vpdpwssd takes each 16-value lane times its
- * sub-block's scale. Numerics as the loop above: each block's integer sum exact in int32, then times d_w * d_x
- * in float32 (the lanes split a block's sum: float32 order only). In place of the decoded-block loop (Intel
- * AMX host, C harness, [*, 2048] rows): one thread from L1 16.4-16.9 -> 18.9-19.5 GB/s, two threads from DRAM
- * 26.3 -> 27.9-28.2; two rows at a time or the lanes by vshufi64x2 were no faster. */
-static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
-    const __m512i m4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
-    const __m512i mags = _mm512_broadcast_i32x4(_mm_abs_epi8(_mm_loadu_si128((const __m128i *)kvalues)));
-    const __m256i by_lane = _mm256_set_m128i(_mm_set1_epi16(4), _mm_setzero_si128());
-    const __m512i shift = halves(by_lane, by_lane);                                  /* 128-bit lanes: 0, 4, 0, 4 */
-    const __m512i second = halves(_mm256_setzero_si256(), _mm256_set1_epi16(1));  /* lanes 2, 3: sub-block 2h + 1 */
-    stream_prefetch(b, 136);
-    const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
-    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32))));
-    __m512i s = zero;
-    for (int h = 0; h < 4; h++) {  /* values 64h .. 64h + 63: sub-blocks 2h, 2h + 1 */
-        const __m512i q = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 8 + 32 * h))),
-                                                      0xff00, _mm_loadu_si128((const __m128i *)(b + 24 + 32 * h)));
-        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(q, shift), m4);
-        const __m512i xv = _mm512_loadu_si512(x + 4 + 64 * h);
-        const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_testn_epi8_mask(nib, eight), zero, xv);
-        const __m512i p = _mm512_maddubs_epi16(_mm512_shuffle_epi8(mags, nib), xs);
-        s = _mm512_dpwssd_epi32(s, p, _mm512_permutexvar_epi16(_mm512_add_epi16(second, _mm512_set1_epi16((short)(2 * h))), s16));
+/* ---- IQ4_XS at T = 1 with AVX-512 VNNI: the weights' bytes as they lie, the activations reordered -----------
+ * As Q4_K's (x_iq4xs once per call): a block's 128 quant bytes are two
+ * 64-byte loads, each byte's low nibble value j of its sub-block and high nibble value 16 + j, so each 128-bit
+ * lane of the 4 nibble vectors is 16 values of one sub-block (vectors 0, 1: sub-blocks 0..3; 2, 3: 4..7). The
+ * kvalues go in unsigned, kvalue + 128 (vpshufb), into vpdpbusd (no saturation: 4 products a lane), two vectors'
+ * lanes added and times their sub-blocks' scales (vpmulld), and the offset's share, 128 * scale * the sub-
+ * block's quant sum, taken once a block in its own 4 lanes (Q4_K's mins). Every lane's integer sum is exact
+ * (|lane| <= 2 * 4 * 241 * 127 * 32 < 2^24, so its float32 too); then times d_w * d_x in float32 (float32 order
+ * only differs from the loop above). In place of a step over the activations as they lie, 64 values at a time,
+ * that moved the kvalues' signs onto the activations (vptestnmb, a masked negation) and took the scales by
+ * vpdpwssd after vpmaddubsw (Intel AMX host, C harness, [*, 2048] rows, interleaved): one thread from L1
+ * 13.1-13.5 -> 16.1-16.4 GB/s, two threads from DRAM 22.5-24.9 -> 24.1-26.8 ([*, 768]: 22.2-24.1 -> 24.7-25.9).
+ * That step had replaced the decoded-block loop: 16.4-16.9 -> 18.9-19.5 from L1, 26.3 -> 27.9-28.2 from DRAM. */
+enum { XI4_QS = 0, XI4_SUMS = 256, XI4_D = 272, XI4_BYTES = 320, XI4_ON_STACK = 64 };
+
+static void x_iq4xs(const uint8_t *x, int64_t blocks, uint8_t *out) {
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *xb = x + Q8K_BYTES * i;
+        uint8_t *o = out + XI4_BYTES * i;
+        for (int c = 0; c < 4; c++)  /* vector c, lane L: quants 128 (c / 2) + 32 L + 16 (c % 2) .. + 15 */
+            for (int L = 0; L < 4; L++)
+                memcpy(o + XI4_QS + 64 * c + 16 * L, xb + 4 + 128 * (c / 2) + 32 * L + 16 * (c % 2), 16);
+        _mm_store_si128((__m128i *)(o + XI4_SUMS), sub_block_sums8(xb));
+        memcpy(o + XI4_D, xb, 4);
     }
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b) * f32_at(x)), _mm512_cvtepi32_ps(s), *acc);
 }
-STREAMED(iq4xs, 4, 136, Q8K_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_is)
+
+static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, const uint8_t *x, q4k_sum *sum) {
+    const __m512i m4 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    const __m512i kvu = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)kvalues), _mm_set1_epi8((char)0x80)));
+    const __m512i first = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    stream_prefetch(b, 136);
+    const uint64_t ls = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
+    const __m128i s8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)ls), _mm_set1_epi8(32));
+    const __m512i s32 = _mm512_castsi256_si512(_mm256_cvtepi8_epi32(s8));
+    const __m512i lo = _mm512_loadu_si512(b + 8), hi = _mm512_loadu_si512(b + 72);
+    const __m512i q[4] = {_mm512_and_si512(lo, m4), high_nibbles(lo), _mm512_and_si512(hi, m4), high_nibbles(hi)};
+    __m512i v[4];
+    for (int c = 0; c < 4; c++) v[c] = _mm512_dpbusd_epi32(zero, _mm512_shuffle_epi8(kvu, q[c]), _mm512_load_si512(x + XI4_QS + 64 * c));
+    const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(v[0], v[1]), _mm512_permutexvar_epi32(first, s32)),
+                                       _mm512_mullo_epi32(_mm512_add_epi32(v[2], v[3]),
+                                                          _mm512_permutexvar_epi32(_mm512_add_epi32(first, _mm512_set1_epi32(4)), s32)));
+    const __m128i off = _mm_madd_epi16(_mm_cvtepi8_epi16(s8), _mm_load_si128((const __m128i *)(x + XI4_SUMS)));
+    const float dd = f16_at(b) * f32_at(x + XI4_D);
+    sum->acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), sum->acc);
+    sum->mins = _mm_fmadd_ps(_mm_set1_ps(128.f * dd), _mm_cvtepi32_ps(off), sum->mins);
+}
+STREAMED(iq4xs, 4, 136, XI4_BYTES, q4k_sum, Q4K_ZERO, iq4xs_step, q4k_finish)
+
+static int iq4xs_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
+    const int64_t blocks = n / QK;
+    uint8_t stack[XI4_ON_STACK * XI4_BYTES] __attribute__((aligned(64)));
+    uint8_t *xp = blocks <= XI4_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XI4_BYTES));
+    if (xp == NULL) return 0;
+    x_iq4xs(xq, blocks, xp);
+    four_streams(n, w, row_bytes, rows, xp, y, iq4xs_four, iq4xs_one);
+    if (xp != stack) free(xp);
+    return 1;
+}
 
 /* the Q4_K gemv with its activation copy; 0 if out of memory (the caller takes the loop above) */
 static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
@@ -1223,15 +1262,6 @@ static inline __attribute__((always_inline)) __m512i quarters256(const __m512i *
     return _mm512_mask_permutexvar_epi8(r, from3, idx, p[3]);
 }
 
-/* each byte's high nibble, as a byte: one affine map over GF(2) per 8 bytes where GFNI is (a shift and a mask
- * took two: 12.0-12.2 -> 12.4-12.5 GB/s) */
-static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
-#if defined(__GFNI__)
-    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
-#else
-    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
-#endif
-}
 
 /* the bit indices vpshufbitqmb takes for vector j: byte p of it holds sign bit 4p + j (of a qword lane p / 8) */
 static inline void sign_picks(__m512i pick[4]) {
@@ -1915,8 +1945,9 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     if (loop != NULL && wtype == IQ3_XXS && T == 1 && iq3_one_token(1, n, wb, row_bytes, rows, x, y)) return;
 #endif
 #if defined(__AVX512VNNI__)
-    if (loop != NULL && (wtype == Q6_K || wtype == IQ4_XS) && T == 1) {
-        four_streams(n, wb, row_bytes, rows, x, y, wtype == Q6_K ? q6k_four : iq4xs_four, wtype == Q6_K ? q6k_one : iq4xs_one);
+    if (loop != NULL && wtype == IQ4_XS && T == 1 && iq4xs_one_token(n, wb, row_bytes, rows, x, y)) return;
+    if (loop != NULL && wtype == Q6_K && T == 1) {
+        four_streams(n, wb, row_bytes, rows, x, y, q6k_four, q6k_one);
         return;
     }
 #endif
