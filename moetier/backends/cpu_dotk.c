@@ -1053,6 +1053,23 @@ ROWS(rows_iq3s, decode_iq3s, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 
 #if defined(DOTK_AVX512)
+/* The one-token gemvs below that read the token's quants in an order of their own: order(x, blocks, out) writes
+ * ORDERED_BYTES a block, on the stack up to ORDERED_ON_STACK blocks, else on the heap. -> 0 if out of memory (the
+ * caller takes another loop). */
+enum { ORDERED_BYTES = 320, ORDERED_ON_STACK = 64 };
+typedef void (*order_fn)(const uint8_t *x, int64_t blocks, uint8_t *out);
+static int ordered_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y,
+                             order_fn order, four_rows_fn four, one_row_fn one) {
+    const int64_t blocks = n / QK;
+    uint8_t stack[ORDERED_ON_STACK * ORDERED_BYTES] __attribute__((aligned(64)));
+    uint8_t *xp = blocks <= ORDERED_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * ORDERED_BYTES));
+    if (xp == NULL) return 0;
+    order(xq, blocks, xp);
+    four_streams(n, w, row_bytes, rows, xp, y, four, one);
+    if (xp != stack) free(xp);
+    return 1;
+}
+
 /* each byte's high nibble, as a byte: one affine map over GF(2) per 8 bytes where GFNI is (a shift and a mask
  * took two: 12.0-12.2 -> 12.4-12.5 GB/s) */
 static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
@@ -1073,7 +1090,7 @@ static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
  * vector's two scales spread by one zero-masked vpermb, the mins' dot against the sums in an xmm, and d * dx,
  * dmin * dx as floats. Numerics as the loop above (integer sums exact, then d_w * d_x and dmin_w * d_x in
  * float32); the mins' share is gathered in its own 4 lanes: float32 order only. */
-enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = 320, XQ4_ON_STACK = 64 };
+enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = ORDERED_BYTES };
 
 static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
     static const int from[8] = {0, 64, 32, 96, 128, 192, 160, 224};  /* the quants of each 32 bytes of out */
@@ -1157,7 +1174,7 @@ STREAMED(q6k, 4, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
  * vpdpwssd after vpmaddubsw (Intel AMX host, C harness, [*, 2048] rows, interleaved): one thread from L1
  * 13.1-13.5 -> 16.1-16.4 GB/s, two threads from DRAM 22.5-24.9 -> 24.1-26.8 ([*, 768]: 22.2-24.1 -> 24.7-25.9).
  * That step had replaced the decoded-block loop: 16.4-16.9 -> 18.9-19.5 from L1, 26.3 -> 27.9-28.2 from DRAM. */
-enum { XI4_QS = 0, XI4_SUMS = 256, XI4_D = 272, XI4_BYTES = 320, XI4_ON_STACK = 64 };
+enum { XI4_QS = 0, XI4_SUMS = 256, XI4_D = 272, XI4_BYTES = ORDERED_BYTES };
 
 static void x_iq4xs(const uint8_t *x, int64_t blocks, uint8_t *out) {
     for (int64_t i = 0; i < blocks; i++) {
@@ -1193,28 +1210,7 @@ static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, c
 }
 STREAMED(iq4xs, 4, 136, XI4_BYTES, q4k_sum, Q4K_ZERO, iq4xs_step, q4k_finish)
 
-static int iq4xs_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
-    const int64_t blocks = n / QK;
-    uint8_t stack[XI4_ON_STACK * XI4_BYTES] __attribute__((aligned(64)));
-    uint8_t *xp = blocks <= XI4_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XI4_BYTES));
-    if (xp == NULL) return 0;
-    x_iq4xs(xq, blocks, xp);
-    four_streams(n, w, row_bytes, rows, xp, y, iq4xs_four, iq4xs_one);
-    if (xp != stack) free(xp);
-    return 1;
-}
 
-/* the Q4_K gemv with its activation copy; 0 if out of memory (the caller takes the loop above) */
-static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
-    const int64_t blocks = n / QK;
-    uint8_t stack[XQ4_ON_STACK * XQ4_BYTES] __attribute__((aligned(64)));
-    uint8_t *xp = blocks <= XQ4_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XQ4_BYTES));
-    if (xp == NULL) return 0;
-    x_q4k(xq, blocks, xp);
-    four_streams(n, w, row_bytes, rows, xp, y, q4k_four, q4k_one);
-    if (xp != stack) free(xp);
-    return 1;
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && !defined(DOTK_IQ3_GENERIC)
 #define IQ3_GEMV 1
@@ -1230,7 +1226,7 @@ static int q4k_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t
  * 127 < 2^15), one vpmaddwd times the lane's scale 2s + 1. Numerics as the loop above: each block's integer sums
  * exact in int32, then times d_w * d_x in float32 (the lanes split a block's sum otherwise: float32 order only).
  * -DDOTK_IQ3_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
-enum { XS_QS = 0, XS_D = 256, XS_BYTES = 320, XS_ON_STACK = 64 };
+enum { XS_QS = 0, XS_D = 256, XS_BYTES = ORDERED_BYTES };
 
 static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
     /* 64 bytes (16 quads) -> byte k of each quad, k = 0..3, 16 bytes each */
@@ -1340,17 +1336,6 @@ static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, 
 }
 STREAMED(iq3xxs, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
 
-/* the IQ3_S (xxs = 0) or IQ3_XXS gemv with its activation copy, its rows in turn; 0 if out of memory */
-static int iq3_one_token(int xxs, int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y) {
-    const int64_t blocks = n / QK;
-    uint8_t stack[XS_ON_STACK * XS_BYTES] __attribute__((aligned(64)));
-    uint8_t *xp = blocks <= XS_ON_STACK ? stack : aligned_alloc(64, (size_t)(blocks * XS_BYTES));
-    if (xp == NULL) return 0;
-    x_iq3s(xq, blocks, xp);
-    four_streams(n, w, row_bytes, rows, xp, y, xxs ? iq3xxs_four : iq3s_four, xxs ? iq3xxs_one : iq3s_one);
-    if (xp != stack) free(xp);
-    return 1;
-}
 #endif
 #endif
 
@@ -1939,13 +1924,18 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
 #endif
 #if defined(DOTK_AVX512)
-    if (loop != NULL && wtype == Q4_K && T == 1 && q4k_one_token(n, wb, row_bytes, rows, x, y)) return;
+    if (loop != NULL && wtype == Q4_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q4k, q4k_four, q4k_one))
+        return;
 #if defined(IQ3_GEMV)
-    if (loop != NULL && wtype == IQ3_S && T == 1 && nibbles_s && iq3_one_token(0, n, wb, row_bytes, rows, x, y)) return;
-    if (loop != NULL && wtype == IQ3_XXS && T == 1 && iq3_one_token(1, n, wb, row_bytes, rows, x, y)) return;
+    if (loop != NULL && T == 1 && ((wtype == IQ3_S && nibbles_s) || wtype == IQ3_XXS)
+        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq3s, wtype == IQ3_S ? iq3s_four : iq3xxs_four,
+                             wtype == IQ3_S ? iq3s_one : iq3xxs_one))
+        return;
 #endif
 #if defined(__AVX512VNNI__)
-    if (loop != NULL && wtype == IQ4_XS && T == 1 && iq4xs_one_token(n, wb, row_bytes, rows, x, y)) return;
+    if (loop != NULL && wtype == IQ4_XS && T == 1
+        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq4xs, iq4xs_four, iq4xs_one))
+        return;
     if (loop != NULL && wtype == Q6_K && T == 1) {
         four_streams(n, wb, row_bytes, rows, x, y, q6k_four, q6k_one);
         return;
