@@ -1,5 +1,6 @@
 /* Software prefetch for a weight row read as one stream (decode's gemv, one token): the dot families' T = 1 loops
- * (cpu_dot32.c, cpu_dotk.c) call stream_prefetch once per block (or block pair, or vector step) they decode.
+ * (cpu_dot32.c, cpu_dotk.c) call stream_prefetch once per block (or block pair, or vector step) they decode;
+ * cpu_dotk.c's four_streams also calls stream_start once per stream, for the bytes before the first far request.
  *
  * Each call asks for the bytes STREAM_FAR ahead into L2 (prefetcht1) and the bytes STREAM_NEAR ahead into L1
  * (prefetcht0). The far request keeps enough lines in flight to cover DRAM's latency without taking one of L1's
@@ -27,6 +28,13 @@ static inline __attribute__((always_inline)) void stream_prefetch(const void *p,
         __builtin_prefetch(c + STREAM_FAR + line, 0, 2);
         __builtin_prefetch(c + STREAM_NEAR + line, 0, 3);
     }
+}
+
+/* a stream's first STREAM_FAR bytes (of its `bytes`) asked for at once: stream_prefetch runs that far ahead of the
+ * loads, so without this a stream's start is read by demand misses */
+static inline void stream_start(const void *p, const int64_t bytes) {
+    const int64_t ahead = bytes < STREAM_FAR ? bytes : STREAM_FAR;
+    for (int64_t line = 0; line < ahead; line += 64) __builtin_prefetch((const char *)p + line, 0, 2);
 }
 
 #endif
