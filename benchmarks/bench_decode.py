@@ -76,13 +76,14 @@ def last_level_cache_bytes() -> int:
 
 @functools.cache
 def probe_buffer(nbytes: int):
-    """The bandwidth probes' float32 buffer, allocated and touched once for the whole run (before the engines load):
+    """The bandwidth probes' float32 buffer (moetier.calibrate.read_buffer: in memory advised for huge pages, as
+    moetier's resident weights), allocated and touched once for the whole run (before the engines load):
     a new one at every sample took gigabytes each time and pushed moetier's memory-mapped GGUF pages out of the page
     cache, while llama.cpp (use_mmap=False) and transformers hold theirs in anonymous memory (seen: moetier's `wide`
     F32 prefill at 330-380 tok/s in the run, ~600 outside it)."""
-    import torch
+    from moetier.calibrate import read_buffer
 
-    return torch.ones(nbytes // 4)
+    return read_buffer(nbytes)
 
 
 def read_bandwidth(threads: int, nbytes: int) -> dict[str, float]:

@@ -42,6 +42,7 @@ from moetier.backends import ExpertWork, cpu_kernels, cpu_lane  # noqa: E402
 from moetier.calibrate import read_probes  # noqa: E402
 from moetier.model import ExpertWeights  # noqa: E402
 from moetier.model.formats import BY_NAME  # noqa: E402
+from moetier.model.host_memory import host_copy  # noqa: E402
 
 DIM, INTER, K = 2048, 768, 8
 
@@ -57,8 +58,9 @@ def expert_set(name: str, min_bytes: int, rng: np.random.Generator) -> list[Expe
     fmt = BY_NAME[name]
     one = fmt.row_bytes(DIM) * 2 * INTER + fmt.row_bytes(INTER) * DIM
     count = max(2 * K, -(-min_bytes // one) // K * K)
-    return [ExpertWeights(matrix(name, 2 * INTER, DIM, rng), matrix(name, DIM, INTER, rng), False, fmt.id, fmt.id, False)
-            for _ in range(count)]
+    # in host memory advised for huge pages, where the CPU tier's experts are (moetier.model.host_memory)
+    return [ExpertWeights(host_copy(matrix(name, 2 * INTER, DIM, rng)), host_copy(matrix(name, DIM, INTER, rng)), False, fmt.id,
+                          fmt.id, False) for _ in range(count)]
 
 
 def _busy_s() -> float:

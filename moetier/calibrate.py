@@ -35,6 +35,7 @@ from moetier.backends.torch_backend import TorchBackend
 from moetier.engine import Engine, generate
 from moetier.engine.timing import StepTimes
 from moetier.model import open_checkpoint
+from moetier.model.host_memory import host_buffer
 from moetier.model.output import check_output, new_file
 from moetier.sched.cost import Calibration
 
@@ -53,8 +54,15 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float
     return nbytes / best
 
 
+def read_buffer(nbytes: int) -> torch.Tensor:
+    """float32 [nbytes // 4] of ones, in the memory the resident weights are in (moetier.model.host_memory: advised
+    for huge pages, which read faster than 4 KiB pages: a bound on the weights' reads must read such memory too),
+    touched, so no page fault is timed."""
+    return host_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
+
+
 def read_probes(threads: int, nbytes: int = 1 << 30, buffer: torch.Tensor | None = None) -> dict[str, Callable[[], object]]:
-    """Readers of one nbytes float32 buffer (touched first, so no page fault is timed) on `threads` threads, each a
+    """Readers of one nbytes float32 buffer (`read_buffer`, or the caller's) on `threads` threads, each a
     reduction that reads every byte once and writes nothing: "torch.sum", and "native" (the kernels' read probe on
     their pool of `threads`: 1 MiB granules, each read as four prefetched streams into eight vector accumulators,
     the fastest way this machine was found to read; cpu_kernels.c) where the kernels build.
@@ -64,7 +72,7 @@ def read_probes(threads: int, nbytes: int = 1 << 30, buffer: torch.Tensor | None
     from moetier.backends import cpu_kernels
 
     if buffer is None:
-        buffer = torch.ones(nbytes // 4)
+        buffer = read_buffer(nbytes)
     elif buffer.dtype != torch.float32 or buffer.numel() != nbytes // 4 or not buffer.is_contiguous():
         raise ValueError(f"read_probes: buffer must be {nbytes // 4} contiguous float32 values, got {buffer.dtype} x {buffer.numel()}")
     kernel = cpu_kernels.decode_kernel(threads)

@@ -30,6 +30,7 @@ from moetier.backends.torch_activations import stored_product
 from moetier.backends.torch_dequant import dequantize
 from moetier.model.expert_weights import ExpertWeights
 from moetier.model.formats import F32
+from moetier.model.host_memory import host_cat, host_copy
 
 
 def stored_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, float_acts: bool, kernel) -> torch.Tensor:
@@ -59,18 +60,24 @@ class StoredLinear:
         self.float_acts = float_acts
         self.device = torch.device(device)
         # consecutive parts of one format stacked into one matrix (one call; a row's bytes do not depend on its
-        # neighbours), each a copy in memory the process owns (a part may be a view of the file mapping)
+        # neighbours), each a copy in memory the process owns (a part may be a view of the file mapping); on the
+        # CPU in memory advised for huge pages (moetier.model.host_memory), as the resident experts
         merged: list[tuple[list[torch.Tensor], int]] = []
         for data, qtype in parts:
             if merged and merged[-1][1] == int(qtype):
                 merged[-1][0].append(data)
             else:
                 merged.append(([data], int(qtype)))
-        self.parts = [(torch.cat(group).to(self.device) if len(group) > 1 else group[0].contiguous().to(self.device, copy=True),
-                       qtype) for group, qtype in merged]
+        self.parts = [(self._resident(group), qtype) for group, qtype in merged]
         # all float32: `dense`, the one [out, in] matrix F.linear reads off the CPU (and the CPU without kernels)
         self.dense = self.parts[0][0] if len(self.parts) == 1 and self.parts[0][1] == F32 else None
         self._kernel = cpu_kernels.decode_kernel() if self.device.type == "cpu" else None
+
+    def _resident(self, group: list[torch.Tensor]) -> torch.Tensor:
+        """The group's rows stacked in one matrix the process owns, on self.device."""
+        if self.device.type == "cpu":
+            return host_cat(group) if len(group) > 1 else host_copy(group[0])
+        return torch.cat(group).to(self.device) if len(group) > 1 else group[0].contiguous().to(self.device, copy=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out]."""
@@ -86,7 +93,8 @@ class StoredEmbedding:
 
     def __init__(self, data: torch.Tensor, qtype: int, device: torch.device):
         self.qtype = int(qtype)
-        self.data = data.to(device, copy=True)  # [V, D] float, or uint8 [V, row bytes]: owned, not the mapping
+        # [V, D] float, or uint8 [V, row bytes]: owned, not the mapping
+        self.data = host_copy(data) if torch.device(device).type == "cpu" else data.to(device, copy=True)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 -> [T, D] float32."""

@@ -31,6 +31,7 @@ import torch
 from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
 from moetier.model.formats import BY_DTYPE, F32
 from moetier.model.hf_config import read_config
+from moetier.model.host_memory import host_cat, host_copy
 from moetier.model.safetensors_mmap import CheckpointError, SafetensorsFile, TensorEntry
 from moetier.model.spec import ModelSpec
 from moetier.model.untrusted import read_json
@@ -151,7 +152,7 @@ class Checkpoint(NamedWeights):
         if gate_type != up_type:  # stacked, they must share a format
             gate, up, gate_type = gate.float(), up.float(), F32
         # gate and up are copied by the stacking anyway: copy down too, so the result owns its memory
-        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type,
+        return ExpertWeights(host_cat([gate, up]), host_copy(down), False, gate_type, down_type,
                              swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]
 
     def deltanet(self, layer: int) -> DeltaNetTensors:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moetier.model.formats import F32, format_of
+from moetier.model.host_memory import host_cat, host_copy
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class ExpertWeights:
     def resident(self) -> "ExpertWeights":
         if not self.mapped:
             return self
-        return self.with_tensors(self.gate_up.clone(), self.down.clone())
+        return self.with_tensors(host_copy(self.gate_up), host_copy(self.down))
 
     def to(self, device: torch.device | str) -> "ExpertWeights":
         return self.with_tensors(self.gate_up.to(device), self.down.to(device), self.mapped and torch.device(device).type == "cpu")
@@ -158,9 +159,9 @@ class NamedWeights:
             if g_type != u_type:  # stacked rows share one format: both as float32 values then
                 g, u, g_type = self.tensor(gate), self.tensor(up), F32
             # gate and up are copied by the stacking: copy down too, so the result owns its memory
-            return ExpertWeights(torch.cat([g, u]), d.clone(), False, g_type, d_type, self.float_acts,
+            return ExpertWeights(host_cat([g, u]), host_copy(d), False, g_type, d_type, self.float_acts,
                                  self.spec.swiglu_limit)  # [2I, D], [D, I]
         # gate and up must be stacked, which copies them anyway: copy down too, so the result owns its
         # memory and a later resident() copies nothing a second time
-        return ExpertWeights(torch.cat([self.tensor(gate), self.tensor(up)]), self.load(down),
+        return ExpertWeights(host_cat([self.tensor(gate), self.tensor(up)]), host_copy(self.tensor(down)),
                              swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]

@@ -52,6 +52,7 @@ from moetier.model.gguf_shapes import required_tensors
 from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.gguf_read import _first_file, _metadata, _read, _split_paths
 from moetier.model.gguf_undo import exp_preimage, kv_b_proj, unpermute
+from moetier.model.host_memory import host_cat, host_copy
 from moetier.model.safetensors_mmap import CheckpointError
 
 # the GGML types moetier reads experts in: the stored formats (moetier.model.formats, the one table to extend)
@@ -221,7 +222,7 @@ class GgufCheckpoint(NamedWeights):
         """One routed expert in its stored bytes (gate and up stacked: a copy; down copied beside it)."""
         (gate, gate_type), (up, _), (down, down_type) = (self.stored(expert_hf_name(self.spec.arch, layer, expert, part))
                                                          for part in ("gate", "up", "down"))
-        return ExpertWeights(torch.cat([gate, up]), down.clone(), False, gate_type, down_type, float_acts=False,
+        return ExpertWeights(host_cat([gate, up]), host_copy(down), False, gate_type, down_type, float_acts=False,
                              swiglu_limit=self.spec.swiglu_limit)  # [2I, D], [D, I]
 
     def deltanet(self, layer: int) -> DeltaNetTensors:

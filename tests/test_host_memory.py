@@ -1,0 +1,83 @@
+"""moetier.model.host_memory: resident copies in memory advised for huge pages, exact, aligned, and released."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from moetier.model import host_memory
+from moetier.model.host_memory import HUGE_PAGE_BYTES, HostArena, host_buffer, host_cat, host_copy
+
+
+def _advised_bytes() -> int | None:
+    """kB of this process's mappings advised MADV_HUGEPAGE ("hg" in /proc/self/smaps's VmFlags), or None."""
+    try:
+        text = open("/proc/self/smaps").read()
+    except OSError:
+        return None
+    total, size = 0, 0
+    for line in text.splitlines():
+        if line.startswith("Size:"):
+            size = int(line.split()[1])
+        elif line.startswith("VmFlags:") and " hg" in f" {line.split(':', 1)[1]}":
+            total += size
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_copy_is_exact_contiguous_and_aligned(dtype):
+    source = (torch.randn(37, 129) * 100).to(dtype).t()  # not contiguous
+    out = host_copy(source)
+    assert out.dtype == dtype and out.shape == source.shape and out.is_contiguous()
+    assert torch.equal(out, source)
+    assert out.data_ptr() % 64 == 0
+    assert out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()  # its own memory
+
+
+def test_cat_stacks_rows_as_torch_does():
+    parts = [torch.randint(0, 256, (n, 40), dtype=torch.uint8) for n in (3, 0, 5)]
+    assert torch.equal(host_cat(parts), torch.cat(parts))
+    floats = [torch.randn(2, 3, 4), torch.randn(1, 3, 4)]
+    assert torch.equal(host_cat(floats), torch.cat(floats))
+
+
+def test_arena_carves_consecutive_tensors_and_starts_new_chunks():
+    arena = HostArena(chunk_bytes=4 * HUGE_PAGE_BYTES)
+    tensors = [arena.copy(torch.full((300_000,), i, dtype=torch.uint8)) for i in range(40)]  # ~12 MB: several chunks
+    for i, t in enumerate(tensors):
+        assert t.data_ptr() % 64 == 0 and int(t.min()) == int(t.max()) == i  # no tensor overwrote another
+    assert tensors[1].data_ptr() - tensors[0].data_ptr() == -(-300_000 // 64) * 64
+    big = arena.copy(torch.ones(HUGE_PAGE_BYTES * 3, dtype=torch.uint8))  # over a quarter chunk: a chunk of its own
+    assert big.data_ptr() % HUGE_PAGE_BYTES == 0 and int(big.sum()) == HUGE_PAGE_BYTES * 3
+
+
+@pytest.mark.skipif(not host_memory.huge_pages_wanted(), reason="no MADV_HUGEPAGE here, or MOETIER_HUGE_PAGES=0")
+def test_chunks_are_advised_and_released():
+    before = _advised_bytes()
+    if before is None:
+        pytest.skip("no /proc/self/smaps")
+    buffer = host_buffer(64 << 20)
+    assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert _advised_bytes() - before >= 64 << 10  # kB: the whole buffer advised
+    del buffer
+    gc.collect()
+    assert _advised_bytes() - before < 64 << 10  # the mapping went with its last tensor
+
+
+def test_switched_off_gives_plain_copies(monkeypatch):
+    monkeypatch.setenv("MOETIER_HUGE_PAGES", "0")
+    assert not host_memory.huge_pages_wanted()
+    source = torch.randn(5, 6)
+    assert torch.equal(host_copy(source), source) and torch.equal(host_cat([source, source]), torch.cat([source, source]))
+    assert host_buffer(100).shape == (100,)
+
+
+def test_device_tensors_are_refused():
+    with pytest.raises(ValueError, match="host tensor"):
+        HostArena().copy(torch.empty(3, device="meta"))
+
+
+def test_thp_mode_reads_the_setting():
+    assert host_memory.thp_mode() in ("always", "madvise", "never", "unknown")
