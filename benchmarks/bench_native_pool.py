@@ -5,11 +5,16 @@ layer's call on tiny experts (8 float32 experts of [64, 64] / [64, 32], 0.2 MB,
 in cache), through ctypes with prepared records (`raw`), through
 DecodeKernel.run (its checks included) and through the lane (submit then
 result); back to back (helpers polling) and after 2 ms idle (helpers asleep
-past spin_s: a futex wake). Decode: 8 experts of [1536, 2048] gate_up /
-[2048, 768] down per call, picked in turn from a set of >= 512 MB so every
-call reads DRAM, as GB/s of the stored bytes read. Read bandwidth: the faster
-of torch.sum and the native read probe over a 1 GiB float32 buffer with the
-same thread count (best of 5; moetier.calibrate.read_probes), in the same
+past spin_s: a futex wake). Decode: one moe_decode call on the pool's
+threads, and the same call through the CPU lane as the CPU tier makes it
+(submitted to a NativeLane, collected at once: the collecting thread joins
+the pool's job, so a lane of one thread computes on two), records built once,
+8 experts of [1536, 2048] gate_up / [2048, 768] down per call, picked in turn
+from a set of >= 512 MB so every call reads DRAM, as GB/s of the stored bytes
+read; the experts in host memory advised for huge pages, as the tier holds
+them. Read bandwidth: the faster of torch.sum and the native read probe over
+a 1 GiB float32 buffer in the same kind of memory with the same thread count
+(best of 5; moetier.calibrate.read_probes), in the same
 block as each format's decode. The machine may be shared: a sample during
 which other processes used over 5% of a CPU (/proc/stat) is taken again, and a
 format's block is measured while `second_cpu_free` holds before and after it
@@ -27,6 +32,7 @@ import json
 import os
 import sys
 import time
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -131,16 +137,29 @@ def hand_off(kernel, threads: int) -> dict[str, float]:
     return result
 
 
-def decode_rate(kernel, experts: list[ExpertWeights], threads: int, runs: int) -> float:
-    """GB/s of stored weights one decode call reads, best of `runs` sweeps over the set (K experts per call)."""
+def decode_rate(kernel, experts: list[ExpertWeights], threads: int, runs: int, through_lane: bool) -> float:
+    """GB/s of stored weights one decode call reads, best of `runs` sweeps over the set (K experts per call), the
+    experts' records built once (as the CPU tier does). through_lane: each call submitted to a NativeLane of
+    `threads` pool threads and collected at once, as the CPU tier makes it (the collecting thread joins the pool's
+    job while it waits: a lane of one thread computes on two); else moe_decode on the pool's `threads` alone."""
     k = kernel.with_threads(threads)
-    x, scales = torch.randn(1, DIM) * 0.1, [1.0 / K] * K
-    calls = [experts[i:i + K] for i in range(0, len(experts), K)]
-    for call in calls[:2]:
-        k.run(x, call, scales)
-    sweeps = 4  # ~0.1-0.3 s a sample
-    seconds = best_of(runs, lambda: [k.run(x, call, scales) for _ in range(sweeps) for call in calls]) / (sweeps * len(calls))
-    return sum(w.nbytes for w in calls[0]) / seconds / 1e9
+    x, scales = torch.randn(1, DIM) * 0.1, array("f", [1.0 / K] * K)
+    calls = [b"".join(map(cpu_kernels.expert_record, experts[i:i + K])) for i in range(0, len(experts), K)]
+    out, scale = torch.empty(1, DIM), (ctypes.c_float * K)(*scales)
+    lane = cpu_lane.NativeLane(k, threads) if through_lane else None
+    if lane is not None:
+        call = lambda records: lane.submit(x, records, scales, INTER).result()  # noqa: E731
+    else:
+        call = lambda records: k.library.moe_decode(k.pool.handle, x.data_ptr(), DIM, INTER, K, records, scale, out.data_ptr())  # noqa: E731
+    try:
+        for records in calls[:2]:
+            call(records)
+        sweeps = 4  # ~0.1-0.3 s a sample
+        seconds = best_of(runs, lambda: [call(records) for _ in range(sweeps) for records in calls])
+    finally:
+        if lane is not None:
+            lane.close()
+    return sum(w.nbytes for w in experts[:K]) / (seconds / (sweeps * len(calls))) / 1e9
 
 
 def prefill_rate(kernel, experts: list[ExpertWeights], threads: int, runs: int, tokens: int = 256) -> float:
@@ -172,7 +191,8 @@ def second_cpu_free(quiet: float = 0.05) -> bool:
 
 
 def measure(kernel, experts, threads: list[int], runs: int) -> dict:
-    return {"decode_gb_per_s": {t: decode_rate(kernel, experts, t, runs) for t in threads},
+    return {"decode_gb_per_s": {t: decode_rate(kernel, experts, t, runs, False) for t in threads},
+            "lane_gb_per_s": {t: decode_rate(kernel, experts, t, runs, True) for t in threads},
             "read_gb_per_s": {t: read_bandwidth(t) / 1e9 for t in threads},
             "prefill_tok_per_s": {t: prefill_rate(kernel, experts, t, runs) for t in threads}}
 
@@ -211,6 +231,7 @@ def main() -> None:
     for name, result in report["formats"].items():
         note = "" if result["cpus_free"] else "  (CPUs busy: disturbed)"
         print(f"{name + ' decode GB/s':<34}" + "".join(f"{result['decode_gb_per_s'][t]:>14.1f}" for t in threads) + note)
+        print(f"{'  through the lane GB/s':<34}" + "".join(f"{result['lane_gb_per_s'][t]:>14.1f}" for t in threads))
         print(f"{'  read bandwidth GB/s':<34}" + "".join(f"{result['read_gb_per_s'][t]:>14.1f}" for t in threads))
         print(f"{'  prefill tok/s (T=256)':<34}" + "".join(f"{result['prefill_tok_per_s'][t]:>14.1f}" for t in threads))
     print(json.dumps(report))

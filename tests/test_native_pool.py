@@ -90,14 +90,16 @@ def test_prefill_experts_equal_one_decode_call_per_token(gate_up, down, float_ac
     assert np.abs(out[6].double().numpy() - reference[0]).max() <= 1e-5 * np.abs(reference).max()
 
 
-def test_the_lane_gives_run_s_bits_with_every_thread():
+@pytest.mark.parametrize("threads, joins", [(2, None), (2, True), (1, True), (1, False)])
+def test_the_lane_gives_run_s_bits_with_every_thread(threads, joins):
+    """Whichever threads compute a call (the pool's, and a collecting caller that joins), its bits are run's."""
     experts, x = experts_of("Q4_K", "Q6_K", False, count=8, dim=512, inter=256, seed=9)
     scales = array("f", np.linspace(0.3, 0.05, 8))
     expected = kernel.with_threads(1).run(x[:1], experts, list(scales))
-    lane = cpu_lane.NativeLane(kernel, 2)
+    lane = cpu_lane.NativeLane(kernel, threads, joins=joins)
     try:
         records = b"".join(map(cpu_kernels.expert_record, experts))
-        assert len(records) == 8 * cpu_kernels.RECORD.size == 320 and lane.threads == 2
+        assert len(records) == 8 * cpu_kernels.RECORD.size == 320 and lane.threads == threads
         tickets = [lane.submit(x[:1], records, scales, 256) for _ in range(lane.SLOTS)]
         assert all(torch.equal(ticket.result(), expected) for ticket in tickets)
     finally:

@@ -348,7 +348,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "pool_threads": (i64, [p]),
         "pool_close": (None, [p]),
         "pool_forked": (None, [p]),
-        "lane_open": (p, [p, dbl]),
+        "lane_open": (p, [p, dbl, i64]),
         "lane_submit": (i64, [p, p, i64, i64, i64, p, p]),
         "lane_collect": (i64, [p, i64, p, p]),
         "lane_release": (None, [p, i64]),

@@ -33,14 +33,19 @@ class NativeLane:
 
     SLOTS = 16  # calls queued or done-but-uncollected at once (LANE_SLOTS in cpu_pool.h)
 
-    def __init__(self, kernel: DecodeKernel, threads: int = 1, spin_us: float | None = None):
+    def __init__(self, kernel: DecodeKernel, threads: int = 1, spin_us: float | None = None, joins: bool | None = None):
         """spin_us: how long the idle lane thread, or a caller waiting for a result, polls before it
-        sleeps (default $MOETIER_LANE_SPIN_US, else 200; 0 sleeps at once)."""
+        sleeps (default $MOETIER_LANE_SPIN_US, else 200; 0 sleeps at once). joins: whether a caller waiting
+        for a result computes the pool's open job meanwhile (default: where the pool leaves it a CPU)."""
         self._kernel = kernel.with_threads(threads)
         self._lib = self._kernel.library
         if spin_us is None:
             spin_us = float(os.environ.get("MOETIER_LANE_SPIN_US", "200"))
-        self._handle = self._lib.lane_open(self._kernel.pool.handle, spin_us * 1e-6)
+        # a caller collecting a result joins the pool's job while it waits, where the pool leaves it a CPU
+        if joins is None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            joins = self._kernel.pool.threads < cpus
+        self._handle = self._lib.lane_open(self._kernel.pool.handle, spin_us * 1e-6, int(joins))
         if not self._handle:
             raise RuntimeError("native lane: could not start its thread")
         self.threads = self._kernel.pool.threads

@@ -28,9 +28,11 @@
  * participant (the pool's `call` lock orders it with direct callers), so the
  * submitting thread runs on while the pool computes; lane_collect waits and
  * copies the result out. While it waits it joins the pool's open job as a
- * helper would (so a lane of one thread computes on two while its caller
- * waits: 20 -> 23-24 GB/s on Q4_K experts here), and after spin_s with
- * nothing to claim it sleeps.
+ * helper would when the pool leaves a CPU free (`joins`: so a lane of one
+ * thread computes on two while its caller waits: 20 -> 23-24 GB/s on Q4_K
+ * experts here; where the pool has every CPU, a third thread on two CPUs
+ * only took turns with them: 25.2 against 27.3 GB/s for the pool alone), and
+ * after spin_s with nothing to claim it sleeps.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -278,6 +280,7 @@ typedef struct {
     lane_slot slots[LANE_SLOTS];
     int64_t next_ticket;  /* also read without the lock by the polling lane thread */
     int64_t stop, started;
+    int64_t joins;  /* whether a collecting thread joins the pool's open job (the pool leaves a CPU free) */
     double spin_s;
     moe_pool *pool;
     pthread_t tid;
@@ -319,10 +322,10 @@ static void *lane_main(void *arg) {
     return NULL;
 }
 
-moe_lane *lane_open(moe_pool *pool, double spin_s) {
+moe_lane *lane_open(moe_pool *pool, double spin_s, int64_t joins) {
     moe_lane *lane = calloc(1, sizeof(moe_lane));
     if (!lane) return NULL;
-    lane->spin_s = spin_s, lane->pool = pool;
+    lane->spin_s = spin_s, lane->pool = pool, lane->joins = joins;
     pthread_mutex_init(&lane->mu, NULL);
     pthread_cond_init(&lane->work, NULL);
     pthread_cond_init(&lane->done, NULL);
@@ -401,12 +404,13 @@ int64_t lane_collect(moe_lane *lane, int64_t ticket, float *out, double *done_s)
     }
     if (s->state != SLOT_DONE) {  /* poll a while, then sleep */
         pthread_mutex_unlock(&lane->mu);
-        /* meanwhile, work on the pool's open job (ours, or one queued before it): a waiting thread computes */
+        /* meanwhile, work on the pool's open job (ours, or one queued before it) where the pool leaves a CPU
+         * free: a waiting thread computes */
         moe_pool *p = lane->pool;
         const double until = monotonic_s() + lane->spin_s;
         for (int64_t spins = 0; __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != SLOT_DONE; spins++) {
             const int64_t seq = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
-            if (!(seq & 1) && pool_open_work(p)) {
+            if (lane->joins && !(seq & 1) && pool_open_work(p)) {
                 pool_join(p, seq, p->threads);  /* the region kept for a joining thread */
                 spins = 0;
             } else if ((spins & 63) == 0 && monotonic_s() >= until) {
