@@ -11,6 +11,23 @@ from moetier.model import host_memory
 from moetier.model.host_memory import HUGE_PAGE_BYTES, HostArena, host_buffer, host_cat, host_copy
 
 
+def _advised_ranges() -> list[tuple[int, int]] | None:
+    """The address ranges of this process's mappings advised MADV_HUGEPAGE ("hg" in /proc/self/smaps), or None."""
+    try:
+        text = open("/proc/self/smaps").read()
+    except OSError:
+        return None
+    ranges, current = [], None
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(v, 16) for v in head.split("-"))
+            current = (start, end)
+        elif line.startswith("VmFlags:") and " hg" in f" {line.split(':', 1)[1]}":
+            ranges.append(current)
+    return ranges
+
+
 def _advised_bytes() -> int | None:
     """kB of this process's mappings advised MADV_HUGEPAGE ("hg" in /proc/self/smaps's VmFlags), or None."""
     try:
@@ -64,6 +81,30 @@ def test_chunks_are_advised_and_released():
     del buffer
     gc.collect()
     assert _advised_bytes() - before < 64 << 10  # the mapping went with its last tensor
+
+
+@pytest.mark.skipif(not host_memory.huge_pages_wanted(), reason="no MADV_HUGEPAGE here, or MOETIER_HUGE_PAGES=0")
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_an_engine_on_the_cpu_holds_its_weights_in_advised_memory(synth_models, tmp_path, source):
+    """Experts, the trunk's matrices and the embedding of a CPU engine, from safetensors or GGUF, all lie in
+    mappings advised for huge pages."""
+    from moetier.engine import Engine
+    from moetier.model import open_checkpoint
+    from moetier.model.gguf_write import write_gguf
+
+    folder = synth_models("qwen3_moe")
+    path = folder if source == "hf" else write_gguf(folder, tmp_path / "f32.gguf")[0]
+    engine = Engine(open_checkpoint(path))
+    ranges = _advised_ranges()
+    if ranges is None:
+        pytest.skip("no /proc/self/smaps")
+    layer = engine.spec.moe_layers[0]
+    expert = engine.executor.placed[layer][1]
+    held = {"gate_up": expert.gate_up, "down": expert.down, "qkv": engine.layers[layer].qkv.parts[0][0],
+            "o_proj": engine.layers[layer].o_proj.parts[0][0], "lm_head": engine.lm_head.parts[0][0], "embed": engine.embed.data}
+    for name, t in held.items():
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert any(lo <= start and end <= hi for lo, hi in ranges), f"{name} is not in advised memory"
 
 
 def test_switched_off_gives_plain_copies(monkeypatch):
