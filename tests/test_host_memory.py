@@ -75,6 +75,8 @@ def test_chunks_are_advised_and_released():
     before = _advised_bytes()
     if before is None:
         pytest.skip("no /proc/self/smaps")
+    if not host_memory._Chunk(HUGE_PAGE_BYTES).advised:
+        pytest.skip("this kernel refuses MADV_HUGEPAGE (no transparent huge pages)")
     buffer = host_buffer(64 << 20)
     assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0
     assert _advised_bytes() - before >= 64 << 10  # kB: the whole buffer advised
@@ -92,6 +94,8 @@ def test_an_engine_on_the_cpu_holds_its_weights_in_advised_memory(synth_models, 
     from moetier.model import open_checkpoint
     from moetier.model.gguf_write import write_gguf
 
+    if not host_memory._Chunk(HUGE_PAGE_BYTES).advised:
+        pytest.skip("this kernel refuses MADV_HUGEPAGE (no transparent huge pages)")
     folder = synth_models("qwen3_moe")
     path = folder if source == "hf" else write_gguf(folder, tmp_path / "f32.gguf")[0]
     engine = Engine(open_checkpoint(path))
@@ -113,6 +117,22 @@ def test_switched_off_gives_plain_copies(monkeypatch):
     source = torch.randn(5, 6)
     assert torch.equal(host_copy(source), source) and torch.equal(host_cat([source, source]), torch.cat([source, source]))
     assert host_buffer(100).shape == (100,)
+
+
+def test_a_kernel_that_refuses_the_advice_still_gets_copies(monkeypatch):
+    """Where madvise(MADV_HUGEPAGE) fails (a kernel without transparent huge pages), chunks are plain memory."""
+    import mmap
+
+    def refuse(self, *args):
+        raise OSError(22, "Invalid argument")
+
+    class Refusing(mmap.mmap):
+        madvise = refuse
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", Refusing)
+    arena = HostArena(chunk_bytes=4 * HUGE_PAGE_BYTES)
+    source = torch.randn(100, 100)
+    assert torch.equal(arena.copy(source), source) and not arena._chunk.advised
 
 
 def test_device_tensors_are_refused():

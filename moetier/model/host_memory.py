@@ -13,7 +13,8 @@ only memory advised MADV_HUGEPAGE gets them; `always` gives them anyway and
 tensors are carved one after another (64-byte aligned) out of 64 MiB chunks,
 each a private anonymous mapping aligned to 2 MiB and advised once; a
 tensor over a chunk gets one of its own. A chunk lives while any tensor
-carved from it does. `host_buffer(n)` is an n-byte tensor of its own chunk
+carved from it does. A kernel that refuses the advice (built without
+transparent huge pages) leaves them plain memory: nothing fails. `host_buffer(n)` is an n-byte tensor of its own chunk
 (the read probe's buffer, so the roofline reads the memory the weights are
 in). MOETIER_HUGE_PAGES=0 turns it off (plain torch copies): the A/B.
 """
@@ -51,11 +52,17 @@ def thp_mode() -> str:
 
 
 class _Chunk:
-    """One anonymous mapping, its usable part aligned to HUGE_PAGE_BYTES and advised MADV_HUGEPAGE."""
+    """One anonymous mapping, its usable part aligned to HUGE_PAGE_BYTES and advised MADV_HUGEPAGE (`advised`:
+    whether the kernel took the advice; one built without transparent huge pages refuses it, and the chunk is
+    plain memory then)."""
 
     def __init__(self, nbytes: int):
         self.map = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.map.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            self.map.madvise(mmap.MADV_HUGEPAGE)
+            self.advised = True
+        except OSError:  # EINVAL: a kernel without transparent huge pages
+            self.advised = False
         view = ctypes.c_char.from_buffer(self.map)
         address = ctypes.addressof(view)
         del view  # the export ends here: the tensors' own exports keep the mapping alive
