@@ -117,6 +117,7 @@ def test_switched_off_gives_plain_copies(monkeypatch):
     source = torch.randn(5, 6)
     assert torch.equal(host_copy(source), source) and torch.equal(host_cat([source, source]), torch.cat([source, source]))
     assert host_buffer(100).shape == (100,)
+    assert host_memory.describe().startswith("plain memory")
 
 
 def test_a_kernel_that_refuses_the_advice_still_gets_copies(monkeypatch):
@@ -142,3 +143,5 @@ def test_device_tensors_are_refused():
 
 def test_thp_mode_reads_the_setting():
     assert host_memory.thp_mode() in ("always", "madvise", "never", "unknown")
+    if host_memory.huge_pages_wanted():
+        assert host_memory.describe() == f"memory advised for huge pages, THP {host_memory.thp_mode()}"

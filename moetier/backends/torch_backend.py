@@ -42,6 +42,7 @@ from moetier.backends.activations import act_type
 from moetier.backends.torch_activations import as_dot_input, stored_product
 from moetier.backends.torch_dequant import dequantize
 from moetier.model.checkpoint import ExpertWeights
+from moetier.model import host_memory
 from moetier.model.formats import FORMATS
 
 
@@ -158,7 +159,7 @@ class TorchBackend(Backend):
         if self.torch_device.type != "cpu":
             return super().describe()
         if self._kernel is not None:
-            experts = f"native kernels on {self.lanes} thread(s) (every stored format read in place)"
+            experts = f"native kernels on {self.lanes} thread(s) (every stored format read in place; held in {host_memory.describe()})"
         else:
             experts = f"torch ops; native kernels {cpu_kernels.status() if self._native_asked else 'not asked for'}"
         return f"{super().describe()}, experts: {experts}"

@@ -51,6 +51,13 @@ def thp_mode() -> str:
     return text[start + 1:end] if 0 <= start < end else "unknown"
 
 
+def describe() -> str:
+    """A few words for reports: where resident copies go on this machine."""
+    if not huge_pages_wanted():
+        return "plain memory" + (", MOETIER_HUGE_PAGES=0" if hasattr(mmap, "MADV_HUGEPAGE") else "")
+    return f"memory advised for huge pages, THP {thp_mode()}"
+
+
 class _Chunk:
     """One anonymous mapping, its usable part aligned to HUGE_PAGE_BYTES and advised MADV_HUGEPAGE (`advised`:
     whether the kernel took the advice; one built without transparent huge pages refuses it, and the chunk is
