@@ -29,18 +29,9 @@ def _advised_ranges() -> list[tuple[int, int]] | None:
 
 
 def _advised_bytes() -> int | None:
-    """kB of this process's mappings advised MADV_HUGEPAGE ("hg" in /proc/self/smaps's VmFlags), or None."""
-    try:
-        text = open("/proc/self/smaps").read()
-    except OSError:
-        return None
-    total, size = 0, 0
-    for line in text.splitlines():
-        if line.startswith("Size:"):
-            size = int(line.split()[1])
-        elif line.startswith("VmFlags:") and " hg" in f" {line.split(':', 1)[1]}":
-            total += size
-    return total
+    """kB of this process's mappings advised MADV_HUGEPAGE, or None."""
+    ranges = _advised_ranges()
+    return None if ranges is None else sum(end - start for start, end in ranges) // 1024
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int64])

@@ -41,8 +41,8 @@ from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.backends.activations import act_type
 from moetier.backends.torch_activations import as_dot_input, stored_product
 from moetier.backends.torch_dequant import dequantize
-from moetier.model.checkpoint import ExpertWeights
 from moetier.model import host_memory
+from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS
 
 

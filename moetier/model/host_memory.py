@@ -85,6 +85,11 @@ class _Chunk:
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=start) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
+def _own_chunk(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of a chunk of its own, rounded up to whole huge pages."""
+    return _Chunk(-(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES).carve(nbytes)
+
+
 class HostArena:
     """Resident copies carved out of advised chunks (thread-safe); the chunk being filled is the only one it holds."""
 
@@ -95,8 +100,8 @@ class HostArena:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """uint8 [nbytes], uninitialised (zero pages until written)."""
-        if nbytes > self.chunk_bytes // 4:  # a big tensor: a chunk of its own, rounded to whole huge pages
-            return _Chunk(-(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES).carve(nbytes)
+        if nbytes > self.chunk_bytes // 4:  # a big tensor: a chunk of its own
+            return _own_chunk(nbytes)
         with self._lock:
             out = self._chunk.carve(nbytes) if self._chunk is not None else None
             if out is None:
@@ -104,13 +109,15 @@ class HostArena:
                 out = self._chunk.carve(nbytes)
         return out
 
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor of `shape` and `dtype` in advised memory."""
+        return self.empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of host tensor t (any dtype, any shape) in advised memory."""
         if t.device.type != "cpu":
             raise ValueError(f"host_copy: a host tensor is needed, got one on {t.device}")
-        out = self.empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-        out.copy_(t)
-        return out
+        return self.tensor(tuple(t.shape), t.dtype).copy_(t)
 
 
 _ARENA = HostArena()
@@ -118,21 +125,19 @@ _ARENA = HostArena()
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """t's contiguous copy in memory advised for huge pages (a plain clone when `huge_pages_wanted` is false)."""
-    return _ARENA.copy(t) if huge_pages_wanted() else t.contiguous().clone()
+    return _ARENA.copy(t) if huge_pages_wanted() else t.clone(memory_format=torch.contiguous_format)
 
 
 def host_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(parts) (along dim 0) written straight into memory advised for huge pages."""
     if not huge_pages_wanted():
         return torch.cat(parts)
-    rows, first = sum(p.shape[0] for p in parts), parts[0]
-    out = _ARENA.empty(rows * math.prod(first.shape[1:]) * first.element_size()).view(first.dtype).view(rows, *first.shape[1:])
-    torch.cat(parts, out=out)
-    return out
+    first = parts[0]
+    return torch.cat(parts, out=_ARENA.tensor((sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype))
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] of its own advised chunk, uninitialised (plain torch.empty when huge pages are not wanted)."""
     if not huge_pages_wanted():
         return torch.empty(nbytes, dtype=torch.uint8)
-    return HostArena(chunk_bytes=0).empty(nbytes)
+    return _own_chunk(nbytes)
