@@ -222,23 +222,39 @@ typedef struct {
     matrix *parts;      /* a linear layer's row parts, each [its rows, D], read with units[part] */
     int64_t *part_row;  /* [parts] the first output column of each part */
     int64_t rows;       /* a linear layer's output columns: all its parts' rows */
+    int64_t grain;      /* one token's granule bytes (one_token_grain) */
 } moe_job;
 
-/* Rows of a matrix per granule: ~256 KiB of weights at one token, ~64 KiB for 2 to 8 tokens, less for more (a
- * granule's work is weight bytes times tokens), never under 32 at one token or 64 at more. One token reads a
- * granule's rows as four streams (cpu_dotk.c four_streams), each a quarter of it: 64 KiB granules made streams of
- * 16 KiB that the prefetchers found anew four times as often (Q4_K from DRAM, 2 threads, C harness: 25.0-25.4 ->
- * 28.9-29.1 GB/s at 256 KiB, 29.4 at 512; Q6_K 26.2 -> 29.3). More tokens: a granule reads all its tokens'
- * activations for each of its row tiles, so few rows and many tokens stream activations from L2 or beyond (Q8_0
- * [1024, 2048] at T = 256, 1 thread: 4 rows a granule 30 GMAC/s, 32 rows 63), and each dot call first unpacks
- * or packs its tokens' activations, once per granule (the `wide` F32 and Q8_0 prefill, 2 threads: 32 -> 64 rows
- * 5-10% faster). A function of the shapes only: the same cut for any thread count. */
-enum { GRANULE_ROWS_MIN = 32, GRANULE_ROWS_MIN_TOKENS = 64, ONE_TOKEN_GRANULE_BYTES = 262144 };
-static int64_t granule_rows(int64_t row_bytes, int64_t tokens) {
-    const int64_t target = tokens == 1 ? ONE_TOKEN_GRANULE_BYTES : (int64_t)65536 * 8 / (tokens > 8 ? tokens : 8);
+/* Rows of a matrix per granule: `grain` bytes of weights at one token (one_token_grain), ~64 KiB for 2 to 8
+ * tokens, less for more (a granule's work is weight bytes times tokens), never under 32 at one token or 64 at
+ * more. One token reads a granule's rows as four streams (cpu_dotk.c four_streams), each a quarter of it, which
+ * the prefetchers find anew at every granule: 64 KiB granules made streams of 16 KiB (Q4_K from DRAM, 2 threads,
+ * C harness: 25.0-25.4 -> 28.9-29.1 GB/s at 256 KiB, 29.4 at 512; Q6_K 26.2 -> 29.3). More tokens: a granule
+ * reads all its tokens' activations for each of its row tiles, so few rows and many tokens stream activations from
+ * L2 or beyond (Q8_0 [1024, 2048] at T = 256, 1 thread: 4 rows a granule 30 GMAC/s, 32 rows 63), and each dot
+ * call first unpacks or packs its tokens' activations, once per granule (the `wide` F32 and Q8_0 prefill, 2
+ * threads: 32 -> 64 rows 5-10% faster). At more tokens a function of the shapes only. */
+enum { GRANULE_ROWS_MIN = 32, GRANULE_ROWS_MIN_TOKENS = 64 };
+static int64_t granule_rows(int64_t row_bytes, int64_t tokens, int64_t grain) {
+    const int64_t target = tokens == 1 ? grain : (int64_t)65536 * 8 / (tokens > 8 ? tokens : 8);
     const int64_t least = tokens > 1 ? GRANULE_ROWS_MIN_TOKENS : GRANULE_ROWS_MIN;
     const int64_t r = (target + row_bytes - 1) / row_bytes;
     return r < least ? least : (r + 3) & ~(int64_t)3;
+}
+
+/* A one-token job's granule bytes: its weight bytes over GRAINS_A_THREAD per pool thread, within [GRAIN_MIN,
+ * GRAIN_MAX]. Each granule start costs its four streams' first bytes from DRAM while the core waits (the
+ * prefetch burst was 80% of four_streams' samples, 6.7% of a lane call's; perf, IQ3_S), so granules as big as
+ * the threads leave room for: the lane's IQ3_S calls (8 experts, 16 MB) 21.0-21.3 -> 21.7-22.2 GB/s with 1 MiB
+ * granules, Q4_K 29.2-30.2 -> 30.8-31.0, `deep` IQ3_S decode 81.0-84.5 -> 83.6-87.1 tok/s (2 threads, Intel
+ * host, alternated); F32 `wide`, Q4_K_M and Q8_0 `deep` within noise. A many-core host keeps ~4 granules a
+ * thread (256 KiB, as before, where they would be fewer). The cut then depends on the thread count, the bits do
+ * not: at one token each row's sum is its blocks in order into its own accumulator, whatever granule it is in
+ * (tested with cuts that differ by thread count). */
+enum { GRAINS_A_THREAD = 4, GRAIN_MIN = 262144, GRAIN_MAX = 1048576 };
+static int64_t one_token_grain(const moe_pool *pool, int64_t weight_bytes) {
+    const int64_t grain = weight_bytes / (GRAINS_A_THREAD * pool_threads(pool));
+    return grain < GRAIN_MIN ? GRAIN_MIN : grain > GRAIN_MAX ? GRAIN_MAX : grain;
 }
 
 enum { QUANT_ROWS = 16, SUM_ROWS = 4 };
@@ -351,8 +367,12 @@ static void *carve(uint8_t **at, size_t bytes) {
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* one token's last expert's down rows are tapered (the job's end waits on a quarter granule) */
+static inline int last_down_tapered(int64_t T, int64_t g, int64_t G) { return T == 1 && g == G - 1; }
+
 /* Arena bytes moe_layout carves for this call (an upper bound: one token's experts may share activations). */
-static size_t moe_bytes(int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records, const int64_t *offsets) {
+static size_t moe_bytes(int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records, const int64_t *offsets,
+                        int64_t grain) {
     const int64_t pairs = offsets ? offsets[G] : G;
     size_t bytes = aligned(sizeof(moe_group) * (size_t)G) + aligned(sizeof(act_unit) * (size_t)G)
                    + 2 * aligned(sizeof(int64_t) * (size_t)(T + 1)) + 2 * aligned(sizeof(int64_t) * (size_t)pairs);
@@ -363,8 +383,8 @@ static size_t moe_bytes(int64_t T, int64_t D, int64_t I, int64_t G, const int64_
         const int64_t n = offsets ? offsets[g + 1] - offsets[g] : 1;
         bytes += aligned((size_t)(n * up.act_bytes)) + aligned(sizeof(float) * (size_t)(n * 2 * I))
                  + aligned((size_t)(n * down.act_bytes)) + aligned(sizeof(float) * (size_t)(n * D));
-        granules += ceil_div(n, QUANT_ROWS) + ceil_div(2 * I, granule_rows(up.row_bytes, n))
-                    + ceil_div(D, granule_rows(down.row_bytes, n));
+        granules += ceil_div(n, QUANT_ROWS) + ceil_div(2 * I, granule_rows(up.row_bytes, n, grain))
+                    + add_granules_tapered(NULL, 0, G_DOWN, g, D, granule_rows(down.row_bytes, n, grain), last_down_tapered(T, g, G));
     }
     return bytes + aligned(sizeof(granule) * (size_t)granules);
 }
@@ -401,7 +421,7 @@ static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const in
         e->h = carve(&at, sizeof(float) * (size_t)(e->n * 2 * I));
         e->hq = carve(&at, (size_t)(e->n * e->down.act_bytes));
         e->y = carve(&at, sizeof(float) * (size_t)(e->n * D));
-        e->up_left = ceil_div(2 * I, granule_rows(e->up.row_bytes, e->n));
+        e->up_left = ceil_div(2 * I, granule_rows(e->up.row_bytes, e->n, j->grain));
         e->hidden_pending = 1;
     }
     /* granules in the order they are claimed: every one is claimed after those whose outputs it reads */
@@ -413,9 +433,12 @@ static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const in
         j->units[u].left = n - before;
     }
     ends[0] = n;
-    for (int64_t g = 0; g < G; g++) n = add_granules(list, n, G_UP, g, 2 * I, granule_rows(j->groups[g].up.row_bytes, j->groups[g].n));
+    for (int64_t g = 0; g < G; g++)
+        n = add_granules(list, n, G_UP, g, 2 * I, granule_rows(j->groups[g].up.row_bytes, j->groups[g].n, j->grain));
     ends[1] = n;
-    for (int64_t g = 0; g < G; g++) n = add_granules(list, n, G_DOWN, g, D, granule_rows(j->groups[g].down.row_bytes, j->groups[g].n));
+    for (int64_t g = 0; g < G; g++)
+        n = add_granules_tapered(list, n, G_DOWN, g, D, granule_rows(j->groups[g].down.row_bytes, j->groups[g].n, j->grain),
+                                 last_down_tapered(T, g, G));
     j->down_left = n - ends[1];
     ends[2] = n;
     ends[3] = add_granules(list, n, G_SUM, 0, T, SUM_ROWS);
@@ -438,9 +461,15 @@ static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const in
  * weights[g]. -> 0, or -2 when out of memory. The caller holds pool->call. */
 static int64_t experts_held(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records,
                             const int64_t *offsets, const int64_t *rows, const float *weights, float *out) {
-    uint8_t *arena = pool_arena(pool, moe_bytes(T, D, I, G, records, offsets));
+    int64_t weight_bytes = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *r = records + RECORD_WORDS * g, float_acts = r[4] & FLAG_FLOAT_ACTS;
+        weight_bytes += 2 * I * matrix_of(r[0], r[2], float_acts, D).row_bytes + D * matrix_of(r[1], r[3], float_acts, I).row_bytes;
+    }
+    const int64_t grain = one_token_grain(pool, weight_bytes);
+    uint8_t *arena = pool_arena(pool, moe_bytes(T, D, I, G, records, offsets, grain));
     if (!arena) return -2;
-    moe_job job = {.x = x, .out = out, .T = T, .D = D, .I = I, .G = G};
+    moe_job job = {.x = x, .out = out, .T = T, .D = D, .I = I, .G = G, .grain = grain};
     int64_t ends[4];
     moe_layout(&job, arena, records, offsets, rows, weights, ends);
     pool_run(pool, run_granule, &job, 4, ends);
@@ -470,12 +499,16 @@ static int64_t linear_held(moe_pool *pool, const float *x, int64_t T, int64_t n,
                            int64_t float_acts, float *y) {
     moe_job job = {.x = x, .out = y, .T = T, .D = n};
     matrix m[P];
-    int64_t granules = 0;
+    int64_t granules = 0, weight_bytes = 0;
     size_t bytes = aligned(sizeof(act_unit) * (size_t)P) + aligned(sizeof(int64_t) * (size_t)P);
     for (int64_t p = 0; p < P; p++) {
         m[p] = matrix_of(parts[p].address, parts[p].type, float_acts, n);
+        weight_bytes += parts[p].rows * m[p].row_bytes;
+    }
+    const int64_t grain = one_token_grain(pool, weight_bytes);
+    for (int64_t p = 0; p < P; p++) {
         granules += ceil_div(T, QUANT_ROWS) + add_granules_tapered(NULL, 0, G_LINEAR, p, parts[p].rows,
-                                                                    granule_rows(m[p].row_bytes, T), T == 1 && p == P - 1);
+                                                                    granule_rows(m[p].row_bytes, T, grain), T == 1 && p == P - 1);
         bytes += aligned((size_t)(T * m[p].act_bytes));
         job.rows += parts[p].rows;
     }
@@ -494,7 +527,7 @@ static int64_t linear_held(moe_pool *pool, const float *x, int64_t T, int64_t n,
     for (int64_t p = 0; p < P; p++) ends[0] = add_granules(job.granules, ends[0], G_QUANT, p, T, QUANT_ROWS);
     ends[1] = ends[0];
     for (int64_t p = 0; p < P; p++)
-        ends[1] = add_granules_tapered(job.granules, ends[1], G_LINEAR, p, parts[p].rows, granule_rows(m[p].row_bytes, T),
+        ends[1] = add_granules_tapered(job.granules, ends[1], G_LINEAR, p, parts[p].rows, granule_rows(m[p].row_bytes, T, grain),
                                        T == 1 && p == P - 1);
     pool_run(pool, run_granule, &job, 2, ends);
     return 0;
