@@ -42,13 +42,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from quant_blocks import random_rows  # noqa: E402
+from quant_blocks import F16_FIELDS, random_rows  # noqa: E402
 
 from moetier.backends import ExpertWork, cpu_kernels, cpu_lane  # noqa: E402
 from moetier.calibrate import read_probes  # noqa: E402
 from moetier.model import ExpertWeights  # noqa: E402
 from moetier.model.formats import BY_NAME  # noqa: E402
-from moetier.model.host_memory import host_copy  # noqa: E402
 
 DIM, INTER, K = 2048, 768, 8
 
@@ -64,9 +63,10 @@ def expert_set(name: str, min_bytes: int, rng: np.random.Generator) -> list[Expe
     fmt = BY_NAME[name]
     one = fmt.row_bytes(DIM) * 2 * INTER + fmt.row_bytes(INTER) * DIM
     count = max(2 * K, -(-min_bytes // one) // K * K)
-    # in host memory advised for huge pages, where the CPU tier's experts are (moetier.model.host_memory)
-    return [ExpertWeights(host_copy(matrix(name, 2 * INTER, DIM, rng)), host_copy(matrix(name, DIM, INTER, rng)), False, fmt.id,
-                          fmt.id, False) for _ in range(count)]
+    # held as the CPU tier holds its experts: in memory advised for huge pages (moetier.model.host_memory), in the
+    # layout the kernels read fastest (IQ3_S as IQ3_S_T: cpu_kernels.resident_layout)
+    return [cpu_kernels.resident_layout(ExpertWeights(matrix(name, 2 * INTER, DIM, rng), matrix(name, DIM, INTER, rng),
+                                                      True, fmt.id, fmt.id, False)) for _ in range(count)]
 
 
 def _busy_s() -> float:
@@ -210,6 +210,10 @@ def main() -> None:
     if kernel is None:
         raise SystemExit(f"no native kernels: {cpu_kernels.status()}")
     threads = [int(t) for t in args.threads.split(",")]
+    files = [name for name, fmt in BY_NAME.items() if fmt.dtype is not None or name in F16_FIELDS]  # a file's formats
+    for name in args.formats.split(","):
+        if name not in files:
+            parser.error(f"--formats: {name!r} is not a stored format (expected some of {','.join(files)})")
     print(cpu_kernels.status())
     report = {"status": cpu_kernels.status(), "hand_off": {t: hand_off(kernel, t) for t in threads}, "formats": {}}
     rng = np.random.default_rng(0)

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from cli_runs import moetier, refused
 from gguf_blocks import restored
 from layouts import REMOTE_TIER, cache_layout
+from moetier.backends.cpu_kernels import resident_layout
 from moetier.config import load_layout
 from moetier.engine import Engine, generate, score
 from moetier.engine.runtime import build_runtime
@@ -69,8 +70,9 @@ def test_experts_are_held_in_their_stored_bytes(files):
         s = checkpoint.spec
         weights = checkpoint.expert(s.moe_layers[-1], 3)
         assert weights.formats == expected
-        host = HostExperts(checkpoint, s.moe_layers)
-        assert host.get(s.moe_layers[0], 0).formats == expected
+        host = HostExperts(checkpoint, s.moe_layers)  # the same bytes a block; IQ3_S as IQ3_S_T where the kernels want it
+        held = resident_layout(weights).formats
+        assert held in (expected, expected.replace("IQ3_S", "IQ3_S_T")) and host.get(s.moe_layers[0], 0).formats == held
         assert host.nbytes == checkpoint.expert_nbytes * s.num_experts * len(s.moe_layers)
         float32_bytes = 3 * s.hidden_size * s.moe_intermediate_size * 4
         ratio = {"bf16": 2.0, "F32": 1.0, "Q4_K": 4 / (144 / 256), "Q4_K/Q6_K": 3 * 4 / (2 * 144 / 256 + 210 / 256),
@@ -163,8 +165,11 @@ def test_vram_slots_follow_the_stored_bytes_in_show_placement_and_runtime(files,
     assert seen["F32"] < seen["Q8_0"]
 
 
-def test_layouts_over_a_quantized_file_are_lossless(files, tmp_path):
-    checkpoint = open_checkpoint(files["Q4_K/Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K/Q6_K", "IQ3_S"])
+def test_layouts_over_a_quantized_file_are_lossless(files, tmp_path, name):
+    """A VRAM cache (emulated here: torch dequantization of what it uploads) and the CPU lane over the host's
+    experts, IQ3_S's held as IQ3_S_T where the kernels want it, give the engine's logits."""
+    checkpoint = open_checkpoint(files[name])
     expected = score(Engine(checkpoint), IDS)
     path = tmp_path / "layout.toml"
     path.write_text(cache_layout(slots=3, policy="lru", cpu_threads=2) + "[scheduler]\ndefer_cpu = 0\ntail_skip = false\n")

@@ -44,6 +44,7 @@
 #include "cpu_dot.h"
 #include "cpu_vnni.h"
 #include "cpu_stream.h"
+#include "cpu_iq3s_t.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define DOTK_AVX512 1
@@ -53,7 +54,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23 };
+enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23, IQ3_S_T = 121 };
 enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
 /* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d, and
  * (AVX2) the 8 sub-block sums (int16) */
@@ -162,7 +163,7 @@ int64_t dotk_act_type(int64_t wtype, int64_t float_acts) {
     (void)float_acts;  /* these formats dot with Q8_K only */
     switch (wtype) {
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return ACT_Q8_K;
-    case IQ3_XXS: case IQ3_S: case IQ4_XS: return tables_ready ? ACT_Q8_K : -1;
+    case IQ3_XXS: case IQ3_S: case IQ4_XS: case IQ3_S_T: return tables_ready ? ACT_Q8_K : -1;
     default: return -1;
     }
 }
@@ -1049,6 +1050,13 @@ ROWS(rows_q5k, decode_q5k, 176, HAS_MIN)
 ROWS(rows_q6k, decode_q6k, 210, HAS_OFF)
 ROWS(rows_iq3xxs, decode_iq3xxs, 98, IQ3_KIND)
 ROWS(rows_iq3s, decode_iq3s, 110, IQ3_KIND)
+/* IQ3_S_T outside the one-token AVX-512 loop: each block decoded from an IQ3_S copy (cpu_iq3s_t.h) */
+static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
+    uint8_t block[110];
+    iq3s_block_back(b, block);
+    decode_iq3s(block, w);
+}
+ROWS(rows_iq3st, decode_iq3s_t, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 
 #if defined(DOTK_AVX512)
@@ -1262,22 +1270,23 @@ static inline void sign_picks(__m512i pick[4]) {
     for (int j = 0; j < 4; j++) pick[j] = _mm512_add_epi8(quad, _mm512_set1_epi8((char)j));
 }
 
-/* the 4 vectors' magnitudes q dotted with the token's quants (x_iq3s's order) carrying the weights' signs (bit
- * 4p + j of signs for byte p of vector j, picked by sign_picks): each int32 lane sums 16 products (4 vpdpbusd) */
-static inline __attribute__((always_inline)) __m512i signed_dot4(const __m512i q[4], const uint8_t *x, __m512i signs,
-                                                                 const __m512i pick[4]) {
+/* the 4 vectors' magnitudes q dotted with the token's quants (x_iq3s's order) carrying the weights' signs (bit p
+ * of negative[j]: byte p of vector j): each int32 lane sums 16 products (4 vpdpbusd) */
+static inline __attribute__((always_inline)) __m512i signed_dot4(const __m512i q[4], const uint8_t *x,
+                                                                 const __mmask64 negative[4]) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i a[4];
     for (int j = 0; j < 4; j++) {
         a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
-        a[j] = _mm512_mask_sub_epi8(a[j], _mm512_bitshuffle_epi64_mask(signs, pick[j]), zero, a[j]);
+        a[j] = _mm512_mask_sub_epi8(a[j], negative[j], zero, a[j]);
     }
     return _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
                             _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
 }
 
-/* one block into a row's sum (the lanes of acc) */
-static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+/* one block into a row's sum (the lanes of acc); transposed: an IQ3_S_T block (its signs 4 masks as they lie) */
+static inline __attribute__((always_inline)) void iq3s_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
+                                                                const int transposed) {
     const __m512i *t = (const __m512i *)nib_s[0];  /* plane 0: t[0..7], plane 1: t[8..15] */
     const __m512i m4 = _mm512_set1_epi8(15);
     /* vector j, byte p: sign bit 4p + j, in qword p / 16 of the signs: the qwords doubled, so qword lane p / 8 */
@@ -1294,15 +1303,28 @@ static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, co
         plane[h] = _mm512_mask_blend_epi8(bit8, quarters256(t + 8 * h, idx), quarters256(t + 8 * h + 4, idx));
     const __m512i q[4] = {_mm512_and_si512(plane[0], m4), high_nibbles(plane[0]), _mm512_and_si512(plane[1], m4),
                           high_nibbles(plane[1])};
-    const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
-    const __m512i s = signed_dot4(q, x, signs, pick);
+    __mmask64 negative[4];
+    if (transposed) {
+        for (int j = 0; j < 4; j++) negative[j] = _cvtu64_mask64(u64_at(b + IQ3S_SIGNS_AT + 8 * j));
+    } else {
+        const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
+        for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
+    }
+    const __m512i s = signed_dot4(q, x, negative);
     /* 2s + 1 of lane L's sub-block L / 2, in the lane's low int16 (its high int16 zero) */
     const __m512i sc = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + 106)), nibble),
                                                  _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
     const float dd = f16_at(b) * f32_at(x + XS_D);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_madd_epi16(s, sc)), *acc);
 }
+static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    iq3s_any_step(b, x, acc, 0);
+}
+static inline __attribute__((always_inline)) void iq3st_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    iq3s_any_step(b, x, acc, 1);
+}
 STREAMED(iq3s, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3s_step, as_is)
+STREAMED(iq3st, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3st_step, as_is)
 
 /* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles level numbers (gguf's values 4..62,
  * one vpshufb a vector: a level's top bit, and so each byte's bit 7, is clear); its sign fields through their 128
@@ -1324,7 +1346,9 @@ static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, 
     const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
     const __m512i patterns = _mm512_permutex2var_epi8(signs_lo, _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)), signs_hi);
     const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
-    const __m512i s = signed_dot4(q, x, signs, pick);
+    __mmask64 negative[4];
+    for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
+    const __m512i s = signed_dot4(q, x, negative);
     /* 2s + 1 of lane L's sub-block L / 2: the top 4 bits of its u32 */
     const __m512i sc = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27),
                                                  _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
@@ -1517,12 +1541,19 @@ static inline __attribute__((always_inline)) void q5k_step(const uint8_t *b, con
     }
 BLOCK_STEP(q6k, 210)
 BLOCK_STEP(iq3s, 110)
+static inline __attribute__((always_inline)) void iq3st_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    uint8_t block[110];  /* IQ3_S_T: its IQ3_S copy, so its one-token bits are IQ3_S's */
+    iq3s_block_back(b, block);
+    iq3s_block(block, xb, acc);
+}
+BLOCK_STEP(iq3st, 110)
 BLOCK_STEP(iq3xxs, 98)
 BLOCK_STEP(iq4xs, 136)
 STREAMED(q4k, 4, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
 STREAMED(q5k, 4, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
 ONE_ROW(iq3s, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3s_step, as_is)
+ONE_ROW(iq3st, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3st_step, as_is)
 ONE_ROW(iq3xxs, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxs_step, as_is)
 STREAMED(iq4xs, 4, 136, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq4xs_step, as_is)
 
@@ -1533,6 +1564,7 @@ static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case Q5_K: *four = q5k_four, *one = q5k_one; return 1;
     case Q6_K: *four = q6k_four, *one = q6k_one; return 1;
     case IQ3_S: *four = NULL, *one = iq3s_one; return 1;  /* its table loads: four rows lost (7.1 -> 5.9 GB/s), two (6.9 -> 6.5) */
+    case IQ3_S_T: *four = NULL, *one = iq3st_one; return 1;
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
     case IQ4_XS: *four = iq4xs_four, *one = iq4xs_one; return 1;
     default: return 0;
@@ -1712,6 +1744,7 @@ TILED2_ROWS(tiled2_q3k, decode_q3k, 110, HAS_OFF, 4, 4)
 TILED2_ROWS(tiled2_q4k, decode_q4k, 144, HAS_MIN, 8, 8)
 TILED2_ROWS(tiled2_q5k, decode_q5k, 176, HAS_MIN, 8, 4)
 TILED2_ROWS(tiled2_iq3s, decode_iq3s, 110, HAS_OFF, 8, 4)
+TILED2_ROWS(tiled2_iq3st, decode_iq3s_t, 110, HAS_OFF, 8, 4)
 #endif
 
 
@@ -1880,6 +1913,7 @@ TILED_ROWS(tiled_q5k, decode_q5k, 176, HAS_MIN, 8, 0)
 TILED_ROWS(tiled_q6k, decode_q6k, 210, HAS_OFF, 4, 5)
 TILED_ROWS(tiled_iq3xxs, decode_iq3xxs, 98, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq3s, decode_iq3s, 110, SIGNED, 8, 7)
+TILED_ROWS(tiled_iq3st, decode_iq3s_t, 110, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq4xs, decode_iq4xs, 136, SIGNED, 8, 7)
 #endif
 
@@ -1904,6 +1938,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         case Q6_K: PICK(rows_q6k, tiled_q6k); break;
         case IQ3_XXS: PICK(rows_iq3xxs, tiled_iq3xxs); break;
         case IQ3_S: PICK(rows_iq3s, tiled_iq3s); break;
+        case IQ3_S_T: PICK(rows_iq3st, tiled_iq3st); break;
         case IQ4_XS: PICK(rows_iq4xs, tiled_iq4xs); break;
         }
     }
@@ -1911,7 +1946,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #if defined(DOTK_TILED)
     /* from how many tokens the tiles beat the row loop (its decoding is spread over fewer products): the IQ
      * formats' costlier decoding pays sooner (measured on Zen 5, 2048 columns) */
-    const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ4_XS ? 4 : 8;
+    const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ3_S_T || wtype == IQ4_XS ? 4 : 8;
     const size_t acc_bytes = (size_t)T * sizeof(__m512), sums_bytes = (size_t)(T * (n / QK) * 16 + 63) & ~(size_t)63;
     __m512 *acc = tiles != NULL && T >= from ? aligned_alloc(64, acc_bytes + sums_bytes) : NULL;
     if (acc != NULL) {  /* else (out of memory too) the row loop */
@@ -1924,9 +1959,10 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     if (loop != NULL && wtype == Q4_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q4k, q4k_four, q4k_one))
         return;
 #if defined(IQ3_GEMV)
-    if (loop != NULL && T == 1 && ((wtype == IQ3_S && nibbles_s) || wtype == IQ3_XXS)
-        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq3s, wtype == IQ3_S ? iq3s_four : iq3xxs_four,
-                             wtype == IQ3_S ? iq3s_one : iq3xxs_one))
+    if (loop != NULL && T == 1 && (((wtype == IQ3_S || wtype == IQ3_S_T) && nibbles_s) || wtype == IQ3_XXS)
+        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq3s,
+                             wtype == IQ3_S ? iq3s_four : wtype == IQ3_S_T ? iq3st_four : iq3xxs_four,
+                             wtype == IQ3_S ? iq3s_one : wtype == IQ3_S_T ? iq3st_one : iq3xxs_one))
         return;
 #endif
 #if defined(__AVX512VNNI__)
@@ -1943,7 +1979,8 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         typedef void (*tile2_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t,
                                    uint8_t *, __m256 *);
         const tile2_loop tiles2 = wtype == Q2_K ? tiled2_q2k : wtype == Q3_K ? tiled2_q3k : wtype == Q4_K ? tiled2_q4k
-                                : wtype == Q5_K ? tiled2_q5k : wtype == IQ3_S ? tiled2_iq3s : NULL;
+                                : wtype == Q5_K ? tiled2_q5k : wtype == IQ3_S ? tiled2_iq3s
+                                : wtype == IQ3_S_T ? tiled2_iq3st : NULL;
         const size_t packed_bytes = (size_t)(TILE * (n / QK) * PACKED_BYTES);
         uint8_t *scratch = tiles2 != NULL ? aligned_alloc(64, packed_bytes + 2 * TILE * sizeof(__m256)) : NULL;
         if (scratch != NULL) {  /* else (out of memory too) the row loop */
@@ -1965,4 +2002,29 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
     for (int64_t t = 0; t < T; t++)  /* not this family's (the wrappers never ask): loudly wrong, never stale */
         for (int64_t r = 0; r < rows; r++) y[t * ldy + r] = __builtin_nanf("");
+}
+
+/* The layout this library reads a format in fastest where it is held in memory: IQ3_S_T for IQ3_S where the
+ * one-token AVX-512 loop runs (cpu_iq3s_t.h), else the format itself. */
+int64_t dotk_resident_type(int64_t wtype) {
+#if defined(IQ3_GEMV)
+    if (wtype == IQ3_S && tables_ready && nibbles_s) return IQ3_S_T;
+#endif
+    return wtype;
+}
+
+/* `blocks` blocks from one layout of a format to another (IQ3_S <-> IQ3_S_T; the same type: a copy) -> 0, or -1
+ * for a pair this file does not convert (src and dst do not overlap) */
+int64_t dotk_repack(int64_t from, int64_t to, const void *src, void *dst, int64_t blocks) {
+    const uint8_t *in = (const uint8_t *)src;
+    uint8_t *out = (uint8_t *)dst;
+    if ((from != IQ3_S && from != IQ3_S_T) || (to != IQ3_S && to != IQ3_S_T)) return -1;
+    memcpy(out, in, (size_t)(110 * blocks));
+    if (from != to)
+        for (int64_t i = 0; i < blocks; i++) {
+            const uint8_t *signs = in + 110 * i + IQ3S_SIGNS_AT;
+            if (to == IQ3_S_T) iq3s_signs_transposed(signs, out + 110 * i + IQ3S_SIGNS_AT);
+            else iq3s_signs_back(signs, out + 110 * i + IQ3S_SIGNS_AT);
+        }
+    return 0;
 }

@@ -18,23 +18,27 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_iq3s_t.h"
+
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
     Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ4_XS = 23, BF16 = 30,
+    IQ3_S_T = 121,  /* moetier's resident IQ3_S (cpu_iq3s_t.h), not a GGML type */
+    TYPES = 122,
 };
 
 /* (values per block, bytes per block) by GGML type id; {0, 0}: not a format read here.
  * cpu_kernels.py refuses this library if any entry differs from moetier.model.formats. */
-static const int64_t GEOMETRY[31][2] = {
+static const int64_t GEOMETRY[TYPES][2] = {
     [F32] = {1, 4}, [F16] = {1, 2}, [BF16] = {1, 2}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
     [Q5_1] = {32, 24}, [Q8_0] = {32, 34}, [Q2_K] = {256, 84}, [Q3_K] = {256, 110}, [Q4_K] = {256, 144},
     [Q5_K] = {256, 176}, [Q6_K] = {256, 210}, [IQ3_XXS] = {256, 98}, [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110},
-    [IQ4_XS] = {256, 136},
+    [IQ4_XS] = {256, 136}, [IQ3_S_T] = {256, 110},
 };
 
 /* -> 1 and the type's block geometry, or 0 for a type this file does not read */
 int64_t format_geometry(int64_t type, int64_t *block, int64_t *block_bytes) {
-    if (type < 0 || type > 30 || GEOMETRY[type][0] == 0) return 0;
+    if (type < 0 || type >= TYPES || GEOMETRY[type][0] == 0) return 0;
     *block = GEOMETRY[type][0];
     *block_bytes = GEOMETRY[type][1];
     return 1;
@@ -264,6 +268,12 @@ static void block_iq4_xs(const uint8_t *restrict b, float *restrict y) {  /* 8 g
 
 /* ---- rows ----------------------------------------------------------------------------------- */
 
+static void block_iq3_s_t(const uint8_t *restrict b, float *restrict y) {
+    uint8_t block[110];
+    iq3s_block_back(b, block);
+    block_iq3_s(block, y);
+}
+
 #define BLOCKS(fn, values, bytes) \
     for (int64_t n = cols / (values), i = 0; i < n; i++) fn(src + (bytes) * i, dst + (values) * i); \
     return src + (cols / (values)) * (bytes)
@@ -293,6 +303,7 @@ const uint8_t *dequantize_row(int64_t type, const uint8_t *src, float *dst, int6
     case IQ3_XXS: BLOCKS(block_iq3_xxs, 256, 98);
     case IQ4_NL: BLOCKS(block_iq4_nl, 32, 18);
     case IQ3_S: BLOCKS(block_iq3_s, 256, 110);
+    case IQ3_S_T: BLOCKS(block_iq3_s_t, 256, 110);
     case IQ4_XS: BLOCKS(block_iq4_xs, 256, 136);
     default:
         return src;  /* unreachable: the wrappers pass only types format_geometry knows */

@@ -44,6 +44,7 @@ from moetier.backends.cpu_mixers import MixerKernels, float_input
 from moetier.backends.cpu_status import status_error
 from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS, Format, format_of
+from moetier.model.host_memory import host_copy
 from moetier.native import FAST_FLAGS, STRICT_FLAGS, library
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -64,6 +65,24 @@ def default_threads() -> int:
     if asked.isdigit() and 1 <= int(asked) <= THREADS_MAX:
         return int(asked)
     return len(os.sched_getaffinity(0))
+
+
+def resident_layout(weights: ExpertWeights) -> ExpertWeights:
+    """weights in host memory as this machine's native kernels read them fastest: a matrix whose format they read
+    faster laid out otherwise (IQ3_S as IQ3_S_T where cpu_dotk.c's one-token AVX-512 loop runs) repacked, the rest
+    as ExpertWeights.resident keeps them; each matrix copied once at most. Only formats the decode kernel reads
+    with a native family (not with MOETIER_NATIVE=0 or MOETIER_DOT_FAMILIES=0); MOETIER_REPACK=0: resident() only."""
+    native = _load()[0] if os.environ.get("MOETIER_REPACK", "1") != "0" and weights.gate_up.is_cpu else None
+    on = native.native_types if native is not None else frozenset()
+    dots = dot_kernels.dot_kernels() if on else None
+    types = (weights.gate_up_type, weights.down_type)
+    wanted = tuple(dots.resident_type(t) if dots is not None and t in on else t for t in types)
+    held = tuple(w if w in on else t for t, w in zip(types, wanted))
+    if held == types:
+        return weights.resident()
+    gate_up, down = (dots.repacked(m, t, h) if h != t else (host_copy(m) if weights.mapped else m)
+                     for m, t, h in zip((weights.gate_up, weights.down), types, held))
+    return ExpertWeights(gate_up, down, False, held[0], held[1], weights.float_acts, weights.swiglu_limit)
 
 
 def _width(fmt: Format, cols: int) -> int:
@@ -376,16 +395,18 @@ def _act_error(lib: ctypes.CDLL, fmt: Format) -> str | None:
     return None
 
 
-def _register(lib: ctypes.CDLL) -> str:
-    """The fallback family for every format, then each native family's formats over it; -> which, in words."""
+def _register(lib: ctypes.CDLL) -> tuple[str, frozenset[int]]:
+    """The fallback family for every format, then each native family's formats over it; -> which, in words, and
+    the formats a native family computes."""
     fallback = (_address(lib.fallback_act_type), _address(lib.fallback_quantize), _address(lib.fallback_dot))
     for fmt in FORMATS.values():
-        lib.moe_dot_register(fmt.id, *fallback)
+        if lib.moe_dot_register(fmt.id, *fallback):
+            raise RuntimeError(f"{SOURCE.name} holds type ids below {fmt.id} ({fmt.name}): raise its TYPES")
     if os.environ.get("MOETIER_DOT_FAMILIES", "1") == "0":
-        return "fallback dots for every format (MOETIER_DOT_FAMILIES=0)"
+        return "fallback dots for every format (MOETIER_DOT_FAMILIES=0)", frozenset()
     dots = dot_kernels.dot_kernels()
     if dots is None:
-        return f"fallback dots for every format (families {dot_kernels.status()})"
+        return f"fallback dots for every format (families {dot_kernels.status()})", frozenset()
     refused, native = [], set()
     for wtype in sorted(dots.types & FORMATS.keys()):
         lib.moe_dot_register(wtype, *dots.entry(wtype))
@@ -397,7 +418,7 @@ def _register(lib: ctypes.CDLL) -> str:
             refused.append(why)
     rest = [f.name for f in FORMATS.values() if f.id not in native]
     return (f"dots {dot_kernels.status()}" + (f", fallback for {', '.join(rest)}" if rest else "")
-            + (f"; refused: {'; '.join(refused)}" if refused else ""))
+            + (f"; refused: {'; '.join(refused)}" if refused else "")), frozenset(native)
 
 
 class _Native:
@@ -407,7 +428,7 @@ class _Native:
         self.library, self.path, self.formats = lib, path, formats
         _declare(lib, formats)
         lib.moe_decode_init(_address(formats.dequantize_row), _address(formats.format_geometry))
-        self.dots = _register(lib)
+        self.dots, self.native_types = _register(lib)
 
 
 @functools.cache

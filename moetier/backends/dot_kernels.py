@@ -25,6 +25,7 @@ import torch
 
 from moetier.backends import activations
 from moetier.model.formats import FORMATS, format_of
+from moetier.model.host_memory import host_empty
 from moetier.native import FAST_FLAGS, library
 
 FAMILIES = ("dot32", "dotk")  # cpu_<family>.c, each exporting <family>_act_type, <family>_quantize, <family>_dot
@@ -42,6 +43,12 @@ class _Family:
         self.dot = getattr(lib, f"{name}_dot")
         self.dot.restype, self.dot.argtypes = None, [i64, i64, i64, p, i64, i64, p, i64, p, i64]
         self.types = frozenset(t for t in FORMATS if self.act_type(t, 0) >= 0)
+        # optional: the layout the family reads a format in fastest, and the conversion to it (cpu_dotk.c)
+        self.resident_type = getattr(lib, f"{name}_resident_type", None)
+        if self.resident_type is not None:
+            self.resident_type.restype, self.resident_type.argtypes = i64, [i64]
+            self.repack = getattr(lib, f"{name}_repack")
+            self.repack.restype, self.repack.argtypes = i64, [i64, i64, p, p, i64]
 
 
 class DotKernels:
@@ -101,6 +108,30 @@ class DotKernels:
         row_bytes = w.shape[1] * w.element_size()
         family.dot(int(wtype), int(act), n, w.data_ptr(), row_bytes, rows, xq.data_ptr(), tokens, y.data_ptr(), rows)
         return y
+
+    def resident_type(self, wtype: int) -> int:
+        """The layout (a type id of moetier.model.formats) in which the family computing wtype reads its matrices
+        fastest: IQ3_S_T for IQ3_S where cpu_dotk.c's one-token AVX-512 loop runs; else wtype itself."""
+        family = self._by_type.get(int(wtype))
+        return int(wtype) if family is None or family.resident_type is None else int(family.resident_type(int(wtype)))
+
+    def repacked(self, data: torch.Tensor, wtype: int, to_type: int) -> torch.Tensor:
+        """A uint8 [rows, row bytes] matrix of wtype as to_type (another layout of the same format, e.g. IQ3_S ->
+        IQ3_S_T and back), a new tensor in memory advised for huge pages; data itself when the types are equal."""
+        if int(wtype) == int(to_type):
+            return data
+        fmt, to = format_of(wtype), format_of(to_type)
+        family = self._by_type.get(int(wtype))
+        if family is None or family.resident_type is None or fmt.block_bytes != to.block_bytes or fmt.block != to.block:
+            raise ValueError(f"{fmt.name} -> {to.name}: not two layouts of one format a native family converts")
+        if data.dim() != 2 or data.dtype != torch.uint8 or data.device.type != "cpu" or data.shape[1] % fmt.block_bytes:
+            raise ValueError(f"{fmt.name}: expected a host uint8 [rows, whole {fmt.block_bytes}-byte blocks] tensor, "
+                             f"got {data.dtype} {list(data.shape)} on {data.device}")
+        data = data.contiguous()
+        out = host_empty(tuple(data.shape), torch.uint8)
+        if family.repack(int(wtype), int(to_type), data.data_ptr(), out.data_ptr(), data.numel() // fmt.block_bytes):
+            raise ValueError(f"{fmt.name} -> {to.name}: the {family.name} family does not convert these")
+        return out
 
     def entry(self, wtype: int) -> tuple[int, int, int]:
         """(act_type, quantize, dot) C function addresses of the family computing wtype."""

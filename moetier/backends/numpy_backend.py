@@ -23,7 +23,7 @@ import torch
 from moetier.backends import activations
 from moetier.backends.base import Backend, BackendCaps, ExpertWork
 from moetier.model.checkpoint import ExpertWeights
-from moetier.model.formats import BF16, F32, FORMATS
+from moetier.model.formats import BF16, F32, GGML_FORMATS
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def swiglu(x: np.ndarray, w: NumpyExpert) -> np.ndarray:
 
 class NumpyBackend(Backend):
     name = "numpy"
-    caps = BackendCaps(dtypes=("float32",), formats=frozenset(FORMATS))
+    caps = BackendCaps(dtypes=("float32",), formats=frozenset(GGML_FORMATS))
 
     def __init__(self, device: str = "cpu"):
         if device != "cpu":

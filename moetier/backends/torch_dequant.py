@@ -211,12 +211,15 @@ def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     return grid.mul_(db).mul_(signs).reshape(n, 256)
 
 
-def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+def _iq3_s(b: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """IQ3_S blocks; transposed: IQ3_S_T's (moetier's resident IQ3_S: bit p of sign qword j is value j of group p)."""
     n = b.shape[0]
     scales = _unpack(b[:, 106:110], 4, 2, last=True).reshape(n, 8)  # [n, 8]
     db = (_f16(b, 0) * (1 + 2 * scales).float()).reshape(n, 8, 1, 1)  # [n, 8, 1, 1]
-    bits = _unpack(b[:, 74:106], 1, 8, last=True).reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
-    signs = 1 - 2 * bits.float()  # [n, 8, 4, 8]: +1 or -1, exact
+    bits = _unpack(b[:, 74:106], 1, 8, last=True).reshape(n, 256)  # [n, 256]: bit 4p + j (IQ3_S), 64j + p (IQ3_S_T)
+    if transposed:
+        bits = bits.reshape(n, 4, 64).transpose(1, 2)  # [n, 64, 4]: group p, value j
+    signs = 1 - 2 * bits.reshape(n, 8, 4, 8).float()  # [n, 8, 4, 8]: +1 or -1, exact
     qh = _unpack(b[:, 66:74], 1, 8, last=True).reshape(n, 64).long()  # [n, 64]
     index = b[:, 2:66].long() | (qh << 8)  # [n, 64]: 9-bit grid rows
     grid = _table("IQ3_S", b.device)[index].reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
@@ -243,4 +246,5 @@ _UNPACK: dict[str, Unpack] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
     "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
+    "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
 }  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)

@@ -5,7 +5,10 @@ row of each is laid out: `block` values stored in `block_bytes` bytes, rows a
 whole number of blocks. Float formats (F32, F16, BF16) are held as torch
 tensors of that dtype [rows, cols]; the block formats as uint8 [rows,
 row_bytes]. The ids and geometry are GGML's (tests check them against the
-`gguf` package), so a GGUF tensor's type is its format.
+`gguf` package), so a GGUF tensor's type is its format. Beside them,
+moetier's resident layouts (`IQ3_S_T`, id 121): a GGML format laid out for a
+native library's loop, with its geometry, held in memory only
+(`GGML_FORMATS` is what a file may hold).
 """
 
 from __future__ import annotations
@@ -40,8 +43,13 @@ _ALL = (
     Format("Q5_K", 13, 256, 176), Format("Q6_K", 14, 256, 210), Format("IQ3_XXS", 18, 256, 98), Format("IQ4_NL", 20, 32, 18),
     Format("IQ3_S", 21, 256, 110), Format("IQ4_XS", 23, 256, 136),
 )
-FORMATS: dict[int, Format] = {f.id: f for f in _ALL}  # GGML type id -> format: the one table to extend
-BY_NAME: dict[str, Format] = {f.name: f for f in _ALL}
+# moetier's resident layouts of a GGML format, never in a file: where a native library reads a format faster laid
+# out otherwise, the CPU backend holds it so (moetier.backends.cpu_kernels.resident_layout). IQ3_S_T: IQ3_S with
+# each block's sign bits transposed (moetier/backends/cpu_iq3s_t.h).
+_RESIDENT = (Format("IQ3_S_T", 121, 256, 110),)
+GGML_FORMATS: dict[int, Format] = {f.id: f for f in _ALL}  # GGML type id -> format: what a file may hold
+FORMATS: dict[int, Format] = {f.id: f for f in _ALL + _RESIDENT}  # every layout moetier holds weights in
+BY_NAME: dict[str, Format] = {f.name: f for f in _ALL + _RESIDENT}
 F32, F16, BF16 = 0, 1, 30
 BY_DTYPE: dict[torch.dtype, int] = {f.dtype: f.id for f in _ALL if f.dtype is not None}
 

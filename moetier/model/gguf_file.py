@@ -47,7 +47,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from moetier.model.expert_weights import DeltaNetTensors, ExpertWeights, NamedWeights
-from moetier.model.formats import BF16, F16, F32, FORMATS
+from moetier.model.formats import BF16, F16, F32, GGML_FORMATS
 from moetier.model.gguf_shapes import required_tensors
 from moetier.model.gguf_spec import CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, expert_hf_name, hf_name, moe_prefix, spec_from_gguf, spec_keys
 from moetier.model.gguf_read import _first_file, _metadata, _read, _split_paths
@@ -56,7 +56,7 @@ from moetier.model.host_memory import host_cat, host_copy
 from moetier.model.safetensors_mmap import CheckpointError
 
 # the GGML types moetier reads experts in: the stored formats (moetier.model.formats, the one table to extend)
-EXPERT_TYPES = tuple(QType(qtype) for qtype in FORMATS)
+EXPERT_TYPES = tuple(QType(qtype) for qtype in GGML_FORMATS)
 # and the trunk in: those and the other types the gguf package dequantizes (llama.cpp's low-bit mixes put, e.g.,
 # attn_q in IQ2_S), each dequantized to float32 once at load
 DEQUANTIZED = EXPERT_TYPES + (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.IQ1_M, QType.TQ1_0,
@@ -184,7 +184,7 @@ class GgufCheckpoint(NamedWeights):
         source = self._sources.get(name)
         if source is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
-        if int(source.tensor.tensor_type) not in FORMATS or source.undo == "exp":  # IQ2_S, ... or A_log: float32 values
+        if int(source.tensor.tensor_type) not in GGML_FORMATS or source.undo == "exp":  # IQ2_S, ... or A_log: float32 values
             return self.load(name), F32
         if source.undo == "kv_b":  # rows of either kind: in their bytes for a float type, else float32 values
             types = {int(source.tensor.tensor_type), int(source.partner.tensor_type)}

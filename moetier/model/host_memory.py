@@ -128,6 +128,11 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return _ARENA.copy(t) if huge_pages_wanted() else t.clone(memory_format=torch.contiguous_format)
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor in memory advised for huge pages (torch.empty when they are not wanted)."""
+    return _ARENA.tensor(tuple(shape), dtype) if huge_pages_wanted() else torch.empty(shape, dtype=dtype)
+
+
 def host_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(parts) (along dim 0) written straight into memory advised for huge pages."""
     if not huge_pages_wanted():

@@ -5,7 +5,10 @@ each expert lives in RAM once, in the format the checkpoint stores it (a
 Q4_K expert as its Q4_K blocks, a bf16 one as bf16: never a float32 copy).
 Copies are made out of the checkpoint's file mapping (whose pages the OS may
 drop) into process memory; with CUDA present they are pinned, so uploads run
-at full PCIe rate and asynchronously.
+at full PCIe rate and asynchronously. They are laid out as this machine's
+native kernels read them fastest (IQ3_S as moetier's IQ3_S_T, the same bytes
+per block: cpu_kernels.resident_layout), which every reader takes: the CPU
+lane as they lie, the GPU tiers' dequantization (torch_dequant) too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from moetier.backends.cpu_kernels import resident_layout
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
 
@@ -25,7 +29,8 @@ class HostExperts:
         self._weights: dict[int, list[ExpertWeights]] = {}
         for layer in self.layers:
             experts = [checkpoint.expert(layer, e) for e in range(self.spec.num_experts)]
-            self._weights[layer] = [_pinned(w) if pin else w.resident() for w in experts]
+            held = (resident_layout(w) for w in experts)  # laid out once, so a CPU backend takes them as they are
+            self._weights[layer] = [_pinned(w) if pin else w for w in held]
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._weights[layer][expert]
