@@ -401,7 +401,7 @@ def _register(lib: ctypes.CDLL) -> tuple[str, frozenset[int]]:
     fallback = (_address(lib.fallback_act_type), _address(lib.fallback_quantize), _address(lib.fallback_dot))
     for fmt in FORMATS.values():
         if lib.moe_dot_register(fmt.id, *fallback):
-            raise RuntimeError(f"{SOURCE.name} holds type ids below {fmt.id} ({fmt.name}): raise its TYPES")
+            raise RuntimeError(f"{SOURCE.name} refused type id {fmt.id} ({fmt.name}): its TYPES must exceed every id")
     if os.environ.get("MOETIER_DOT_FAMILIES", "1") == "0":
         return "fallback dots for every format (MOETIER_DOT_FAMILIES=0)", frozenset()
     dots = dot_kernels.dot_kernels()
