@@ -67,19 +67,28 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def resident_layout(weights: ExpertWeights) -> ExpertWeights:
-    """weights in host memory as this machine's native kernels read them fastest: a matrix whose format they read
-    faster laid out otherwise (IQ3_S as IQ3_S_T where cpu_dotk.c's one-token AVX-512 loop runs) repacked, the rest
-    as ExpertWeights.resident keeps them; each matrix copied once at most. Only formats the decode kernel reads
-    with a native family (not with MOETIER_NATIVE=0 or MOETIER_DOT_FAMILIES=0); MOETIER_REPACK=0: resident() only."""
+def resident_types(weights: ExpertWeights) -> tuple[int, int]:
+    """(gate_up, down) type ids as this machine's native kernels read them fastest: a format they read faster laid
+    out otherwise (IQ3_S as IQ3_S_T where cpu_dotk.c's one-token AVX-512 loop runs), else the weights' own. Only
+    formats the decode kernel reads with a native family (not with MOETIER_NATIVE=0 or MOETIER_DOT_FAMILIES=0);
+    with MOETIER_REPACK=0 the weights' own."""
+    types = (weights.gate_up_type, weights.down_type)
     native = _load()[0] if os.environ.get("MOETIER_REPACK", "1") != "0" and weights.gate_up.is_cpu else None
     on = native.native_types if native is not None else frozenset()
-    dots = dot_kernels.dot_kernels() if on else None
-    types = (weights.gate_up_type, weights.down_type)
-    wanted = tuple(dots.resident_type(t) if dots is not None and t in on else t for t in types)
-    held = tuple(w if w in on else t for t, w in zip(types, wanted))
+    if not on:
+        return types
+    dots = dot_kernels.dot_kernels()
+    wanted = tuple(dots.resident_type(t) if t in on else t for t in types)
+    return tuple(w if w in on else t for t, w in zip(types, wanted))
+
+
+def resident_layout(weights: ExpertWeights) -> ExpertWeights:
+    """weights in host memory in resident_types' layouts: a matrix of another layout repacked, the rest as
+    ExpertWeights.resident keeps them; each matrix copied once at most."""
+    types, held = (weights.gate_up_type, weights.down_type), resident_types(weights)
     if held == types:
         return weights.resident()
+    dots = dot_kernels.dot_kernels()
     gate_up, down = (dots.repacked(m, t, h) if h != t else (host_copy(m) if weights.mapped else m)
                      for m, t, h in zip((weights.gate_up, weights.down), types, held))
     return ExpertWeights(gate_up, down, False, held[0], held[1], weights.float_acts, weights.swiglu_limit)

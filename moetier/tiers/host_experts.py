@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from moetier.backends.cpu_kernels import resident_layout
+from moetier.backends.cpu_kernels import resident_layout, resident_types
 from moetier.model.checkpoint import Checkpoint, ExpertWeights
 
 
@@ -29,8 +29,7 @@ class HostExperts:
         self._weights: dict[int, list[ExpertWeights]] = {}
         for layer in self.layers:
             experts = [checkpoint.expert(layer, e) for e in range(self.spec.num_experts)]
-            held = (resident_layout(w) for w in experts)  # laid out once, so a CPU backend takes them as they are
-            self._weights[layer] = [_pinned(w) if pin else w for w in held]
+            self._weights[layer] = [_pinned(w) if pin else resident_layout(w) for w in experts]
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._weights[layer][expert]
@@ -42,6 +41,9 @@ class HostExperts:
 
 
 def _pinned(weights: ExpertWeights) -> ExpertWeights:
+    """A pinned copy, laid out as resident_layout lays it out (so a CPU backend serving from it takes it as it is)."""
+    if resident_types(weights) != (weights.gate_up_type, weights.down_type):
+        weights = resident_layout(weights)
     gate_up = torch.empty(weights.gate_up.shape, dtype=weights.gate_up.dtype, pin_memory=True)
     down = torch.empty(weights.down.shape, dtype=weights.down.dtype, pin_memory=True)
     gate_up.copy_(weights.gate_up)
