@@ -1357,6 +1357,16 @@ static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, 
 }
 STREAMED(iq3xxs, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
 
+/* the IQ3 formats' one-token loops (x_iq3s's activations), where this build has them -> 1 */
+static int one_token_iq3(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
+    switch (wtype) {
+    case IQ3_S: if (!nibbles_s) return 0; *four = iq3s_four, *one = iq3s_one; return 1;
+    case IQ3_S_T: if (!nibbles_s) return 0; *four = iq3st_four, *one = iq3st_one; return 1;
+    case IQ3_XXS: *four = iq3xxs_four, *one = iq3xxs_one; return 1;
+    default: return 0;
+    }
+}
+
 #endif
 #endif
 
@@ -1959,10 +1969,10 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     if (loop != NULL && wtype == Q4_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q4k, q4k_four, q4k_one))
         return;
 #if defined(IQ3_GEMV)
-    if (loop != NULL && T == 1 && (((wtype == IQ3_S || wtype == IQ3_S_T) && nibbles_s) || wtype == IQ3_XXS)
-        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq3s,
-                             wtype == IQ3_S ? iq3s_four : wtype == IQ3_S_T ? iq3st_four : iq3xxs_four,
-                             wtype == IQ3_S ? iq3s_one : wtype == IQ3_S_T ? iq3st_one : iq3xxs_one))
+    four_rows_fn four;
+    one_row_fn one;
+    if (loop != NULL && T == 1 && one_token_iq3(wtype, &four, &one)
+        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq3s, four, one))
         return;
 #endif
 #if defined(__AVX512VNNI__)

@@ -461,11 +461,9 @@ static void moe_layout(moe_job *j, uint8_t *at, const int64_t *records, const in
  * weights[g]. -> 0, or -2 when out of memory. The caller holds pool->call. */
 static int64_t experts_held(moe_pool *pool, const float *x, int64_t T, int64_t D, int64_t I, int64_t G, const int64_t *records,
                             const int64_t *offsets, const int64_t *rows, const float *weights, float *out) {
-    int64_t weight_bytes = 0;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t *r = records + RECORD_WORDS * g, float_acts = r[4] & FLAG_FLOAT_ACTS;
-        weight_bytes += 2 * I * matrix_of(r[0], r[2], float_acts, D).row_bytes + D * matrix_of(r[1], r[3], float_acts, I).row_bytes;
-    }
+    int64_t weight_bytes = 0;  /* gate_up [2I, D] and down [D, I] of each expert, as stored */
+    for (const int64_t *r = records; r < records + RECORD_WORDS * G; r += RECORD_WORDS)
+        weight_bytes += 2 * I * row_bytes(r[2], D) + D * row_bytes(r[3], I);
     const int64_t grain = one_token_grain(pool, weight_bytes);
     uint8_t *arena = pool_arena(pool, moe_bytes(T, D, I, G, records, offsets, grain));
     if (!arena) return -2;

@@ -59,12 +59,17 @@ ACT_BLOCK = {activations.ACT_F32: 1, activations.ACT_F16: 1, activations.ACT_BF1
              activations.ACT_Q8_1: 32, activations.ACT_Q8_K: 256}  # values per block of each activation format
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
 def default_threads() -> int:
     """$MOETIER_THREADS (what `--threads` sets), else the CPUs this process may run on."""
     asked = os.environ.get("MOETIER_THREADS", "")
     if asked.isdigit() and 1 <= int(asked) <= THREADS_MAX:
         return int(asked)
-    return len(os.sched_getaffinity(0))
+    return usable_cpus()
 
 
 def resident_types(weights: ExpertWeights) -> tuple[int, int]:
@@ -78,8 +83,7 @@ def resident_types(weights: ExpertWeights) -> tuple[int, int]:
     if not on:
         return types
     dots = dot_kernels.dot_kernels()
-    wanted = tuple(dots.resident_type(t) if t in on else t for t in types)
-    return tuple(w if w in on else t for t, w in zip(types, wanted))
+    return tuple(held if t in on and (held := dots.resident_type(t)) in on else t for t in types)
 
 
 def resident_layout(weights: ExpertWeights) -> ExpertWeights:

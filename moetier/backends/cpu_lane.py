@@ -18,7 +18,7 @@ from array import array
 
 import torch
 
-from moetier.backends.cpu_kernels import RECORD, DecodeKernel
+from moetier.backends.cpu_kernels import RECORD, DecodeKernel, usable_cpus
 from moetier.backends.cpu_status import status_error
 
 
@@ -43,8 +43,7 @@ class NativeLane:
             spin_us = float(os.environ.get("MOETIER_LANE_SPIN_US", "200"))
         # a caller collecting a result joins the pool's job while it waits, where the pool leaves it a CPU
         if joins is None:
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            joins = self._kernel.pool.threads < cpus
+            joins = self._kernel.pool.threads < usable_cpus()
         self._handle = self._lib.lane_open(self._kernel.pool.handle, spin_us * 1e-6, int(joins))
         if not self._handle:
             raise RuntimeError("native lane: could not start its thread")
