@@ -64,7 +64,7 @@ def expert_set(name: str, min_bytes: int, rng: np.random.Generator) -> list[Expe
     one = fmt.row_bytes(DIM) * 2 * INTER + fmt.row_bytes(INTER) * DIM
     count = max(2 * K, -(-min_bytes // one) // K * K)
     # held as the CPU tier holds its experts: in memory advised for huge pages (moetier.model.host_memory), in the
-    # layout the kernels read fastest (IQ3_S as IQ3_S_T: cpu_kernels.resident_layout)
+    # layout the kernels read fastest (IQ3_XXS / IQ3_S as IQ3_XXS_T / IQ3_S_T: cpu_kernels.resident_layout)
     return [cpu_kernels.resident_layout(ExpertWeights(matrix(name, 2 * INTER, DIM, rng), matrix(name, DIM, INTER, rng),
                                                       True, fmt.id, fmt.id, False)) for _ in range(count)]
 

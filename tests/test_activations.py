@@ -17,7 +17,7 @@ import pytest
 from moetier.backends import activations as A
 from moetier.model.formats import BY_NAME
 
-IQ3_S, IQ3_S_T = BY_NAME["IQ3_S"].id, BY_NAME["IQ3_S_T"].id
+FILE_FORMAT_OF = {BY_NAME[f"{name}_T"].id: BY_NAME[name].id for name in ("IQ3_XXS", "IQ3_S")}  # moetier's resident layouts
 
 ACTS = (A.ACT_F32, A.ACT_F16, A.ACT_BF16, A.ACT_Q8_0, A.ACT_Q8_1, A.ACT_Q8_K)
 
@@ -82,6 +82,6 @@ def test_bytes_equal_llama_cpp_s_cpu_backend():
             for r in range(16):
                 from_float(x[r].ctypes.data, theirs[r].ctypes.data, 1024)
             assert np.array_equal(A.quantize(act, x), theirs), (seed, act)
-    for weight_type, act in A.ACT_TYPE.items():  # GGML's types; moetier's IQ3_S_T dots as IQ3_S
-        ggml_type = IQ3_S if weight_type == IQ3_S_T else weight_type
+    for weight_type, act in A.ACT_TYPE.items():  # GGML's types; moetier's IQ3_*_T dot as their file formats
+        ggml_type = FILE_FORMAT_OF.get(weight_type, weight_type)
         assert cpu.ggml_get_type_traits_cpu(ggml_type).contents.vec_dot_type == act, weight_type

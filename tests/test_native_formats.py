@@ -36,9 +36,9 @@ def reference(data: torch.Tensor, fmt: Format) -> np.ndarray:
 
 
 def test_formats_are_every_stored_format():
-    """Every format a file holds is tested here; moetier's resident layouts (IQ3_S_T) in their own tests."""
+    """Every format a file holds is tested here; moetier's resident layouts (IQ3_XXS_T, IQ3_S_T) in their own tests."""
     assert set(GGML_FORMATS) == {f.id for f in BLOCK_FORMATS + FLOAT_FORMATS}
-    assert set(FORMATS) - set(GGML_FORMATS) == {BY_NAME["IQ3_S_T"].id}
+    assert set(FORMATS) - set(GGML_FORMATS) == {BY_NAME["IQ3_XXS_T"].id, BY_NAME["IQ3_S_T"].id}
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS, ids=lambda f: f.name)

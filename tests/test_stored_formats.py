@@ -65,18 +65,19 @@ def files(tmp_path_factory):
 
 
 def test_experts_are_held_in_their_stored_bytes(files):
-    for name, expected in (("bf16", "BF16"), ("F32", "F32"), ("Q4_K", "Q4_K"), ("Q4_K/Q6_K", "Q4_K/Q6_K"), ("IQ3_S", "IQ3_S")):
+    for name, expected in (("bf16", "BF16"), ("F32", "F32"), ("Q4_K", "Q4_K"), ("Q4_K/Q6_K", "Q4_K/Q6_K"), ("IQ3_S", "IQ3_S"),
+                           ("IQ3_XXS", "IQ3_XXS")):
         checkpoint = open_checkpoint(files[name])
         s = checkpoint.spec
         weights = checkpoint.expert(s.moe_layers[-1], 3)
         assert weights.formats == expected
-        host = HostExperts(checkpoint, s.moe_layers)  # the same bytes a block; IQ3_S as IQ3_S_T where the kernels want it
+        host = HostExperts(checkpoint, s.moe_layers)  # the same bytes a block; IQ3 as IQ3_*_T where the kernels want it
         held = resident_layout(weights).formats
-        assert held in (expected, expected.replace("IQ3_S", "IQ3_S_T")) and host.get(s.moe_layers[0], 0).formats == held
+        assert held in (expected, expected + "_T") and host.get(s.moe_layers[0], 0).formats == held
         assert host.nbytes == checkpoint.expert_nbytes * s.num_experts * len(s.moe_layers)
         float32_bytes = 3 * s.hidden_size * s.moe_intermediate_size * 4
         ratio = {"bf16": 2.0, "F32": 1.0, "Q4_K": 4 / (144 / 256), "Q4_K/Q6_K": 3 * 4 / (2 * 144 / 256 + 210 / 256),
-                 "IQ3_S": 4 / (110 / 256)}[name]
+                 "IQ3_S": 4 / (110 / 256), "IQ3_XXS": 4 / (98 / 256)}[name]
         assert float32_bytes / checkpoint.expert_nbytes == pytest.approx(ratio)
 
 
@@ -165,10 +166,10 @@ def test_vram_slots_follow_the_stored_bytes_in_show_placement_and_runtime(files,
     assert seen["F32"] < seen["Q8_0"]
 
 
-@pytest.mark.parametrize("name", ["Q4_K/Q6_K", "IQ3_S"])
+@pytest.mark.parametrize("name", ["Q4_K/Q6_K", "IQ3_S", "IQ3_XXS"])
 def test_layouts_over_a_quantized_file_are_lossless(files, tmp_path, name):
     """A VRAM cache (emulated here: torch dequantization of what it uploads) and the CPU lane over the host's
-    experts, IQ3_S's held as IQ3_S_T where the kernels want it, give the engine's logits."""
+    experts, the IQ3 formats' held as IQ3_*_T where the kernels want them, give the engine's logits."""
     checkpoint = open_checkpoint(files[name])
     expected = score(Engine(checkpoint), IDS)
     path = tmp_path / "layout.toml"

@@ -23,7 +23,7 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 def test_every_block_format_has_an_unpacker():
     assert set(torch_dequant._UNPACK) == {f.name for f in FORMATS.values() if f.dtype is None}
-    assert {f.name for f in BLOCK_FORMATS} | {"IQ3_S_T"} == set(torch_dequant._UNPACK)  # and IQ3_S as moetier holds it
+    assert {f.name for f in BLOCK_FORMATS} | {"IQ3_XXS_T", "IQ3_S_T"} == set(torch_dequant._UNPACK)  # and as moetier holds them
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.name)

@@ -33,6 +33,10 @@
  * as ggml's x86 code; IQ3 grid rows by scalar loads), which machines with AVX-512 but no VBMI also take. A portable
  * scalar path elsewhere.
  *
+ * Resident layouts: IQ3_XXS_T and IQ3_S_T (cpu_iq3_t.h) are the two IQ3 formats with their sign bits transposed,
+ * which the one-token AVX-512 loops read as masks; dotk_repack converts, dotk_resident_type says which a host
+ * holds; every other loop decodes a block put back.
+ *
  * Tables: IQ3_XXS's and IQ3_S's grids and IQ4_NL's kvalues come from the gguf package through dotk_tables;
  * until it is called those three formats are not offered (act_type -1). IQ3_XXS's sign patterns follow a rule
  * (7 bits and a parity bit), which dotk_tables checks against the package's table.
@@ -44,7 +48,7 @@
 #include "cpu_dot.h"
 #include "cpu_vnni.h"
 #include "cpu_stream.h"
-#include "cpu_iq3s_t.h"
+#include "cpu_iq3_t.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define DOTK_AVX512 1
@@ -54,7 +58,8 @@
 #include <immintrin.h>
 #endif
 
-enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23, IQ3_S_T = 121 };
+enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ3_S = 21, IQ4_XS = 23,
+       IQ3_XXS_T = 118, IQ3_S_T = 121 };
 enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
 /* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d, and
  * (AVX2) the 8 sub-block sums (int16) */
@@ -84,6 +89,14 @@ static uint8_t levels_xxs[16], levels_s[16];  /* each grid's distinct values, as
  * 1 values 2 and 3; the values themselves (1..15), not level numbers. nibbles_s: every value fits a nibble. */
 static uint8_t nib_s[2][512] __attribute__((aligned(64)));
 static int nibbles_s;
+/* IQ3_XXS's grid for its one-token loop with GFNI: planes as code_xxs's, each nibble a code c whose value is an
+ * affine map over GF(2) of it, value = A c ^ XXS_AFFINE_BASE, one vgf2p8affineqb a vector where a level number took
+ * a vpshufb on Intel's busiest port (gguf's levels 4, 12, .., 52, 62 take all 4 bits: 62 ^ 4 is 8 + 16 + 32 + 2).
+ * affine_xxs[0] and [1]: the matrices that map a byte's low and high nibble; affine_xxs_ok: every level has a code. */
+enum { XXS_AFFINE_BASE = 4 };
+static uint8_t gf_xxs[2][256] __attribute__((aligned(64)));
+static uint64_t affine_xxs[2];
+static int affine_xxs_ok;
 static uint8_t sign_table[128] __attribute__((aligned(64)));  /* IQ3_XXS's sign patterns, from their rule */
 static uint64_t sign_ones[128];  /* the same patterns as 8 bytes of +1 / -1 (ggml's keven_signs_q2xs) */
 
@@ -130,6 +143,39 @@ static int level_codes(const uint8_t *grid, int entries, uint8_t levels[16], uin
     return 1;
 }
 
+/* the value of code c under the basis: XXS_AFFINE_BASE ^ the basis vectors of c's set bits */
+static unsigned affine_value(const uint8_t *basis, int dims, unsigned c) {
+    unsigned v = XXS_AFFINE_BASE;
+    for (int t = 0; t < dims; t++) v ^= c >> t & 1 ? basis[t] : 0;
+    return v;
+}
+
+/* levels[0..7] as codes (code[k]: level k's) under one affine map value = A c ^ XXS_AFFINE_BASE of a nibble c;
+ * A as gf2p8affineqb's matrices for a byte's low and high nibble (row i of A, the bits feeding output bit i, is
+ * byte 7 - i) -> 0 if the levels need more than 4 dimensions */
+static int affine_codes(const uint8_t levels[8], uint8_t code[8], uint64_t matrix[2]) {
+    uint8_t basis[4];
+    int dims = 0;
+    for (int k = 0; k < 8; k++) {
+        int c = 0;
+        while (c < 1 << dims && affine_value(basis, dims, (unsigned)c) != levels[k]) c++;
+        if (c == 1 << dims) {  /* not yet spanned: its offset from the base joins the basis */
+            if (dims == 4) return 0;
+            basis[dims++] = (uint8_t)(levels[k] ^ XXS_AFFINE_BASE);
+            c = 1 << (dims - 1);
+        }
+        code[k] = (uint8_t)c;
+    }
+    matrix[0] = matrix[1] = 0;
+    for (int i = 0; i < 8; i++) {
+        unsigned row = 0;
+        for (int t = 0; t < dims; t++) row |= (unsigned)(basis[t] >> i & 1) << t;
+        matrix[0] |= (uint64_t)row << 8 * (7 - i);
+        matrix[1] |= (uint64_t)(row << 4) << 8 * (7 - i);
+    }
+    return 1;
+}
+
 /* -> 0, or why the IQ formats stay off: 1 when the package's sign table is not the parity rule this file
  * computes, 2 when a grid has a value over its offset (the unsigned form offset +- value must stay in 0..127) or
  * more than 8 distinct values. grids: IQ3_XXS [256][4] and IQ3_S [512][4] bytes; signs: IQ2_XXS's 128 patterns; kv: IQ4_NL's
@@ -140,6 +186,11 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     for (int i = 0; i < 4 * 512; i++)
         if ((i < 4 * 256 && iq3_xxs[i] > OFFSET_XXS) || iq3_s[i] > OFFSET_S) return 2;
     if (!level_codes(iq3_xxs, 256, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, levels_s, code_s[0])) return 2;
+    uint8_t code[8];
+    affine_xxs_ok = affine_codes(levels_xxs, code, affine_xxs);
+    for (int e = 0; e < 256 && affine_xxs_ok; e++)
+        for (int plane = 0; plane < 2; plane++)
+            gf_xxs[plane][e] = (uint8_t)(code[code_xxs[plane][e] & 15] | code[code_xxs[plane][e] >> 4] << 4);
     nibbles_s = 1;
     for (int e = 0; e < 512; e++)
         for (int plane = 0; plane < 2; plane++) {
@@ -163,7 +214,7 @@ int64_t dotk_act_type(int64_t wtype, int64_t float_acts) {
     (void)float_acts;  /* these formats dot with Q8_K only */
     switch (wtype) {
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return ACT_Q8_K;
-    case IQ3_XXS: case IQ3_S: case IQ4_XS: case IQ3_S_T: return tables_ready ? ACT_Q8_K : -1;
+    case IQ3_XXS: case IQ3_S: case IQ4_XS: case IQ3_XXS_T: case IQ3_S_T: return tables_ready ? ACT_Q8_K : -1;
     default: return -1;
     }
 }
@@ -1050,12 +1101,18 @@ ROWS(rows_q5k, decode_q5k, 176, HAS_MIN)
 ROWS(rows_q6k, decode_q6k, 210, HAS_OFF)
 ROWS(rows_iq3xxs, decode_iq3xxs, 98, IQ3_KIND)
 ROWS(rows_iq3s, decode_iq3s, 110, IQ3_KIND)
-/* IQ3_S_T outside the one-token AVX-512 loop: each block decoded from an IQ3_S copy (cpu_iq3s_t.h) */
+/* IQ3_XXS_T and IQ3_S_T outside the one-token AVX-512 loops: each block decoded from a copy put back (cpu_iq3_t.h) */
+static inline void decode_iq3xxs_t(const uint8_t *b, wblock *w) {
+    uint8_t block[IQ3XXS_BYTES];
+    iq3xxs_block_back(b, block);
+    decode_iq3xxs(block, w);
+}
 static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
-    uint8_t block[110];
+    uint8_t block[IQ3S_BYTES];
     iq3s_block_back(b, block);
     decode_iq3s(block, w);
 }
+ROWS(rows_iq3xxst, decode_iq3xxs_t, 98, IQ3_KIND)
 ROWS(rows_iq3st, decode_iq3s_t, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 
@@ -1326,43 +1383,84 @@ static inline __attribute__((always_inline)) void iq3st_step(const uint8_t *b, c
 STREAMED(iq3s, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3s_step, as_is)
 STREAMED(iq3st, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3st_step, as_is)
 
-/* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles level numbers (gguf's values 4..62,
- * one vpshufb a vector: a level's top bit, and so each byte's bit 7, is clear); its sign fields through their 128
- * patterns as decode_iq3xxs reads them; its scales are each u32's top 4 bits. A lane's 16 products reach 16 * 62 *
- * 127 > 2^15, so the scale is one vpmulld. */
-static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
-    const __m512i *t = (const __m512i *)code_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
-    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs));
-    const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    __m512i pick[4];
-    sign_picks(pick);
-    const __m256i field_at = _mm256_set1_epi64x(0x352e2720150e0700ll);  /* the 7-bit sign fields of each u32 */
-    const __m512i signs_lo = _mm512_load_si512(sign_table), signs_hi = _mm512_load_si512(sign_table + 64);
+/* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles codes of its 8 levels (gguf's values
+ * 4..62): with GFNI the affine codes of gf_xxs, a vgf2p8affineqb a vector (C harness, IQ3_XXS_T, one thread from
+ * L2: 14.9-15.1 -> 15.4-16.2 GB/s, two from DRAM 24.0-25.7 -> 26.5-27.1), else level numbers through a vpshufb. Its sign fields through their 128 patterns as
+ * decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie; its scales are each u32's top 4 bits, or IQ3_XXS_T's
+ * nibbles. A lane's 16 products reach 16 * 62 * 127 > 2^15, so the scale is one vpmulld. */
+#if defined(__GFNI__)
+#define XXS_MAGNITUDES_READY affine_xxs_ok
+#else
+#define XXS_MAGNITUDES_READY 1
+#endif
+static inline __attribute__((always_inline)) void xxs_magnitudes(const __m512i plane[2], __m512i q[4]) {
+    for (int h = 0; h < 2; h++) {
+#if defined(__GFNI__)
+        q[2 * h] = _mm512_gf2p8affine_epi64_epi8(plane[h], _mm512_set1_epi64((long long)affine_xxs[0]), XXS_AFFINE_BASE);
+        q[2 * h + 1] = _mm512_gf2p8affine_epi64_epi8(plane[h], _mm512_set1_epi64((long long)affine_xxs[1]), XXS_AFFINE_BASE);
+#else
+        const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs));
+        q[2 * h] = _mm512_shuffle_epi8(values, plane[h]);  /* a level's top bit, and so each byte's bit 7, is clear */
+        q[2 * h + 1] = _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[h], 4));
+#endif
+    }
+}
+
+/* one block into a row's sum; transposed: an IQ3_XXS_T block (its masks as they lie, its scales as nibbles) */
+static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
+                                                                  const int transposed) {
+#if defined(__GFNI__)
+    const __m512i *t = (const __m512i *)gf_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
+#else
+    const __m512i *t = (const __m512i *)code_xxs[0];
+#endif
     stream_prefetch(b, 98);
     const __m512i idx = _mm512_loadu_si512(b + 2);
     const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
-    const __m512i q[4] = {_mm512_shuffle_epi8(values, plane[0]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[0], 4)),
-                          _mm512_shuffle_epi8(values, plane[1]), _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[1], 4))};
-    const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
-    const __m512i patterns = _mm512_permutex2var_epi8(signs_lo, _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)), signs_hi);
-    const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
+    __m512i q[4];
+    xxs_magnitudes(plane, q);
     __mmask64 negative[4];
-    for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
+    __m512i sc;  /* 2s + 1 of lane L's sub-block L / 2 */
+    if (transposed) {
+        const uint64_t m0 = u64_at(b + IQ3XXS_SIGNS_AT), m1 = u64_at(b + IQ3XXS_SIGNS_AT + 8), m2 = u64_at(b + IQ3XXS_SIGNS_AT + 16);
+        negative[0] = _cvtu64_mask64(m0), negative[1] = _cvtu64_mask64(m1), negative[2] = _cvtu64_mask64(m2);
+        negative[3] = _cvtu64_mask64(iq3xxs_fourth_mask(m0, m1, m2, u32_at(b + IQ3XXS_LAST_AT)));
+        /* lane L: a right rotation by 4 * (L / 2) - 1 brings 2 * (nibble L / 2) to bits 1..4 */
+        const __m512i nibble = _mm512_set_epi32(27, 27, 23, 23, 19, 19, 15, 15, 11, 11, 7, 7, 3, 3, 31, 31);
+        sc = _mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + IQ3XXS_SCALES_AT)), nibble);
+    } else {
+        const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        __m512i pick[4];
+        sign_picks(pick);
+        const __m256i field_at = _mm256_set1_epi64x(0x352e2720150e0700ll);  /* the 7-bit sign fields of each u32 */
+        const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+        const __m512i patterns = _mm512_permutex2var_epi8(_mm512_load_si512(sign_table), _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(field_at, aux)),
+                                                          _mm512_load_si512(sign_table + 64));
+        const __m512i signs = _mm512_permutexvar_epi64(twice, patterns);
+        for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
+        sc = _mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27);  /* top 4 bits, x 2 */
+    }
     const __m512i s = signed_dot4(q, x, negative);
-    /* 2s + 1 of lane L's sub-block L / 2: the top 4 bits of its u32 */
-    const __m512i sc = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27),
-                                                 _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
+    sc = _mm512_ternarylogic_epi32(sc, _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
     const float dd = 0.25f * f16_at(b) * f32_at(x + XS_D);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_mullo_epi32(s, sc)), *acc);
 }
+static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    iq3xxs_any_step(b, x, acc, 0);
+}
+static inline __attribute__((always_inline)) void iq3xxst_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    iq3xxs_any_step(b, x, acc, 1);
+}
 STREAMED(iq3xxs, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
+STREAMED(iq3xxst, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxst_step, as_is)
 
 /* the IQ3 formats' one-token loops (x_iq3s's activations), where this build has them -> 1 */
 static int one_token_iq3(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     switch (wtype) {
     case IQ3_S: if (!nibbles_s) return 0; *four = iq3s_four, *one = iq3s_one; return 1;
     case IQ3_S_T: if (!nibbles_s) return 0; *four = iq3st_four, *one = iq3st_one; return 1;
-    case IQ3_XXS: *four = iq3xxs_four, *one = iq3xxs_one; return 1;
+    case IQ3_XXS: if (!XXS_MAGNITUDES_READY) return 0; *four = iq3xxs_four, *one = iq3xxs_one; return 1;
+    case IQ3_XXS_T: if (!XXS_MAGNITUDES_READY) return 0; *four = iq3xxst_four, *one = iq3xxst_one; return 1;
     default: return 0;
     }
 }
@@ -1552,12 +1650,18 @@ static inline __attribute__((always_inline)) void q5k_step(const uint8_t *b, con
 BLOCK_STEP(q6k, 210)
 BLOCK_STEP(iq3s, 110)
 static inline __attribute__((always_inline)) void iq3st_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
-    uint8_t block[110];  /* IQ3_S_T: its IQ3_S copy, so its one-token bits are IQ3_S's */
+    uint8_t block[IQ3S_BYTES];  /* IQ3_S_T: its IQ3_S copy, so its one-token bits are IQ3_S's */
     iq3s_block_back(b, block);
     iq3s_block(block, xb, acc);
 }
 BLOCK_STEP(iq3st, 110)
 BLOCK_STEP(iq3xxs, 98)
+static inline __attribute__((always_inline)) void iq3xxst_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    uint8_t block[IQ3XXS_BYTES];  /* IQ3_XXS_T: likewise */
+    iq3xxs_block_back(b, block);
+    iq3xxs_block(block, xb, acc);
+}
+BLOCK_STEP(iq3xxst, 98)
 BLOCK_STEP(iq4xs, 136)
 STREAMED(q4k, 4, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
 STREAMED(q5k, 4, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
@@ -1565,6 +1669,7 @@ STREAMED(q6k, 4, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
 ONE_ROW(iq3s, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3s_step, as_is)
 ONE_ROW(iq3st, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3st_step, as_is)
 ONE_ROW(iq3xxs, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxs_step, as_is)
+ONE_ROW(iq3xxst, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxst_step, as_is)
 STREAMED(iq4xs, 4, 136, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq4xs_step, as_is)
 
 /* the one-token loop of wtype: 1 (its four, or NULL, and one in *four, *one), or 0 (the loop above) */
@@ -1576,6 +1681,7 @@ static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case IQ3_S: *four = NULL, *one = iq3s_one; return 1;  /* its table loads: four rows lost (7.1 -> 5.9 GB/s), two (6.9 -> 6.5) */
     case IQ3_S_T: *four = NULL, *one = iq3st_one; return 1;
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
+    case IQ3_XXS_T: *four = NULL, *one = iq3xxst_one; return 1;
     case IQ4_XS: *four = iq4xs_four, *one = iq4xs_one; return 1;
     default: return 0;
     }
@@ -1922,6 +2028,7 @@ TILED_ROWS(tiled_q4k, decode_q4k, 144, HAS_MIN, 8, 0)
 TILED_ROWS(tiled_q5k, decode_q5k, 176, HAS_MIN, 8, 0)
 TILED_ROWS(tiled_q6k, decode_q6k, 210, HAS_OFF, 4, 5)
 TILED_ROWS(tiled_iq3xxs, decode_iq3xxs, 98, SIGNED, 8, 7)
+TILED_ROWS(tiled_iq3xxst, decode_iq3xxs_t, 98, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq3s, decode_iq3s, 110, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq3st, decode_iq3s_t, 110, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq4xs, decode_iq4xs, 136, SIGNED, 8, 7)
@@ -1947,6 +2054,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         case Q5_K: PICK(rows_q5k, tiled_q5k); break;
         case Q6_K: PICK(rows_q6k, tiled_q6k); break;
         case IQ3_XXS: PICK(rows_iq3xxs, tiled_iq3xxs); break;
+        case IQ3_XXS_T: PICK(rows_iq3xxst, tiled_iq3xxst); break;
         case IQ3_S: PICK(rows_iq3s, tiled_iq3s); break;
         case IQ3_S_T: PICK(rows_iq3st, tiled_iq3st); break;
         case IQ4_XS: PICK(rows_iq4xs, tiled_iq4xs); break;
@@ -1956,7 +2064,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
 #if defined(DOTK_TILED)
     /* from how many tokens the tiles beat the row loop (its decoding is spread over fewer products): the IQ
      * formats' costlier decoding pays sooner (measured on Zen 5, 2048 columns) */
-    const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ3_S_T || wtype == IQ4_XS ? 4 : 8;
+    const int64_t from = wtype == IQ3_XXS || wtype == IQ3_S || wtype == IQ3_XXS_T || wtype == IQ3_S_T || wtype == IQ4_XS ? 4 : 8;
     const size_t acc_bytes = (size_t)T * sizeof(__m512), sums_bytes = (size_t)(T * (n / QK) * 16 + 63) & ~(size_t)63;
     __m512 *acc = tiles != NULL && T >= from ? aligned_alloc(64, acc_bytes + sums_bytes) : NULL;
     if (acc != NULL) {  /* else (out of memory too) the row loop */
@@ -2014,27 +2122,31 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         for (int64_t r = 0; r < rows; r++) y[t * ldy + r] = __builtin_nanf("");
 }
 
-/* The layout this library reads a format in fastest where it is held in memory: IQ3_S_T for IQ3_S where the
- * one-token AVX-512 loop runs (cpu_iq3s_t.h), else the format itself. */
+/* The layout this library reads a format in fastest where it is held in memory: IQ3_XXS_T and IQ3_S_T for IQ3_XXS
+ * and IQ3_S where the one-token AVX-512 loops run (cpu_iq3_t.h), else the format itself. */
 int64_t dotk_resident_type(int64_t wtype) {
 #if defined(IQ3_GEMV)
-    if (wtype == IQ3_S && tables_ready && nibbles_s) return IQ3_S_T;
+    four_rows_fn four;
+    one_row_fn one;
+    const int64_t held = wtype == IQ3_XXS ? IQ3_XXS_T : wtype == IQ3_S ? IQ3_S_T : wtype;
+    if (held != wtype && tables_ready && one_token_iq3(held, &four, &one)) return held;
 #endif
     return wtype;
 }
 
-/* `blocks` blocks from one layout of a format to another (IQ3_S <-> IQ3_S_T; the same type: a copy) -> 0, or -1
- * for a pair this file does not convert (src and dst do not overlap) */
+/* `blocks` blocks from one layout of a format to another (IQ3_XXS <-> IQ3_XXS_T, IQ3_S <-> IQ3_S_T; the same type:
+ * a copy) -> 0, or -1 for a pair this file does not convert (src and dst do not overlap) */
 int64_t dotk_repack(int64_t from, int64_t to, const void *src, void *dst, int64_t blocks) {
     const uint8_t *in = (const uint8_t *)src;
     uint8_t *out = (uint8_t *)dst;
-    if ((from != IQ3_S && from != IQ3_S_T) || (to != IQ3_S && to != IQ3_S_T)) return -1;
-    memcpy(out, in, (size_t)(110 * blocks));
-    if (from != to)
-        for (int64_t i = 0; i < blocks; i++) {
-            const uint8_t *signs = in + 110 * i + IQ3S_SIGNS_AT;
-            if (to == IQ3_S_T) iq3s_signs_transposed(signs, out + 110 * i + IQ3S_SIGNS_AT);
-            else iq3s_signs_back(signs, out + 110 * i + IQ3S_SIGNS_AT);
-        }
+    const int xxs = (from == IQ3_XXS || from == IQ3_XXS_T) && (to == IQ3_XXS || to == IQ3_XXS_T);
+    if (!xxs && !((from == IQ3_S || from == IQ3_S_T) && (to == IQ3_S || to == IQ3_S_T))) return -1;
+    const int64_t bytes = xxs ? IQ3XXS_BYTES : IQ3S_BYTES;
+    void (*convert)(const uint8_t *, uint8_t *) = from == to ? NULL
+        : xxs ? (to == IQ3_XXS_T ? iq3xxs_block_transposed : iq3xxs_block_back)
+        : (to == IQ3_S_T ? iq3s_block_transposed : iq3s_block_back);
+    if (convert == NULL) memcpy(out, in, (size_t)(bytes * blocks));
+    else
+        for (int64_t i = 0; i < blocks; i++) convert(in + bytes * i, out + bytes * i);
     return 0;
 }

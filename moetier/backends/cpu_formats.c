@@ -18,12 +18,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_iq3s_t.h"
+#include "cpu_iq3_t.h"
 
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
     Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ4_XS = 23, BF16 = 30,
-    IQ3_S_T = 121,  /* moetier's resident IQ3_S (cpu_iq3s_t.h), not a GGML type */
+    IQ3_XXS_T = 118, IQ3_S_T = 121,  /* moetier's resident IQ3_XXS and IQ3_S (cpu_iq3_t.h), not GGML types */
     TYPES = 122,
 };
 
@@ -33,7 +33,7 @@ static const int64_t GEOMETRY[TYPES][2] = {
     [F32] = {1, 4}, [F16] = {1, 2}, [BF16] = {1, 2}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
     [Q5_1] = {32, 24}, [Q8_0] = {32, 34}, [Q2_K] = {256, 84}, [Q3_K] = {256, 110}, [Q4_K] = {256, 144},
     [Q5_K] = {256, 176}, [Q6_K] = {256, 210}, [IQ3_XXS] = {256, 98}, [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110},
-    [IQ4_XS] = {256, 136}, [IQ3_S_T] = {256, 110},
+    [IQ4_XS] = {256, 136}, [IQ3_XXS_T] = {256, 98}, [IQ3_S_T] = {256, 110},
 };
 
 /* -> 1 and the type's block geometry, or 0 for a type this file does not read */
@@ -268,8 +268,14 @@ static void block_iq4_xs(const uint8_t *restrict b, float *restrict y) {  /* 8 g
 
 /* ---- rows ----------------------------------------------------------------------------------- */
 
+static void block_iq3_xxs_t(const uint8_t *restrict b, float *restrict y) {
+    uint8_t block[IQ3XXS_BYTES];
+    iq3xxs_block_back(b, block);
+    block_iq3_xxs(block, y);
+}
+
 static void block_iq3_s_t(const uint8_t *restrict b, float *restrict y) {
-    uint8_t block[110];
+    uint8_t block[IQ3S_BYTES];
     iq3s_block_back(b, block);
     block_iq3_s(block, y);
 }
@@ -303,6 +309,7 @@ const uint8_t *dequantize_row(int64_t type, const uint8_t *src, float *dst, int6
     case IQ3_XXS: BLOCKS(block_iq3_xxs, 256, 98);
     case IQ4_NL: BLOCKS(block_iq4_nl, 32, 18);
     case IQ3_S: BLOCKS(block_iq3_s, 256, 110);
+    case IQ3_XXS_T: BLOCKS(block_iq3_xxs_t, 256, 98);
     case IQ3_S_T: BLOCKS(block_iq3_s_t, 256, 110);
     case IQ4_XS: BLOCKS(block_iq4_xs, 256, 136);
     default:

@@ -95,7 +95,7 @@ static void gemv(const float *restrict W, const float *restrict x, float *restri
 /* ---------------------------------------------------------------------------------------------------------
  * Dot-product families: a table by weight type, and the fallback every type starts with.
  * ------------------------------------------------------------------------------------------------------- */
-enum { TYPE_F32 = 0, TYPES = 128 };  /* above every type id of moetier.model.formats (IQ3_S_T: 121) */
+enum { TYPE_F32 = 0, TYPES = 128 };  /* above every type id of moetier.model.formats (IQ3_XXS_T 118, IQ3_S_T 121) */
 
 typedef struct { act_type_fn act_type; quantize_fn quantize; dot_fn dot; } dot_entry;
 static dot_entry dots[TYPES];

@@ -74,9 +74,9 @@ def default_threads() -> int:
 
 def resident_types(weights: ExpertWeights) -> tuple[int, int]:
     """(gate_up, down) type ids as this machine's native kernels read them fastest: a format they read faster laid
-    out otherwise (IQ3_S as IQ3_S_T where cpu_dotk.c's one-token AVX-512 loop runs), else the weights' own. Only
-    formats the decode kernel reads with a native family (not with MOETIER_NATIVE=0 or MOETIER_DOT_FAMILIES=0);
-    with MOETIER_REPACK=0 the weights' own."""
+    out otherwise (IQ3_XXS / IQ3_S as IQ3_XXS_T / IQ3_S_T where cpu_dotk.c's one-token AVX-512 loops run), else
+    the weights' own. Only formats the decode kernel reads with a native family (not with MOETIER_NATIVE=0 or
+    MOETIER_DOT_FAMILIES=0); with MOETIER_REPACK=0 the weights' own."""
     types = (weights.gate_up_type, weights.down_type)
     native = _load()[0] if os.environ.get("MOETIER_REPACK", "1") != "0" and weights.gate_up.is_cpu else None
     on = native.native_types if native is not None else frozenset()

@@ -111,7 +111,7 @@ class DotKernels:
 
     def resident_type(self, wtype: int) -> int:
         """The layout (a type id of moetier.model.formats) in which the family computing wtype reads its matrices
-        fastest: IQ3_S_T for IQ3_S where cpu_dotk.c's one-token AVX-512 loop runs; else wtype itself."""
+        fastest: IQ3_XXS_T / IQ3_S_T for IQ3_XXS / IQ3_S where cpu_dotk.c's one-token AVX-512 loops run; else wtype."""
         family = self._by_type.get(int(wtype))
         return int(wtype) if family is None or family.resident_type is None else int(family.resident_type(int(wtype)))
 

@@ -122,7 +122,7 @@ class TorchBackend(Backend):
         self._decode = _decode_experts if self._kernel is None else self._kernel.run
 
     def _place(self, weights: ExpertWeights) -> ExpertWeights:
-        if self.torch_device.type == "cpu":  # as the native kernels read it fastest (IQ3_S as IQ3_S_T), else resident
+        if self.torch_device.type == "cpu":  # as the native kernels read it fastest (IQ3 as IQ3_*_T), else resident
             weights = cpu_kernels.resident_layout(weights) if self._kernel is not None else weights.resident()
             if self._kernel is not None and not self._kernel.fits(weights):  # read in place by the kernel
                 weights = weights.with_tensors(weights.gate_up.contiguous(), weights.down.contiguous())

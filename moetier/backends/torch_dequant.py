@@ -201,12 +201,25 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(d).reshape(n, 256)
 
 
-def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+def _iq3_xxs(b: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """IQ3_XXS blocks; transposed: IQ3_XXS_T's (moetier's resident IQ3_XXS: bit p of sign qword j is value j of group
+    p for j < 3, value 3's signs of the even groups packed, each odd group's the parity of its other 7, scales as
+    nibbles)."""
     n = b.shape[0]
-    words = _u32(b[:, 66:98])  # [n, 8]: a 4-bit scale and four 7-bit sign indices per 32 values
-    db = (_f16(b, 0) * (0.5 + (words >> 28).float()) * 0.5).reshape(n, 8, 1, 1)  # [n, 8, 1, 1]
-    sign_index = _unpack(words, 7, 4, last=True)  # [n, 8, 4]
-    signs = _table("ksigns", b.device)[sign_index]  # [n, 8, 4, 8]
+    if transposed:
+        scales = _unpack(b[:, 94:98], 4, 2, last=True).reshape(n, 8)  # [n, 8]
+        bits = _unpack(b[:, 66:94], 1, 8, last=True).reshape(n, 224)  # [n, 224]
+        first = bits[:, :192].reshape(n, 3, 64).transpose(1, 2)  # [n, 64, 3]: group p, values 0..2
+        even = bits[:, 192:].reshape(n, 32, 1)  # [n, 32, 1]: value 3 of group 2g
+        pairs = first.reshape(n, 32, 6)  # [n, 32, 6]: groups 2g and 2g + 1, values 0..2 each
+        odd = (pairs.sum(-1, keepdim=True) + even) & 1  # [n, 32, 1]: the 8 signs' count of minus signs is even
+        last = torch.cat([even, odd], -1).reshape(n, 64, 1)  # [n, 64, 1]
+        signs = 1 - 2 * torch.cat([first, last], -1).reshape(n, 8, 4, 8).float()  # [n, 8, 4, 8]: +1 or -1
+    else:
+        words = _u32(b[:, 66:98])  # [n, 8]: a 4-bit scale and four 7-bit sign indices per 32 values
+        scales = words >> 28  # [n, 8]
+        signs = _table("ksigns", b.device)[_unpack(words, 7, 4, last=True)]  # [n, 8, 4, 8]
+    db = (_f16(b, 0) * (0.5 + scales.float()) * 0.5).reshape(n, 8, 1, 1)  # [n, 8, 1, 1]
     grid = _table("IQ3_XXS", b.device)[b[:, 2:66].long()].reshape(n, 8, 4, 8)  # [n, 8, 4, 8]
     return grid.mul_(db).mul_(signs).reshape(n, 256)
 
@@ -246,5 +259,5 @@ _UNPACK: dict[str, Unpack] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
     "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
-    "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
+    "IQ3_XXS_T": lambda b: _iq3_xxs(b, transposed=True), "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
 }  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)

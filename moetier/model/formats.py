@@ -6,7 +6,7 @@ whole number of blocks. Float formats (F32, F16, BF16) are held as torch
 tensors of that dtype [rows, cols]; the block formats as uint8 [rows,
 row_bytes]. The ids and geometry are GGML's (tests check them against the
 `gguf` package), so a GGUF tensor's type is its format. Beside them,
-moetier's resident layouts (`IQ3_S_T`, id 121): a GGML format laid out for a
+moetier's resident layouts (`IQ3_XXS_T`, id 118, and `IQ3_S_T`, id 121): a GGML format laid out for a
 native library's loop, with its geometry, held in memory only
 (`GGML_FORMATS` is what a file may hold).
 """
@@ -44,9 +44,9 @@ _ALL = (
     Format("IQ3_S", 21, 256, 110), Format("IQ4_XS", 23, 256, 136),
 )
 # moetier's resident layouts of a GGML format, never in a file: where a native library reads a format faster laid
-# out otherwise, the CPU backend holds it so (moetier.backends.cpu_kernels.resident_layout). IQ3_S_T: IQ3_S with
-# each block's sign bits transposed (moetier/backends/cpu_iq3s_t.h).
-_RESIDENT = (Format("IQ3_S_T", 121, 256, 110),)
+# out otherwise, the CPU backend holds it so (moetier.backends.cpu_kernels.resident_layout). IQ3_XXS_T and IQ3_S_T:
+# IQ3_XXS and IQ3_S with each block's sign bits transposed (moetier/backends/cpu_iq3_t.h).
+_RESIDENT = (Format("IQ3_XXS_T", 118, 256, 98), Format("IQ3_S_T", 121, 256, 110))
 GGML_FORMATS: dict[int, Format] = {f.id: f for f in _ALL}  # GGML type id -> format: what a file may hold
 FORMATS: dict[int, Format] = {f.id: f for f in _ALL + _RESIDENT}  # every layout moetier holds weights in
 BY_NAME: dict[str, Format] = {f.name: f for f in _ALL + _RESIDENT}

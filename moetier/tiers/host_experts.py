@@ -6,9 +6,10 @@ Q4_K expert as its Q4_K blocks, a bf16 one as bf16: never a float32 copy).
 Copies are made out of the checkpoint's file mapping (whose pages the OS may
 drop) into process memory; with CUDA present they are pinned, so uploads run
 at full PCIe rate and asynchronously. They are laid out as this machine's
-native kernels read them fastest (IQ3_S as moetier's IQ3_S_T, the same bytes
-per block: cpu_kernels.resident_layout), which every reader takes: the CPU
-lane as they lie, the GPU tiers' dequantization (torch_dequant) too.
+native kernels read them fastest (IQ3_XXS / IQ3_S as moetier's IQ3_XXS_T /
+IQ3_S_T, the same bytes per block: cpu_kernels.resident_layout), which every
+reader takes: the CPU lane as they lie, the GPU tiers' dequantization
+(torch_dequant) too.
 """
 
 from __future__ import annotations
