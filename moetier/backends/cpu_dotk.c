@@ -1120,7 +1120,7 @@ ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 /* The one-token gemvs below that read the token's quants in an order of their own: order(x, blocks, out) writes
  * ORDERED_BYTES a block, on the stack up to ORDERED_ON_STACK blocks, else on the heap. -> 0 if out of memory (the
  * caller takes another loop). */
-enum { ORDERED_BYTES = 320, ORDERED_ON_STACK = 64 };
+enum { ORDERED_BYTES = 448, ORDERED_ON_STACK = 64 };
 typedef void (*order_fn)(const uint8_t *x, int64_t blocks, uint8_t *out);
 static int ordered_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int64_t rows, const uint8_t *xq, float *y,
                              order_fn order, four_rows_fn four, one_row_fn one) {
@@ -1230,15 +1230,19 @@ STREAMED(q6k, 4, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
  * 64-byte loads, each byte's low nibble value j of its sub-block and high nibble value 16 + j, so each 128-bit
  * lane of the 4 nibble vectors is 16 values of one sub-block (vectors 0, 1: sub-blocks 0..3; 2, 3: 4..7). The
  * kvalues go in unsigned, kvalue + 128 (vpshufb), into vpdpbusd (no saturation: 4 products a lane), two vectors'
- * lanes added and times their sub-blocks' scales (vpmulld), and the offset's share, 128 * scale * the sub-
- * block's quant sum, taken once a block in its own 4 lanes (Q4_K's mins). Every lane's integer sum is exact
- * (|lane| <= 2 * 4 * 241 * 127 * 32 < 2^24, so its float32 too); then times d_w * d_x in float32 (float32 order
+ * into one accumulator that starts at the offset's share, -128 x the lane's 8 quants (x_iq4xs puts it beside
+ * them), and times their sub-blocks' scales - 32 (vpmulld). The scales come in lanes as they are used: each
+ * lane's 6-bit field shifted and rotated into place from two broadcast words, a select, an arithmetic shift
+ * (in place of a scalar unpacking, a vpmovsxbd and two vpermd, and of the offset's share in 4 lanes of its own,
+ * Q4_K's mins: C harness, one thread from L2, 1 MiB calls, 22.1-22.5 -> 27.6-28.3 GB/s; two from DRAM
+ * 28.9-31.6 -> 30.3-33.1, alternated). Every lane's integer sum is exact (|lane| <= 2 * 8 * 127 * 127 * 32 < 2^24,
+ * so its float32 too); then times d_w * d_x in float32 (float32 order
  * only differs from the loop above). In place of a step over the activations as they lie, 64 values at a time,
  * that moved the kvalues' signs onto the activations (vptestnmb, a masked negation) and took the scales by
  * vpdpwssd after vpmaddubsw (Intel AMX host, C harness, [*, 2048] rows, interleaved): one thread from L1
  * 13.1-13.5 -> 16.1-16.4 GB/s, two threads from DRAM 22.5-24.9 -> 24.1-26.8 ([*, 768]: 22.2-24.1 -> 24.7-25.9).
  * That step had replaced the decoded-block loop: 16.4-16.9 -> 18.9-19.5 from L1, 26.3 -> 27.9-28.2 from DRAM. */
-enum { XI4_QS = 0, XI4_SUMS = 256, XI4_D = 272, XI4_BYTES = ORDERED_BYTES };
+enum { XI4_QS = 0, XI4_BIAS = 256, XI4_D = 384, XI4_BYTES = ORDERED_BYTES };
 
 static void x_iq4xs(const uint8_t *x, int64_t blocks, uint8_t *out) {
     for (int64_t i = 0; i < blocks; i++) {
@@ -1247,33 +1251,44 @@ static void x_iq4xs(const uint8_t *x, int64_t blocks, uint8_t *out) {
         for (int c = 0; c < 4; c++)  /* vector c, lane L: quants 128 (c / 2) + 32 L + 16 (c % 2) .. + 15 */
             for (int L = 0; L < 4; L++)
                 memcpy(o + XI4_QS + 64 * c + 16 * L, xb + 4 + 128 * (c / 2) + 32 * L + 16 * (c % 2), 16);
-        _mm_store_si128((__m128i *)(o + XI4_SUMS), sub_block_sums8(xb));
+        const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+        for (int pair = 0; pair < 2; pair++) {  /* int32 lane L of vectors 2 pair and 2 pair + 1: -128 x their 8 quants */
+            const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ones, _mm512_load_si512(o + XI4_QS + 128 * pair)),
+                                                    ones, _mm512_load_si512(o + XI4_QS + 128 * pair + 64));
+            _mm512_store_si512(o + XI4_BIAS + 64 * pair, _mm512_sub_epi32(zero, _mm512_slli_epi32(sum, 7)));
+        }
         memcpy(o + XI4_D, xb, 4);
     }
 }
 
-static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, const uint8_t *x, q4k_sum *sum) {
-    const __m512i m4 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i kvu = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)kvalues), _mm_set1_epi8((char)0x80)));
-    /* each 128-bit lane's sub-block: vectors 0 and 1 (sub-blocks 0..3), 2 and 3 (4..7) */
-    const __m512i low4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i high4 = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+    /* lane L's scale - 32, of sub-block L / 4 (vectors 0, 1) or 4 + L / 4 (2, 3), as a signed 6-bit field at bits
+     * 26..31: its 2 high bits (crumb k of the u16 at 2, top bit flipped: sc - 32 = (crumb - 2) << 4 | nibble) by
+     * a left shift to bits 30..31, its low 4 (nibble k of the u32 at 4) by a rotation to bits 26..29 */
+    const __m512i to_crumb_lo = _mm512_set_epi32(24, 24, 24, 24, 26, 26, 26, 26, 28, 28, 28, 28, 30, 30, 30, 30);
+    const __m512i to_crumb_hi = _mm512_set_epi32(16, 16, 16, 16, 18, 18, 18, 18, 20, 20, 20, 20, 22, 22, 22, 22);
+    const __m512i to_nibble = _mm512_set_epi32(30, 30, 30, 30, 2, 2, 2, 2, 6, 6, 6, 6, 10, 10, 10, 10);
+    const __m512i top2 = _mm512_set1_epi32((int)0xc0000000u);
     stream_prefetch(b, 136);
-    const uint64_t ls = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
-    const __m128i s8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)ls), _mm_set1_epi8(32));
-    const __m512i s32 = _mm512_castsi256_si512(_mm256_cvtepi8_epi32(s8));
+    const __m512i h = _mm512_xor_si512(_mm512_set1_epi32((int)u32_at(b + 2)), _mm512_set1_epi32(0xaaaa));
+    const __m512i sc_lo = _mm512_srai_epi32(_mm512_ternarylogic_epi32(_mm512_sllv_epi32(h, to_crumb_lo),
+                                                                      _mm512_rolv_epi32(h, to_nibble), top2, 0xe4), 26);  /* c ? a : b */
+    const __m512i sc_hi = _mm512_srai_epi32(_mm512_ternarylogic_epi32(_mm512_sllv_epi32(h, to_crumb_hi),
+                                                                      _mm512_rolv_epi32(_mm512_set1_epi32((int)u32_at(b + 4)), to_nibble), top2, 0xe4), 26);
     const __m512i lo = _mm512_loadu_si512(b + 8), hi = _mm512_loadu_si512(b + 72);
     const __m512i q[4] = {_mm512_and_si512(lo, m4), high_nibbles(lo), _mm512_and_si512(hi, m4), high_nibbles(hi)};
-    __m512i v[4];
-    for (int c = 0; c < 4; c++) v[c] = _mm512_dpbusd_epi32(zero, _mm512_shuffle_epi8(kvu, q[c]), _mm512_load_si512(x + XI4_QS + 64 * c));
-    const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(v[0], v[1]), _mm512_permutexvar_epi32(low4, s32)),
-                                       _mm512_mullo_epi32(_mm512_add_epi32(v[2], v[3]), _mm512_permutexvar_epi32(high4, s32)));
-    const __m128i off = _mm_madd_epi16(_mm_cvtepi8_epi16(s8), _mm_load_si128((const __m128i *)(x + XI4_SUMS)));
+    __m512i v[2];
+    for (int pair = 0; pair < 2; pair++)
+        v[pair] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(x + XI4_BIAS + 64 * pair), _mm512_shuffle_epi8(kvu, q[2 * pair]),
+                                                          _mm512_load_si512(x + XI4_QS + 128 * pair)),
+                                      _mm512_shuffle_epi8(kvu, q[2 * pair + 1]), _mm512_load_si512(x + XI4_QS + 128 * pair + 64));
+    const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(v[0], sc_lo), _mm512_mullo_epi32(v[1], sc_hi));
     const float dd = f16_at(b) * f32_at(x + XI4_D);
-    sum->acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), sum->acc);
-    sum->mins = _mm_fmadd_ps(_mm_set1_ps(128.f * dd), _mm_cvtepi32_ps(off), sum->mins);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), *acc);
 }
-STREAMED(iq4xs, 4, 136, XI4_BYTES, q4k_sum, Q4K_ZERO, iq4xs_step, q4k_finish)
+STREAMED(iq4xs, 4, 136, XI4_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_is)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && !defined(DOTK_IQ3_GENERIC)
 #define IQ3_GEMV 1
