@@ -85,10 +85,12 @@ static int tables_ready;
  * of entry e (low, high nibble), [1][e] values 2 and 3; levels_*[k] is level k's value. */
 static uint8_t code_xxs[2][256] __attribute__((aligned(64))), code_s[2][512] __attribute__((aligned(64)));
 static uint8_t levels_xxs[16], levels_s[16];  /* each grid's distinct values, ascending */
-/* IQ3_S's grid for its one-token loop (AVX-512): plane 0 of entry e holds values 0 and 1 (low, high nibble), plane
- * 1 values 2 and 3; the values themselves (1..15), not level numbers. nibbles_s: every value fits a nibble. */
-static uint8_t nib_s[2][512] __attribute__((aligned(64)));
-static int nibbles_s;
+/* IQ3_S's grid for its one-token loop (AVX-512 with GFNI): its levels are 2c + 1 (c = 0..7, odd_levels_s), so an
+ * entry is 12 bits of codes: s3_low[e] holds c0 | c1 << 3 | (c2 & 3) << 6, and s3_high a nibble c2 >> 2 | c3 << 1
+ * for entry e (low nibble of byte e) and entry 256 + e (high nibble): 768 bytes, 12 vpermb a block, where two
+ * planes of the values as nibbles took 16. */
+static uint8_t s3_low[512] __attribute__((aligned(64))), s3_high[256] __attribute__((aligned(64)));
+static int odd_levels_s;
 /* IQ3_XXS's grid for its one-token loop with GFNI: planes as code_xxs's, each nibble a code c whose value is an
  * affine map over GF(2) of it, value = A c ^ XXS_AFFINE_BASE, one vgf2p8affineqb a vector where a level number took
  * a vpshufb on Intel's busiest port (gguf's levels 4, 12, .., 52, 62 take all 4 bits: 62 ^ 4 is 8 + 16 + 32 + 2).
@@ -191,13 +193,14 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     for (int e = 0; e < 256 && affine_xxs_ok; e++)
         for (int plane = 0; plane < 2; plane++)
             gf_xxs[plane][e] = (uint8_t)(code[code_xxs[plane][e] & 15] | code[code_xxs[plane][e] >> 4] << 4);
-    nibbles_s = 1;
-    for (int e = 0; e < 512; e++)
-        for (int plane = 0; plane < 2; plane++) {
-            const uint8_t lo = iq3_s[4 * e + 2 * plane], hi = iq3_s[4 * e + 2 * plane + 1];
-            nibbles_s &= lo < 16 && hi < 16;
-            nib_s[plane][e] = (uint8_t)(lo | hi << 4);
-        }
+    odd_levels_s = 1;
+    for (int k = 0; k < 8; k++) odd_levels_s &= levels_s[k] == 2 * k + 1;
+    for (int e = 0; e < 512; e++) {
+        const unsigned c0 = code_s[0][e] & 15, c1 = code_s[0][e] >> 4, c2 = code_s[1][e] & 15, c3 = code_s[1][e] >> 4;
+        s3_low[e] = (uint8_t)(c0 | c1 << 3 | (c2 & 3) << 6);
+        const unsigned high = (c2 >> 2 | c3 << 1) & 15;
+        s3_high[e % 256] = (uint8_t)(e < 256 ? (s3_high[e] & 0xf0) | high : (s3_high[e % 256] & 0x0f) | high << 4);
+    }
     memcpy(grid_xxs, iq3_xxs, sizeof grid_xxs);
     memcpy(grid_s, iq3_s, sizeof grid_s);
     memcpy(kvalues, kv, sizeof kvalues);
@@ -1134,11 +1137,12 @@ static int ordered_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int
     return 1;
 }
 
+#define GF_HIGH_NIBBLE 0x1020408000000000ll  /* vgf2p8affineqb's matrix: bits 4-7 of a byte to bits 0-3 */
 /* each byte's high nibble, as a byte: one affine map over GF(2) per 8 bytes where GFNI is (a shift and a mask
  * took two: 12.0-12.2 -> 12.4-12.5 GB/s) */
 static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
 #if defined(__GFNI__)
-    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(GF_HIGH_NIBBLE), 0);
 #else
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
 #endif
@@ -1290,19 +1294,23 @@ static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, c
 }
 STREAMED(iq4xs, 4, 136, XI4_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_is)
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && !defined(DOTK_IQ3_GENERIC)
+#if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && defined(__GFNI__) && !defined(DOTK_IQ3_GENERIC)
 #define IQ3_GEMV 1
-/* ---- IQ3_S at T = 1 with AVX-512 VNNI and BITALG: the grid's nibbles dotted as the lookup leaves them ---------
+/* ---- IQ3_S at T = 1 with AVX-512 VNNI, BITALG and GFNI: the grid's codes dotted as the lookup leaves them -----
  * The loop above looks up two code planes (8 vpermi2b, 2 cycles each on Intel's port 5), then spends as many
  * shuffles again putting each entry's 4 values in order (unpacks, a vpshufb to levels) and spreading the scales
- * (4 vpermw). Here a plane is 8 vpermb on quarters of the grid (64 entries each), merged by masks of index bits 6
- * and 7, blended by bit 8; the planes hold the values themselves (1..15) as nibbles (nib_s), and a block's 4
- * vectors are the planes' low and high nibbles: vector j is value j of each of the 64 entries. So byte p of every
- * vector belongs to entry p, and each int32 lane (4 entries) to one 32-value sub-block, the same in all 4. The
- * token's quants are copied once per call into that order (x_iq3s: vector j, byte p = quant 4p + j), the signs'
- * bits picked into it by vpshufbitqmb; 4 vpdpbusd (|w| x signed q) sum 16 products a lane (|sum| <= 16 * 15 *
- * 127 < 2^15), one vpmaddwd times the lane's scale 2s + 1. Numerics as the loop above: each block's integer sums
- * exact in int32, then times d_w * d_x in float32 (the lanes split a block's sum otherwise: float32 order only).
+ * (4 vpermw). Here an entry's 12 bits of level codes (s3_low, s3_high) are two lookups by vpermb on quarters of
+ * a table (64 entries each), merged by masks of index bits 6 and 7: s3_low's 512 bytes blended by index bit 8,
+ * s3_high's 256 (two entries a byte) its high nibble moved down where bit 8 is set; each of the block's 4 vectors
+ * is then one or two vgf2p8affineqb (port 0), a value 2c + 1 an affine map of its code c: vector j is value j of
+ * each of the 64 entries. So byte p of every vector belongs to entry p, and each int32 lane (4 entries) to one
+ * 32-value sub-block, the same in all 4. The token's quants are copied once per call into that order (x_iq3s:
+ * vector j, byte p = quant 4p + j), the signs' bits picked into it by vpshufbitqmb (IQ3_S_T: loaded as they lie);
+ * 4 vpdpbusd (|w| x signed q) sum 16 products a lane (|sum| <= 16 * 15 * 127 < 2^15), one vpmaddwd times the
+ * lane's scale 2s + 1. Numerics as the loop above: each block's integer sums exact in int32, then times d_w * d_x
+ * in float32 (the lanes split a block's sum otherwise: float32 order only). The two planes of values as nibbles
+ * this replaced (16 vpermb and two blends a block) ran 14.1-14.3 GB/s from L2 on one thread of the Intel host at
+ * a slow hour, this 14.5-14.8; two threads from DRAM 22.6-23.8 -> 24.6-24.7 (C harness, IQ3_S_T, alternated).
  * -DDOTK_IQ3_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
 enum { XS_QS = 0, XS_D = 256, XS_BYTES = ORDERED_BYTES };
 
@@ -1356,11 +1364,19 @@ static inline __attribute__((always_inline)) __m512i signed_dot4(const __m512i q
                             _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
 }
 
+/* vgf2p8affineqb matrices (output bit i takes the input bits set in byte 7 - i) for IQ3_S's values 2c + 1 (the
+ * constant 1 is the instruction's): c0, c1 from bits 0-2 and 3-5 of s3_low's byte, c2 from its bits 6-7 and bit
+ * 0 of s3_high's nibble, c3 from the nibble's bits 1-3, each into bits 1-3; and a byte's high nibble to its low */
+#define S3_C0 0x0001020400000000ll
+#define S3_C1 0x0008102000000000ll
+#define S3_C2_LOW 0x0040800000000000ll
+#define S3_C2_HIGH 0x0000000100000000ll
+#define S3_C3 0x0002040800000000ll
+
 /* one block into a row's sum (the lanes of acc); transposed: an IQ3_S_T block (its signs 4 masks as they lie) */
 static inline __attribute__((always_inline)) void iq3s_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
                                                                 const int transposed) {
-    const __m512i *t = (const __m512i *)nib_s[0];  /* plane 0: t[0..7], plane 1: t[8..15] */
-    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i *low = (const __m512i *)s3_low, *high = (const __m512i *)s3_high;
     /* vector j, byte p: sign bit 4p + j, in qword p / 16 of the signs: the qwords doubled, so qword lane p / 8 */
     const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
     __m512i pick[4];
@@ -1370,11 +1386,14 @@ static inline __attribute__((always_inline)) void iq3s_any_step(const uint8_t *b
     stream_prefetch(b, 110);
     const __m512i idx = _mm512_loadu_si512(b + 2);
     const __mmask64 bit8 = _cvtu64_mask64(u64_at(b + 66));
-    __m512i plane[2];
-    for (int h = 0; h < 2; h++)  /* the low and the high 256 entries, blended by index bit 8 */
-        plane[h] = _mm512_mask_blend_epi8(bit8, quarters256(t + 8 * h, idx), quarters256(t + 8 * h + 4, idx));
-    const __m512i q[4] = {_mm512_and_si512(plane[0], m4), high_nibbles(plane[0]), _mm512_and_si512(plane[1], m4),
-                          high_nibbles(plane[1])};
+    const __m512i codes = _mm512_mask_blend_epi8(bit8, quarters256(low, idx), quarters256(low + 4, idx));
+    const __m512i pair = quarters256(high, idx);  /* entry p's nibble low, entry 256 + p's high */
+    const __m512i tops = _mm512_mask_gf2p8affine_epi64_epi8(pair, bit8, pair, _mm512_set1_epi64(GF_HIGH_NIBBLE), 0);
+    const __m512i q[4] = {_mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64(S3_C0), 1),
+                          _mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64(S3_C1), 1),
+                          _mm512_xor_si512(_mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64(S3_C2_LOW), 1),
+                                           _mm512_gf2p8affine_epi64_epi8(tops, _mm512_set1_epi64(S3_C2_HIGH), 0)),
+                          _mm512_gf2p8affine_epi64_epi8(tops, _mm512_set1_epi64(S3_C3), 1)};
     __mmask64 negative[4];
     if (transposed) {
         for (int j = 0; j < 4; j++) negative[j] = _cvtu64_mask64(u64_at(b + IQ3S_SIGNS_AT + 8 * j));
@@ -1398,37 +1417,23 @@ static inline __attribute__((always_inline)) void iq3st_step(const uint8_t *b, c
 STREAMED(iq3s, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3s_step, as_is)
 STREAMED(iq3st, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3st_step, as_is)
 
-/* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles codes of its 8 levels (gguf's values
- * 4..62): with GFNI the affine codes of gf_xxs, a vgf2p8affineqb a vector (C harness, IQ3_XXS_T, one thread from
- * L2: 14.9-15.1 -> 15.4-16.2 GB/s, two from DRAM 24.0-25.7 -> 26.5-27.1), else level numbers through a vpshufb. Its sign fields through their 128 patterns as
- * decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie; its scales are each u32's top 4 bits, or IQ3_XXS_T's
- * nibbles. A lane's 16 products reach 16 * 62 * 127 > 2^15, so the scale is one vpmulld. */
-#if defined(__GFNI__)
-#define XXS_MAGNITUDES_READY affine_xxs_ok
-#else
-#define XXS_MAGNITUDES_READY 1
-#endif
+/* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles the affine codes of its 8 levels
+ * (gf_xxs; gguf's values 4..62), a vgf2p8affineqb a vector where a level number took a vpshufb (C harness,
+ * IQ3_XXS_T, one thread from L2: 14.9-15.1 -> 15.4-16.2 GB/s, two from DRAM 24.0-25.7 -> 26.5-27.1). Its sign
+ * fields through their 128 patterns as decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie; its scales are
+ * each u32's top 4 bits, or IQ3_XXS_T's nibbles. A lane's 16 products reach 16 * 62 * 127 > 2^15, so the scale is
+ * one vpmulld. */
 static inline __attribute__((always_inline)) void xxs_magnitudes(const __m512i plane[2], __m512i q[4]) {
     for (int h = 0; h < 2; h++) {
-#if defined(__GFNI__)
         q[2 * h] = _mm512_gf2p8affine_epi64_epi8(plane[h], _mm512_set1_epi64((long long)affine_xxs[0]), XXS_AFFINE_BASE);
         q[2 * h + 1] = _mm512_gf2p8affine_epi64_epi8(plane[h], _mm512_set1_epi64((long long)affine_xxs[1]), XXS_AFFINE_BASE);
-#else
-        const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels_xxs));
-        q[2 * h] = _mm512_shuffle_epi8(values, plane[h]);  /* a level's top bit, and so each byte's bit 7, is clear */
-        q[2 * h + 1] = _mm512_shuffle_epi8(values, _mm512_srli_epi16(plane[h], 4));
-#endif
     }
 }
 
 /* one block into a row's sum; transposed: an IQ3_XXS_T block (its masks as they lie, its scales as nibbles) */
 static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
                                                                   const int transposed) {
-#if defined(__GFNI__)
     const __m512i *t = (const __m512i *)gf_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
-#else
-    const __m512i *t = (const __m512i *)code_xxs[0];
-#endif
     stream_prefetch(b, 98);
     const __m512i idx = _mm512_loadu_si512(b + 2);
     const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
@@ -1472,10 +1477,10 @@ STREAMED(iq3xxst, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxst_step, as
 /* the IQ3 formats' one-token loops (x_iq3s's activations), where this build has them -> 1 */
 static int one_token_iq3(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     switch (wtype) {
-    case IQ3_S: if (!nibbles_s) return 0; *four = iq3s_four, *one = iq3s_one; return 1;
-    case IQ3_S_T: if (!nibbles_s) return 0; *four = iq3st_four, *one = iq3st_one; return 1;
-    case IQ3_XXS: if (!XXS_MAGNITUDES_READY) return 0; *four = iq3xxs_four, *one = iq3xxs_one; return 1;
-    case IQ3_XXS_T: if (!XXS_MAGNITUDES_READY) return 0; *four = iq3xxst_four, *one = iq3xxst_one; return 1;
+    case IQ3_S: if (!odd_levels_s) return 0; *four = iq3s_four, *one = iq3s_one; return 1;
+    case IQ3_S_T: if (!odd_levels_s) return 0; *four = iq3st_four, *one = iq3st_one; return 1;
+    case IQ3_XXS: if (!affine_xxs_ok) return 0; *four = iq3xxs_four, *one = iq3xxs_one; return 1;
+    case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *four = iq3xxst_four, *one = iq3xxst_one; return 1;
     default: return 0;
     }
 }
