@@ -520,14 +520,41 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     grid_values(w, code_xxs[0], 256, levels_xxs, _mm512_loadu_si512(b + 2), 0);
 }
 
-static inline void decode_iq3s(const uint8_t *b, wblock *w) {
-    const __m128i sc = _mm_cvtsi64_si128((long long)nibbles8(u32_at(b + 106)));
+/* an IQ3 block with 8 scales as nibbles (IQ3_S, IQ3_XXS_T, each 2s + 1), d_w * d_scale, its 256 signs in value
+ * order (natural[c]: values 64c .. 64c + 63) and its grid's codes */
+static inline void decode_iq3_nibbles(const uint8_t *b, uint32_t scales, float d_scale, const uint64_t natural[4],
+                                      const uint8_t *codes, int entries, const uint8_t *levels, uint64_t ninth, wblock *w) {
+    const __m128i sc = _mm_cvtsi64_si128((long long)nibbles8(scales));
     __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
     s16 = _mm256_add_epi16(_mm256_slli_epi16(s16, 1), _mm256_set1_epi16(1));
-    w->dd = _mm512_set1_ps(f16_at(b));
+    w->dd = _mm512_set1_ps(d_scale * f16_at(b));
     spread_scales(w, s16);
-    for (int c = 0; c < 4; c++) w->neg[c] = u64_at(b + 74 + 8 * c);  /* a bit per value */
-    grid_values(w, code_s[0], 512, levels_s, _mm512_loadu_si512(b + 2), u64_at(b + 66));
+    for (int c = 0; c < 4; c++) w->neg[c] = natural[c];  /* a bit per value */
+    grid_values(w, codes, entries, levels, _mm512_loadu_si512(b + 2), ninth);
+}
+
+static inline void decode_iq3s(const uint8_t *b, wblock *w) {
+    uint64_t natural[4];
+    memcpy(natural, b + IQ3S_SIGNS_AT, IQ3S_SIGN_BYTES);
+    decode_iq3_nibbles(b, u32_at(b + 106), 1.f, natural, code_s[0], 512, levels_s, u64_at(b + 66), w);
+}
+
+/* IQ3_S_T and IQ3_XXS_T without a copy in the file's layout: their signs put back in value order (cpu_iq3_t.h)
+ * (through an IQ3_XXS copy, its 32 sign fields and then their patterns, IQ3_XXS_T at T = 2 ran at half IQ3_XXS's
+ * rate) */
+static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
+    uint64_t t[4], natural[4];
+    memcpy(t, b + IQ3S_SIGNS_AT, IQ3S_SIGN_BYTES);
+    iq3_signs_back(t, (uint8_t *)natural);
+    decode_iq3_nibbles(b, u32_at(b + 106), 1.f, natural, code_s[0], 512, levels_s, u64_at(b + 66), w);
+}
+
+static inline void decode_iq3xxs_t(const uint8_t *b, wblock *w) {
+    uint64_t t[4], natural[4];
+    memcpy(t, b + IQ3XXS_SIGNS_AT, 24);
+    t[3] = iq3xxs_fourth_mask(t[0], t[1], t[2], u32_at(b + IQ3XXS_LAST_AT));
+    iq3_signs_back(t, (uint8_t *)natural);
+    decode_iq3_nibbles(b, u32_at(b + IQ3XXS_SCALES_AT), 0.25f, natural, code_xxs[0], 256, levels_xxs, 0, w);
 }
 
 static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
@@ -1104,7 +1131,9 @@ ROWS(rows_q5k, decode_q5k, 176, HAS_MIN)
 ROWS(rows_q6k, decode_q6k, 210, HAS_OFF)
 ROWS(rows_iq3xxs, decode_iq3xxs, 98, IQ3_KIND)
 ROWS(rows_iq3s, decode_iq3s, 110, IQ3_KIND)
-/* IQ3_XXS_T and IQ3_S_T outside the one-token AVX-512 loops: each block decoded from a copy put back (cpu_iq3_t.h) */
+/* IQ3_XXS_T and IQ3_S_T outside the one-token AVX-512 loops: each block decoded from a copy put back (cpu_iq3_t.h;
+ * AVX-512's decoders above take them without one) */
+#if !defined(DOTK_AVX512)
 static inline void decode_iq3xxs_t(const uint8_t *b, wblock *w) {
     uint8_t block[IQ3XXS_BYTES];
     iq3xxs_block_back(b, block);
@@ -1115,6 +1144,7 @@ static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
     iq3s_block_back(b, block);
     decode_iq3s(block, w);
 }
+#endif
 ROWS(rows_iq3xxst, decode_iq3xxs_t, 98, IQ3_KIND)
 ROWS(rows_iq3st, decode_iq3s_t, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
@@ -1310,7 +1340,8 @@ STREAMED(iq4xs, 4, 136, XI4_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_i
  * lane's scale 2s + 1. Numerics as the loop above: each block's integer sums exact in int32, then times d_w * d_x
  * in float32 (the lanes split a block's sum otherwise: float32 order only). The two planes of values as nibbles
  * this replaced (16 vpermb and two blends a block) ran 14.1-14.3 GB/s from L2 on one thread of the Intel host at
- * a slow hour, this 14.5-14.8; two threads from DRAM 22.6-23.8 -> 24.6-24.7 (C harness, IQ3_S_T, alternated).
+ * a slow hour, this 14.5-14.9 (C harness, IQ3_S_T, alternated twice); from DRAM on two threads within the noise
+ * (22.1-23.8 against 21.7-24.7).
  * -DDOTK_IQ3_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
 enum { XS_QS = 0, XS_D = 256, XS_BYTES = ORDERED_BYTES };
 
@@ -1423,13 +1454,6 @@ STREAMED(iq3st, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3st_step, as_is
  * fields through their 128 patterns as decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie; its scales are
  * each u32's top 4 bits, or IQ3_XXS_T's nibbles. A lane's 16 products reach 16 * 62 * 127 > 2^15, so the scale is
  * one vpmulld. */
-static inline __attribute__((always_inline)) void xxs_magnitudes(const __m512i plane[2], __m512i q[4]) {
-    for (int h = 0; h < 2; h++) {
-        q[2 * h] = _mm512_gf2p8affine_epi64_epi8(plane[h], _mm512_set1_epi64((long long)affine_xxs[0]), XXS_AFFINE_BASE);
-        q[2 * h + 1] = _mm512_gf2p8affine_epi64_epi8(plane[h], _mm512_set1_epi64((long long)affine_xxs[1]), XXS_AFFINE_BASE);
-    }
-}
-
 /* one block into a row's sum; transposed: an IQ3_XXS_T block (its masks as they lie, its scales as nibbles) */
 static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
                                                                   const int transposed) {
@@ -1437,8 +1461,9 @@ static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t 
     stream_prefetch(b, 98);
     const __m512i idx = _mm512_loadu_si512(b + 2);
     const __m512i plane[2] = {quarters256(t, idx), quarters256(t + 4, idx)};
-    __m512i q[4];
-    xxs_magnitudes(plane, q);
+    const __m512i low = _mm512_set1_epi64((long long)affine_xxs[0]), high = _mm512_set1_epi64((long long)affine_xxs[1]);
+    const __m512i q[4] = {_mm512_gf2p8affine_epi64_epi8(plane[0], low, XXS_AFFINE_BASE), _mm512_gf2p8affine_epi64_epi8(plane[0], high, XXS_AFFINE_BASE),
+                          _mm512_gf2p8affine_epi64_epi8(plane[1], low, XXS_AFFINE_BASE), _mm512_gf2p8affine_epi64_epi8(plane[1], high, XXS_AFFINE_BASE)};
     __mmask64 negative[4];
     __m512i sc;  /* 2s + 1 of lane L's sub-block L / 2 */
     if (transposed) {
