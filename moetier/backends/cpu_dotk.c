@@ -195,11 +195,11 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
             gf_xxs[plane][e] = (uint8_t)(code[code_xxs[plane][e] & 15] | code[code_xxs[plane][e] >> 4] << 4);
     odd_levels_s = 1;
     for (int k = 0; k < 8; k++) odd_levels_s &= levels_s[k] == 2 * k + 1;
+    memset(s3_high, 0, sizeof s3_high);
     for (int e = 0; e < 512; e++) {
         const unsigned c0 = code_s[0][e] & 15, c1 = code_s[0][e] >> 4, c2 = code_s[1][e] & 15, c3 = code_s[1][e] >> 4;
         s3_low[e] = (uint8_t)(c0 | c1 << 3 | (c2 & 3) << 6);
-        const unsigned high = (c2 >> 2 | c3 << 1) & 15;
-        s3_high[e % 256] = (uint8_t)(e < 256 ? (s3_high[e] & 0xf0) | high : (s3_high[e % 256] & 0x0f) | high << 4);
+        s3_high[e % 256] |= (uint8_t)((c2 >> 2 | c3 << 1) << 4 * (e / 256));  /* entry e + 256: the high nibble */
     }
     memcpy(grid_xxs, iq3_xxs, sizeof grid_xxs);
     memcpy(grid_s, iq3_s, sizeof grid_s);
@@ -543,17 +543,14 @@ static inline void decode_iq3s(const uint8_t *b, wblock *w) {
  * (through an IQ3_XXS copy, its 32 sign fields and then their patterns, IQ3_XXS_T at T = 2 ran at half IQ3_XXS's
  * rate) */
 static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
-    uint64_t t[4], natural[4];
-    memcpy(t, b + IQ3S_SIGNS_AT, IQ3S_SIGN_BYTES);
-    iq3_signs_back(t, (uint8_t *)natural);
+    uint64_t natural[4];
+    iq3s_t_signs(b, (uint8_t *)natural);
     decode_iq3_nibbles(b, u32_at(b + 106), 1.f, natural, code_s[0], 512, levels_s, u64_at(b + 66), w);
 }
 
 static inline void decode_iq3xxs_t(const uint8_t *b, wblock *w) {
-    uint64_t t[4], natural[4];
-    memcpy(t, b + IQ3XXS_SIGNS_AT, 24);
-    t[3] = iq3xxs_fourth_mask(t[0], t[1], t[2], u32_at(b + IQ3XXS_LAST_AT));
-    iq3_signs_back(t, (uint8_t *)natural);
+    uint64_t natural[4];
+    iq3xxs_t_signs(b, (uint8_t *)natural);
     decode_iq3_nibbles(b, u32_at(b + IQ3XXS_SCALES_AT), 0.25f, natural, code_xxs[0], 256, levels_xxs, 0, w);
 }
 
@@ -1453,8 +1450,8 @@ STREAMED(iq3st, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3st_step, as_is
  * IQ3_XXS_T, one thread from L2: 14.9-15.1 -> 15.4-16.2 GB/s, two from DRAM 24.0-25.7 -> 26.5-27.1). Its sign
  * fields through their 128 patterns as decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie; its scales are
  * each u32's top 4 bits, or IQ3_XXS_T's nibbles. A lane's 16 products reach 16 * 62 * 127 > 2^15, so the scale is
- * one vpmulld. */
-/* one block into a row's sum; transposed: an IQ3_XXS_T block (its masks as they lie, its scales as nibbles) */
+ * one vpmulld. One block into a row's sum; transposed: an IQ3_XXS_T block (its masks as they lie, its scales as
+ * nibbles). */
 static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
                                                                   const int transposed) {
     const __m512i *t = (const __m512i *)gf_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */

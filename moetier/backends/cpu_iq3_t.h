@@ -82,11 +82,16 @@ static inline void iq3s_block_transposed(const uint8_t *b, uint8_t *out) {
     memcpy(out + IQ3S_SIGNS_AT, t, IQ3S_SIGN_BYTES);
 }
 
-static inline void iq3s_block_back(const uint8_t *b, uint8_t *out) {
+/* an IQ3_S_T block's 32 natural sign bytes (IQ3_S's) */
+static inline void iq3s_t_signs(const uint8_t *b, uint8_t *natural) {
     uint64_t t[4];
-    memcpy(out, b, IQ3S_BYTES);
     memcpy(t, b + IQ3S_SIGNS_AT, IQ3S_SIGN_BYTES);
-    iq3_signs_back(t, out + IQ3S_SIGNS_AT);
+    iq3_signs_back(t, natural);
+}
+
+static inline void iq3s_block_back(const uint8_t *b, uint8_t *out) {
+    memcpy(out, b, IQ3S_BYTES);
+    iq3s_t_signs(b, out + IQ3S_SIGNS_AT);
 }
 
 /* IQ3_XXS_T's mask of vector 3: its even groups' bits (packed, bit g = group 2g) in place, each odd group's the
@@ -120,15 +125,21 @@ static inline void iq3xxs_block_transposed(const uint8_t *b, uint8_t *out) {
     memcpy(out + IQ3XXS_SCALES_AT, &scales, 4);
 }
 
-static inline void iq3xxs_block_back(const uint8_t *b, uint8_t *out) {
+/* an IQ3_XXS_T block's 32 natural sign bytes (byte g: the pattern of values 8g .. 8g + 7, parity bit included) */
+static inline void iq3xxs_t_signs(const uint8_t *b, uint8_t *natural) {
     uint64_t t[4];
-    uint32_t even, scales;
+    uint32_t even;
     memcpy(t, b + IQ3XXS_SIGNS_AT, 24);
     memcpy(&even, b + IQ3XXS_LAST_AT, 4);
-    memcpy(&scales, b + IQ3XXS_SCALES_AT, 4);
     t[3] = iq3xxs_fourth_mask(t[0], t[1], t[2], even);
-    uint8_t natural[IQ3S_SIGN_BYTES];
     iq3_signs_back(t, natural);
+}
+
+static inline void iq3xxs_block_back(const uint8_t *b, uint8_t *out) {
+    uint8_t natural[IQ3S_SIGN_BYTES];
+    uint32_t scales;
+    iq3xxs_t_signs(b, natural);
+    memcpy(&scales, b + IQ3XXS_SCALES_AT, 4);
     memcpy(out, b, IQ3XXS_SIGNS_AT);
     for (int k = 0; k < 8; k++) {
         uint32_t aux = (scales >> 4 * k & 15) << 28;
