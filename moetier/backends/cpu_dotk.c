@@ -92,10 +92,11 @@ static uint8_t levels_xxs[16], levels_s[16];  /* each grid's distinct values, as
 static uint8_t s3_low[512] __attribute__((aligned(64))), s3_high[256] __attribute__((aligned(64)));
 static int odd_levels_s;
 /* IQ3_XXS's grid for its one-token loop with GFNI: planes as code_xxs's, each nibble a code c whose value is an
- * affine map over GF(2) of it, value = A c ^ XXS_AFFINE_BASE, one vgf2p8affineqb a vector where a level number took
- * a vpshufb on Intel's busiest port (gguf's levels 4, 12, .., 52, 62 take all 4 bits: 62 ^ 4 is 8 + 16 + 32 + 2).
- * affine_xxs[0] and [1]: the matrices that map a byte's low and high nibble; affine_xxs_ok: every level has a code. */
-enum { XXS_AFFINE_BASE = 4 };
+ * affine map over GF(2) of it, half the level = A c ^ XXS_AFFINE_BASE, one vgf2p8affineqb a vector where a level
+ * number took a vpshufb on Intel's busiest port (gguf's levels 4, 12, .., 52, 62 halved, 2, 6, .., 26, 31, take all
+ * 4 bits: 31 ^ 2 is 4 + 8 + 16 + 1). affine_xxs[0] and [1]: the matrices that map a byte's low and high nibble;
+ * affine_xxs_ok: every level is even and has a code. */
+enum { XXS_AFFINE_BASE = 2 };
 static uint8_t gf_xxs[2][256] __attribute__((aligned(64)));
 static uint64_t affine_xxs[2];
 static int affine_xxs_ok;
@@ -188,8 +189,10 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     for (int i = 0; i < 4 * 512; i++)
         if ((i < 4 * 256 && iq3_xxs[i] > OFFSET_XXS) || iq3_s[i] > OFFSET_S) return 2;
     if (!level_codes(iq3_xxs, 256, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, levels_s, code_s[0])) return 2;
-    uint8_t code[8];
-    affine_xxs_ok = affine_codes(levels_xxs, code, affine_xxs);
+    uint8_t code[8], half[8];  /* the loop dots half of each level (halved exactly: every level even) */
+    int even = 1;
+    for (int k = 0; k < 8; k++) half[k] = levels_xxs[k] / 2, even &= !(levels_xxs[k] & 1);
+    affine_xxs_ok = even && affine_codes(half, code, affine_xxs);
     for (int e = 0; e < 256 && affine_xxs_ok; e++)
         for (int plane = 0; plane < 2; plane++)
             gf_xxs[plane][e] = (uint8_t)(code[code_xxs[plane][e] & 15] | code[code_xxs[plane][e] >> 4] << 4);
@@ -1187,6 +1190,22 @@ static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
  * float32); the mins' share is gathered in its own 4 lanes: float32 order only. */
 enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = ORDERED_BYTES };
 
+/* the 4 fp16 at p as floats: the conversion from memory, where a load into a register and a conversion from it took
+ * one more uop on Intel's port 5 (asm: the compiler loads the 8 bytes into a register first) */
+static inline __attribute__((always_inline)) __m128 f16x4_at(const uint8_t *p) {
+    __m128 v;
+    __asm__("vcvtph2ps %1, %0" : "=v"(v) : "m"(*(const uint64_t *)p));
+    return v;
+}
+
+/* a block's leading fp16 scale (at p; 8 bytes read) times the float at x, in every lane */
+static inline __attribute__((always_inline)) __m512 head_scale(const uint8_t *p, const uint8_t *x) {
+    const float product = _mm_cvtss_f32(_mm_mul_ss(f16x4_at(p), _mm_load_ss((const float *)x)));
+    __m512 v;
+    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(product));
+    return v;
+}
+
 static void x_q4k(const uint8_t *x, int64_t blocks, uint8_t *out) {
     static const int from[8] = {0, 64, 32, 96, 128, 192, 160, 224};  /* the quants of each 32 bytes of out */
     for (int64_t i = 0; i < blocks; i++) {
@@ -1219,7 +1238,7 @@ static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, con
     const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
                                        dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
     const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
-    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b))), _mm_set1_ps(f32_at(x + XQ4_D)));
+    const __m128 dd = _mm_mul_ps(f16x4_at(b), _mm_set1_ps(f32_at(x + XQ4_D)));  /* d, dmin (lanes 0, 1) times dx */
     sum->acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), sum->acc);
     sum->mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), sum->mins);
 }
@@ -1316,8 +1335,7 @@ static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, c
                                                           _mm512_load_si512(x + XI4_QS + 128 * pair)),
                                       _mm512_shuffle_epi8(kvu, q[2 * pair + 1]), _mm512_load_si512(x + XI4_QS + 128 * pair + 64));
     const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(v[0], sc_lo), _mm512_mullo_epi32(v[1], sc_hi));
-    const float dd = f16_at(b) * f32_at(x + XI4_D);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), *acc);
+    *acc = _mm512_fmadd_ps(head_scale(b, x + XI4_D), _mm512_cvtepi32_ps(s), *acc);
 }
 STREAMED(iq4xs, 4, 136, XI4_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_is)
 
@@ -1340,7 +1358,7 @@ STREAMED(iq4xs, 4, 136, XI4_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_i
  * a slow hour, this 14.5-14.9 (C harness, IQ3_S_T, alternated twice); from DRAM on two threads within the noise
  * (22.1-23.8 against 21.7-24.7).
  * -DDOTK_IQ3_GENERIC builds the loop above instead (the A/B of docs/kernels.md). */
-enum { XS_QS = 0, XS_D = 256, XS_BYTES = ORDERED_BYTES };
+enum { XS_QS = 0, XS_D = 256, XS_HALF_D = 260, XS_BYTES = ORDERED_BYTES };  /* XS_HALF_D: d / 2 (IQ3_XXS's halves) */
 
 static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
     /* 64 bytes (16 quads) -> byte k of each quad, k = 0..3, 16 bytes each */
@@ -1356,7 +1374,18 @@ static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
             for (int k = 0; k < 4; k++) memcpy(o + XS_QS + 64 * k + 16 * c, t + 16 * k, 16);
         }
         memcpy(o + XS_D, xb, 4);
+        const float half_d = 0.5f * f32_at(xb);
+        memcpy(o + XS_HALF_D, &half_d, 4);
     }
+}
+
+
+/* the mask of the 64 bits at p, loaded as a mask (a load, where a kmovq from a general register takes port 5; asm:
+ * the compiler would share one load with the bits' other readers) */
+static inline __attribute__((always_inline)) __mmask64 mask_at(const uint8_t *p) {
+    __mmask64 k;
+    __asm__("kmovq %1, %0" : "=k"(k) : "m"(*(const uint64_t *)p));
+    return k;
 }
 
 /* 256 table bytes p[0..3] (64 entries each) looked up by idx's low 8 bits: a vpermb per quarter, each merged over
@@ -1379,17 +1408,17 @@ static inline void sign_picks(__m512i pick[4]) {
 }
 
 /* the 4 vectors' magnitudes q dotted with the token's quants (x_iq3s's order) carrying the weights' signs (bit p
- * of negative[j]: byte p of vector j): each int32 lane sums 16 products (4 vpdpbusd) */
-static inline __attribute__((always_inline)) __m512i signed_dot4(const __m512i q[4], const uint8_t *x,
-                                                                 const __mmask64 negative[4]) {
+ * of negative[j]: byte p of vector j): each int32 lane of half[h] sums the 8 products of vectors 2h and 2h + 1
+ * (2 vpdpbusd) */
+static inline __attribute__((always_inline)) void signed_dot4(const __m512i q[4], const uint8_t *x,
+                                                              const __mmask64 negative[4], __m512i half[2]) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i a[4];
     for (int j = 0; j < 4; j++) {
         a[j] = _mm512_load_si512(x + XS_QS + 64 * j);
         a[j] = _mm512_mask_sub_epi8(a[j], negative[j], zero, a[j]);
     }
-    return _mm512_add_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[0], a[0]), q[1], a[1]),
-                            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2], a[2]), q[3], a[3]));
+    for (int h = 0; h < 2; h++) half[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q[2 * h], a[2 * h]), q[2 * h + 1], a[2 * h + 1]);
 }
 
 /* vgf2p8affineqb matrices (output bit i takes the input bits set in byte 7 - i) for IQ3_S's values 2c + 1 (the
@@ -1429,12 +1458,13 @@ static inline __attribute__((always_inline)) void iq3s_any_step(const uint8_t *b
         const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
         for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
     }
-    const __m512i s = signed_dot4(q, x, negative);
+    __m512i half[2];
+    signed_dot4(q, x, negative, half);
     /* 2s + 1 of lane L's sub-block L / 2, in the lane's low int16 (its high int16 zero) */
     const __m512i sc = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + 106)), nibble),
                                                  _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
-    const float dd = f16_at(b) * f32_at(x + XS_D);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_madd_epi16(s, sc)), *acc);
+    const __m512i s = _mm512_madd_epi16(_mm512_add_epi32(half[0], half[1]), sc);
+    *acc = _mm512_fmadd_ps(head_scale(b, x + XS_D), _mm512_cvtepi32_ps(s), *acc);
 }
 static inline __attribute__((always_inline)) void iq3s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     iq3s_any_step(b, x, acc, 0);
@@ -1448,10 +1478,14 @@ STREAMED(iq3st, 2, 110, XS_BYTES, __m512, _mm512_setzero_ps(), iq3st_step, as_is
 /* IQ3_XXS the same way: its 256 entries are 4 vpermb a plane, their nibbles the affine codes of its 8 levels
  * (gf_xxs; gguf's values 4..62), a vgf2p8affineqb a vector where a level number took a vpshufb (C harness,
  * IQ3_XXS_T, one thread from L2: 14.9-15.1 -> 15.4-16.2 GB/s, two from DRAM 24.0-25.7 -> 26.5-27.1). Its sign
- * fields through their 128 patterns as decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie; its scales are
- * each u32's top 4 bits, or IQ3_XXS_T's nibbles. A lane's 16 products reach 16 * 62 * 127 > 2^15, so the scale is
- * one vpmulld. One block into a row's sum; transposed: an IQ3_XXS_T block (its masks as they lie, its scales as
- * nibbles). */
+ * fields through their 128 patterns as decode_iq3xxs reads them, or IQ3_XXS_T's masks as they lie (loaded as masks,
+ * the fourth from the other three); its scales are each u32's top 4 bits, or IQ3_XXS_T's nibbles. The levels are
+ * dotted halved (every level is even: d_x / 2 in the token's order, XS_HALF_D, makes up for it), so each half of a
+ * lane's 16 products stays under 2^15 (8 * 31 * 127) and the scale is a vpmaddwd and a vpdpwssd where a vpaddd and
+ * a vpmulld (two uops) took three. Those, the masks as loads (a kmovq from a register is a port-5 uop) and the
+ * block's scale converted from memory (head_scale): C harness, IQ3_XXS_T, one thread from L2 on the Ice Lake host
+ * (two processes at once, one a core, cores swapped) 13.5-13.9 -> 15.2-15.6 GB/s. One block into a row's sum;
+ * transposed: an IQ3_XXS_T block (its masks as they lie, its scales as nibbles). */
 static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t *b, const uint8_t *x, __m512 *acc,
                                                                   const int transposed) {
     const __m512i *t = (const __m512i *)gf_xxs[0];  /* plane 0: t[0..3], plane 1: t[4..7] */
@@ -1464,9 +1498,9 @@ static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t 
     __mmask64 negative[4];
     __m512i sc;  /* 2s + 1 of lane L's sub-block L / 2 */
     if (transposed) {
-        const uint64_t m0 = u64_at(b + IQ3XXS_SIGNS_AT), m1 = u64_at(b + IQ3XXS_SIGNS_AT + 8), m2 = u64_at(b + IQ3XXS_SIGNS_AT + 16);
-        negative[0] = _cvtu64_mask64(m0), negative[1] = _cvtu64_mask64(m1), negative[2] = _cvtu64_mask64(m2);
-        negative[3] = _cvtu64_mask64(iq3xxs_fourth_mask(m0, m1, m2, u32_at(b + IQ3XXS_LAST_AT)));
+        for (int j = 0; j < 3; j++) negative[j] = mask_at(b + IQ3XXS_SIGNS_AT + 8 * j);
+        negative[3] = _cvtu64_mask64(iq3xxs_fourth_mask(u64_at(b + IQ3XXS_SIGNS_AT), u64_at(b + IQ3XXS_SIGNS_AT + 8),
+                                                        u64_at(b + IQ3XXS_SIGNS_AT + 16), u32_at(b + IQ3XXS_LAST_AT)));
         /* lane L: a right rotation by 4 * (L / 2) - 1 brings 2 * (nibble L / 2) to bits 1..4 */
         const __m512i nibble = _mm512_set_epi32(27, 27, 23, 23, 19, 19, 15, 15, 11, 11, 7, 7, 3, 3, 31, 31);
         sc = _mm512_rorv_epi32(_mm512_set1_epi32((int)u32_at(b + IQ3XXS_SCALES_AT)), nibble);
@@ -1482,10 +1516,11 @@ static inline __attribute__((always_inline)) void iq3xxs_any_step(const uint8_t 
         for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
         sc = _mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(aux)), 27);  /* top 4 bits, x 2 */
     }
-    const __m512i s = signed_dot4(q, x, negative);
+    __m512i half[2];  /* each lane's 8 products of halved levels: |sum| <= 8 * 31 * 127 < 2^15 */
+    signed_dot4(q, x, negative, half);
     sc = _mm512_ternarylogic_epi32(sc, _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);  /* a & b | c */
-    const float dd = 0.25f * f16_at(b) * f32_at(x + XS_D);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_mullo_epi32(s, sc)), *acc);
+    const __m512i s = _mm512_dpwssd_epi32(_mm512_madd_epi16(half[0], sc), half[1], sc);
+    *acc = _mm512_fmadd_ps(head_scale(b, x + XS_HALF_D), _mm512_cvtepi32_ps(s), *acc);
 }
 static inline __attribute__((always_inline)) void iq3xxs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     iq3xxs_any_step(b, x, acc, 0);
