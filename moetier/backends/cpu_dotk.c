@@ -1379,7 +1379,6 @@ static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
     }
 }
 
-
 /* the mask of the 64 bits at p, loaded as a mask (a load, where a kmovq from a general register takes port 5; asm:
  * the compiler would share one load with the bits' other readers) */
 static inline __attribute__((always_inline)) __mmask64 mask_at(const uint8_t *p) {
