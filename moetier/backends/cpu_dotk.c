@@ -1380,7 +1380,7 @@ static void x_iq3s(const uint8_t *x, int64_t blocks, uint8_t *out) {
 }
 
 /* the mask of the 64 bits at p, loaded as a mask (a load, where a kmovq from a general register takes port 5; asm:
- * the compiler would share one load with the bits' other readers) */
+ * where other code reads the same bits, IQ3_XXS_T's fourth mask, the compiler would share one general load) */
 static inline __attribute__((always_inline)) __mmask64 mask_at(const uint8_t *p) {
     __mmask64 k;
     __asm__("kmovq %1, %0" : "=k"(k) : "m"(*(const uint64_t *)p));
@@ -1441,7 +1441,7 @@ static inline __attribute__((always_inline)) void iq3s_any_step(const uint8_t *b
     const __m512i nibble = _mm512_set_epi32(27, 27, 23, 23, 19, 19, 15, 15, 11, 11, 7, 7, 3, 3, 31, 31);
     stream_prefetch(b, 110);
     const __m512i idx = _mm512_loadu_si512(b + 2);
-    const __mmask64 bit8 = _cvtu64_mask64(u64_at(b + 66));
+    const __mmask64 bit8 = mask_at(b + 66);
     const __m512i codes = _mm512_mask_blend_epi8(bit8, quarters256(low, idx), quarters256(low + 4, idx));
     const __m512i pair = quarters256(high, idx);  /* entry p's nibble low, entry 256 + p's high */
     const __m512i tops = _mm512_mask_gf2p8affine_epi64_epi8(pair, bit8, pair, _mm512_set1_epi64(GF_HIGH_NIBBLE), 0);
@@ -1452,7 +1452,7 @@ static inline __attribute__((always_inline)) void iq3s_any_step(const uint8_t *b
                           _mm512_gf2p8affine_epi64_epi8(tops, _mm512_set1_epi64(S3_C3), 1)};
     __mmask64 negative[4];
     if (transposed) {
-        for (int j = 0; j < 4; j++) negative[j] = _cvtu64_mask64(u64_at(b + IQ3S_SIGNS_AT + 8 * j));
+        for (int j = 0; j < 4; j++) negative[j] = mask_at(b + IQ3S_SIGNS_AT + 8 * j);
     } else {
         const __m512i signs = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
         for (int j = 0; j < 4; j++) negative[j] = _mm512_bitshuffle_epi64_mask(signs, pick[j]);
