@@ -140,7 +140,7 @@ def hand_off(kernel, threads: int) -> dict[str, float]:
 
 
 class DecodeSampler:
-    """Samples of the GB/s of stored weights a decode call reads: each sample `sweeps` sweeps over the set (K
+    """Samples of the GB/s of stored weights a decode call reads: each sample SWEEPS sweeps over the set (K
     experts per call), the experts' records built once (as the CPU tier does). through_lane: each call submitted
     to a NativeLane of `threads` pool threads and collected at once, as the CPU tier makes it (the collecting
     thread joins the pool's job while it waits: a lane of one thread computes on two); else moe_decode on the
