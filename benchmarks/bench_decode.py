@@ -21,7 +21,7 @@ file's stored bytes (every trunk matrix, one embedding row, top_k of each MoE
 layer's experts, from the GGUF's tensor sizes; the KV cache not counted), over
 the read bandwidth measured in the same run on the same threads (a reduction
 over a float32 buffer of max(1 GiB, 8 x the LLC) by torch.sum and by moetier's
-native read probe, the faster, best of 5, before and after every timed pass,
+two native read probes, the fastest, best of 5, before and after every timed pass,
 retried the same way: a bound, so the highest rate read in the whole run).
 The VM's bandwidth moves between levels from minute to minute (on the Zen
 host: ~33 and ~57 GB/s at 2 threads, as if its two vCPUs shared one memory
@@ -88,7 +88,7 @@ def probe_buffer(nbytes: int):
 
 def read_bandwidth(threads: int, nbytes: int) -> dict[str, float]:
     """Bytes read per second by each reader of moetier.calibrate.read_bandwidth_bytes_per_s ("torch.sum", "native",
-    "best": the faster), over the run's nbytes float32 buffer with `threads` threads, best of 5."""
+    "native plain", "best": the fastest), over the run's nbytes float32 buffer with `threads` threads, best of 5."""
     from moetier.calibrate import read_bandwidth_bytes_per_s
 
     return read_bandwidth_bytes_per_s(threads, nbytes, buffer=probe_buffer(nbytes))
@@ -345,7 +345,7 @@ def main() -> None:
         "quiet": {"wait_s": args.quiet_wait, "retries": args.retries, "others_share_above": QUIET, "waited_s": waited_s},
         "llama_model_params": LLAMA_MODEL_PARAMS,
         "read_bandwidth": {"method": f"a reduction over {bandwidth_bytes / 2**30:.2f} GiB float32 by torch.sum and by moetier's "
-                                     "native read probe, the faster, best of 5 per run, best run",
+                                     "two native read probes, the fastest, best of 5 per run, best run",
                            "bytes_per_s": {str(t): v for t, v in best_bandwidth.items()},
                            "usual_bytes_per_s": usual_bandwidth,
                            "samples_bytes_per_s": {str(t): [b for b, _ in v] for t, v in bandwidth.items()},

@@ -98,7 +98,7 @@ def best_of(runs: int, fn, quiet: float = 0.05, tries: int = 60) -> float:
 
 
 def read_samplers(threads: int) -> list:
-    """One read sample per probe of moetier.calibrate.read_probes (torch.sum, the native kernels' reduction) over a
+    """One read sample per probe of moetier.calibrate.read_probes (torch.sum, the native kernels' two reductions) over a
     1 GiB float32 buffer on `threads` threads: (fn, bytes) pairs, each fn 8 reads; each probe run once here."""
     samplers = []
     for read in read_probes(threads).values():

@@ -63,9 +63,10 @@ def read_buffer(nbytes: int) -> torch.Tensor:
 
 def read_probes(threads: int, nbytes: int = 1 << 30, buffer: torch.Tensor | None = None) -> dict[str, Callable[[], object]]:
     """Readers of one nbytes float32 buffer (`read_buffer`, or the caller's) on `threads` threads, each a
-    reduction that reads every byte once and writes nothing: "torch.sum", and "native" (the kernels' read probe on
-    their pool of `threads`: 1 MiB granules, each read as four prefetched streams into eight vector accumulators,
-    the fastest way this machine was found to read; cpu_kernels.c) where the kernels build.
+    reduction that reads every byte once and writes nothing: "torch.sum", and where the kernels build their two
+    read probes on their pool of `threads` (1 MiB granules into eight vector accumulators; cpu_kernels.c):
+    "native", each granule as four software-prefetched streams (the fastest reader found on the Intel AMX host),
+    and "native plain", as eight streams the hardware prefetchers alone fetch (the fastest on the Ice Lake host).
     buffer: a float32 tensor of nbytes // 4 values to read instead of a new one (a caller sampling the bandwidth
     again and again keeps one: allocating and touching gigabytes each time pushes other processes' file-backed
     pages, such as a memory-mapped model's, out of the page cache)."""
@@ -88,6 +89,7 @@ def read_probes(threads: int, nbytes: int = 1 << 30, buffer: torch.Tensor | None
     probes: dict[str, Callable[[], object]] = {"torch.sum": torch_sum}
     if kernel is not None:
         probes["native"] = lambda: kernel.read_sum(buffer)
+        probes["native plain"] = lambda: kernel.read_sum(buffer, plain=True)
     return probes
 
 
@@ -96,7 +98,7 @@ def read_bandwidth_bytes_per_s(threads: int, nbytes: int = 1 << 30, repeats: int
     """Read bandwidth on `threads` threads: bytes per second of each of `read_probes` (over `buffer` if given), best
     of `repeats`, and "best", the fastest: a roofline is a bound, so it takes the highest read rate measured
     (torch.sum alone read slower than llama.cpp's decode did on the AVX-512 host, and slower at 2 threads than the
-    native probe)."""
+    native probes; of those, each was the slower on one of two hosts)."""
     rates = {}
     for name, read in read_probes(threads, nbytes, buffer).items():
         read()

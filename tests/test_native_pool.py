@@ -171,14 +171,17 @@ def test_the_read_probe_sums_what_it_reads_the_same_for_any_thread_count():
     from moetier.calibrate import read_bandwidth_bytes_per_s
 
     x = torch.from_numpy(np.random.default_rng(5).standard_normal(3 * 2**18 + 77, dtype=np.float32))  # 3 granules and a tail
-    sums = {t: kernel.with_threads(t).read_sum(x) for t in THREADS}
-    assert len(set(sums.values())) == 1, sums
-    assert sums[1] == pytest.approx(x.double().sum().item(), abs=1e-3)
-    assert kernel.read_sum(x[:0]) == 0.0 and kernel.read_sum(x[:5]) == pytest.approx(x[:5].double().sum().item(), abs=1e-5)
+    for plain in (False, True):
+        sums = {t: kernel.with_threads(t).read_sum(x, plain=plain) for t in THREADS}
+        assert len(set(sums.values())) == 1, (plain, sums)
+        assert sums[1] == pytest.approx(x.double().sum().item(), abs=1e-3)
+    for plain in (False, True):
+        assert kernel.read_sum(x[:0], plain) == 0.0 and kernel.read_sum(x[:5], plain) == pytest.approx(x[:5].double().sum().item(), abs=1e-5)
     with pytest.raises(ValueError, match="read_sum: x must be float32"):
         kernel.read_sum(x.double())
     rates = read_bandwidth_bytes_per_s(2, nbytes=64 << 20, repeats=2)
-    assert set(rates) == {"torch.sum", "native", "best"} and rates["best"] == max(rates["torch.sum"], rates["native"]) > 0
+    assert set(rates) == {"torch.sum", "native", "native plain", "best"}
+    assert rates["best"] == max(v for name, v in rates.items() if name != "best") > 0
     held = torch.ones(16 << 20)  # a caller's own buffer (bench_decode keeps one for the run): read, not replaced
     assert read_bandwidth_bytes_per_s(1, nbytes=64 << 20, repeats=1, buffer=held)["best"] > 0
     for wrong in (held[:-1], held.double(), held.view(-1, 2)[:, 0]):

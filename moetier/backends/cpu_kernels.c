@@ -542,41 +542,49 @@ int64_t moe_linear(moe_pool *pool, const float *x, int64_t T, int64_t n, const v
     return status;
 }
 
-/* The read probe (benchmarks' roofline): the sum of x [n] on every pool thread, a granule at a time, each granule
- * read as four streams (its quarters, in 256-byte steps, each step also asking for its lines ahead: cpu_stream.h)
- * into eight vector accumulators, so loads, not adds, bound it: a reduction reads each byte once and writes
- * nothing. A roofline must be a bound, so the probe reads as fast as this machine lets a thread read: on the
- * Intel development host (2 threads, 1 GiB, 2026-12-06) one plain stream a thread read 19-21 GB/s, one
- * prefetched stream 22-25, four prefetched streams 28-30 (the kernels' float32 gemv, four rows a tile, read
- * 28). Partial sums are added in granule order: the same value for any thread count. -> 0 (the sum in *sum), or
- * -2 when out of memory. */
-enum { READ_GRANULE = 1 << 18, READ_STREAMS = 4, READ_STEP = 64 };  /* floats: 1 MiB granules, 256-byte steps */
+/* The read probes (benchmarks' roofline): the sum of x [n] on every pool thread, a granule at a time, each granule
+ * read as several streams (equal parts of it, in 256-byte steps) into eight vector accumulators, so loads, not adds,
+ * bound it: a reduction reads each byte once and writes nothing. A roofline must be a bound, so the probes read as
+ * fast as this machine lets a thread read, and which way is fastest differs between machines, so there are two:
+ * - prefetched: four streams, each step also asking for its lines ahead (cpu_stream.h). On the Intel AMX
+ *   development host (2 threads, 1 GiB, 2026-12-06) one plain stream a thread read 19-21 GB/s, one prefetched
+ *   stream 22-25, four prefetched streams 28-30 (the kernels' float32 gemv, four rows a tile, read 28).
+ * - plain: eight streams, no software prefetch, the hardware prefetchers alone. On the Intel Ice Lake host
+ *   (2 threads, 1 GiB, 10 interleaved rounds, 2026-12-07) four prefetched streams read 23.8-25.3 GB/s (best),
+ *   four plain 25.5-26.1, eight plain 26.8-27.9 (sixteen alike, thirty-two less), where the Q8_0 decode read
+ *   26.8 and the prefetched probe was no bound.
+ * Partial sums are added in granule order: the same value for any thread count. -> 0 (the sum in *sum), or -2
+ * when out of memory. */
+enum { READ_GRANULE = 1 << 18, READ_STEP = 64 };  /* floats: 1 MiB granules, 256-byte steps */
 typedef struct { const float *x; int64_t n; double *partial; } read_job;
 
-static void read_granule(void *job, int64_t g) {
-    const read_job *r = job;
+static inline __attribute__((always_inline)) void read_granule_streams(const read_job *r, int64_t g, const int streams,
+                                                                       const int prefetch) {
     const int64_t from = g * READ_GRANULE, to = from + READ_GRANULE < r->n ? from + READ_GRANULE : r->n;
-    const int64_t quarter = (to - from) / (READ_STREAMS * READ_STEP) * READ_STEP;  /* floats a stream reads */
+    const int64_t part = (to - from) / (streams * READ_STEP) * READ_STEP;  /* floats a stream reads */
     v8f acc[8] = {{0}};
-    for (int64_t i = 0; i < quarter; i += READ_STEP)
-        for (int s = 0; s < READ_STREAMS; s++) {
-            const float *p = r->x + from + s * quarter + i;
-            stream_prefetch(p, READ_STEP * sizeof(float));
+    for (int64_t i = 0; i < part; i += READ_STEP)
+        for (int s = 0; s < streams; s++) {
+            const float *p = r->x + from + s * part + i;
+            if (prefetch) stream_prefetch(p, READ_STEP * sizeof(float));
             for (int j = 0; j < 8; j++) acc[j] += load8(p + 8 * j);
         }
     float tail = 0.f;
-    for (int64_t i = from + READ_STREAMS * quarter; i < to; i++) tail += r->x[i];
+    for (int64_t i = from + streams * part; i < to; i++) tail += r->x[i];
     for (int j = 1; j < 8; j++) acc[0] += acc[j];
     r->partial[g] = (double)sum8(acc[0]) + tail;
 }
 
-int64_t moe_read_sum(moe_pool *pool, const float *x, int64_t n, double *sum) {
+static void read_granule_prefetched(void *job, int64_t g) { read_granule_streams(job, g, 4, 1); }
+static void read_granule_plain(void *job, int64_t g) { read_granule_streams(job, g, 8, 0); }
+
+int64_t moe_read_sum(moe_pool *pool, const float *x, int64_t n, int64_t plain, double *sum) {
     const int64_t granules = ceil_div(n, READ_GRANULE);
     pthread_mutex_lock(&pool->call);
     double *partial = pool_arena(pool, sizeof(double) * (size_t)(granules ? granules : 1));
     if (partial) {
         read_job r = {x, n, partial};
-        if (granules) pool_run(pool, read_granule, &r, 1, &granules);
+        if (granules) pool_run(pool, plain ? read_granule_plain : read_granule_prefetched, &r, 1, &granules);
         *sum = 0.;
         for (int64_t g = 0; g < granules; g++) *sum += partial[g];
     }

@@ -305,13 +305,15 @@ class DecodeKernel(MixerKernels):
         return y
 
 
-    def read_sum(self, x: torch.Tensor) -> float:
-        """The sum of x (float32, contiguous, in host memory) read on every pool thread: the read-bandwidth probe
-        (moetier.calibrate.read_bandwidth_bytes_per_s), summed in float32 per 1 MiB granule, then in float64."""
+    def read_sum(self, x: torch.Tensor, plain: bool = False) -> float:
+        """The sum of x (float32, contiguous, in host memory) read on every pool thread: the read-bandwidth probes
+        (moetier.calibrate.read_bandwidth_bytes_per_s), summed in float32 per 1 MiB granule, then in float64. Each
+        granule is read as four software-prefetched streams, or (plain) as eight streams the hardware prefetchers
+        alone fetch: machines differ in which reads faster (cpu_kernels.c)."""
         if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError(f"read_sum: x must be float32, contiguous, in host memory, got {x.dtype} on {x.device}")
         total = ctypes.c_double()
-        status_error("read_sum", self.library.moe_read_sum(self.pool.handle, x.data_ptr(), x.numel(), ctypes.byref(total)))
+        status_error("read_sum", self.library.moe_read_sum(self.pool.handle, x.data_ptr(), x.numel(), int(plain), ctypes.byref(total)))
         return total.value
 
 
@@ -369,7 +371,7 @@ def _declare(lib: ctypes.CDLL, formats: ctypes.CDLL) -> None:
         "moe_decode": (i64, [p, p, i64, i64, i64, p, p, p]),
         "moe_experts": (i64, [p, p, i64, i64, i64, i64, p, p, p, p, p]),
         "moe_linear": (i64, [p, p, i64, i64, p, i64, i64, i64, p]),
-        "moe_read_sum": (i64, [p, p, i64, p]),
+        "moe_read_sum": (i64, [p, p, i64, i64, p]),
         "moe_rms_norm": (i64, [p, p, p, i64, i64, ctypes.c_double, p]),
         "moe_rotary": (i64, [p, p, i64, i64, i64, i64, p, p, i64, p]),
         "moe_attention": (i64, [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p]),
