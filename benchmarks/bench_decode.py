@@ -94,6 +94,20 @@ def read_bandwidth(threads: int, nbytes: int) -> dict[str, float]:
     return read_bandwidth_bytes_per_s(threads, nbytes, buffer=probe_buffer(nbytes))
 
 
+def _float_streams(threads: int) -> str:
+    """How moetier's float formats read their rows at one token on this host with `threads` threads
+    (cpu_kernels.streams: the engine's processes choose the same way), a pool opened to choose it if none is yet."""
+    import torch
+
+    from moetier.backends import cpu_kernels
+
+    kernel = cpu_kernels.decode_kernel(threads)
+    if kernel is None:
+        return f"no native kernels: {cpu_kernels.status()}"
+    kernel.read_sum(torch.zeros(1))
+    return cpu_kernels.streams()
+
+
 def _busy_ticks() -> int:
     """Clock ticks the whole machine spent computing (user, nice, system, irq, softirq; not idle or steal)."""
     user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in Path("/proc/stat").read_text().split()[1:8])
@@ -165,7 +179,7 @@ def machine(threads: int) -> dict:
                   "vnni": bool(flags & {"avx512_vnni", "avx_vnni"}), "amx": bool(flags & {"amx_tile", "amx_int8", "amx_bf16"})},
         "moetier_arch": " ".join(native.arch_flags()), "llama_cpp_lib": os.environ.get("LLAMA_CPP_LIB_PATH", "the package's"),
         "threads": threads, "loadavg": _loadavg(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": git("rev-parse", "HEAD"),
+        "git_commit": git("rev-parse", "HEAD"), "float_streams": _float_streams(threads),
         # other engineers' uncommitted work in moetier/ is part of what was measured
         "git_uncommitted_in_moetier": git("status", "--porcelain", "--", "moetier").splitlines(),
         "versions": versions,

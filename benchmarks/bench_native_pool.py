@@ -206,8 +206,8 @@ def measure(kernel, experts, threads: list[int], runs: int) -> dict:
     """Per thread count: the bare decode, the lane and the read probes sampled in turn, one sample of each a round
     over max(runs, 5) rounds, each figure its best quiet sample. Interleaved so that the read's best and the
     decode's come from the same minutes (the host's level moves from minute to minute). Then prefill. (On the Ice
-    Lake host Q8_0's calls still read more than the probes interleaved with them, 26.9 against 23.8 GB/s: there
-    the probes are not the fastest reader; docs/history.md.)"""
+    Lake host Q8_0's calls read more than the prefetched probe interleaved with them, 26.9 against 23.8 GB/s;
+    the plain probe, eight streams, reads 27-30 there: docs/kernels.md.)"""
     result = {key: {} for key in ("decode_gb_per_s", "lane_gb_per_s", "read_gb_per_s", "prefill_tok_per_s")}
     for t in threads:
         bare, lane = DecodeSampler(kernel, experts, t, False), DecodeSampler(kernel, experts, t, True)
@@ -267,6 +267,8 @@ def main() -> None:
         print(f"{'  through the lane GB/s':<34}" + "".join(f"{result['lane_gb_per_s'][t]:>14.1f}" for t in threads))
         print(f"{'  read bandwidth GB/s':<34}" + "".join(f"{result['read_gb_per_s'][t]:>14.1f}" for t in threads))
         print(f"{'  prefill tok/s (T=256)':<34}" + "".join(f"{result['prefill_tok_per_s'][t]:>14.1f}" for t in threads))
+    report["streams"] = cpu_kernels.streams()  # chosen when the first pool opened
+    print(f"float formats' one-token rows: {report['streams']}")
     print(json.dumps(report))
 
 

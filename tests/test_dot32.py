@@ -164,6 +164,37 @@ def test_one_token_rows_are_each_row_alone(fmt):
     assert one_token_rows_apart(kernels, fmt) == [], fmt.name
 
 
+@pytest.mark.parametrize("fmt", [f for f in FAMILY if f.dtype is not None], ids=lambda f: f.name)
+def test_plain_and_prefetched_streams_give_the_same_bits(fmt):
+    """The float formats at one token read their rows as four prefetched streams or eight plain ones
+    (cpu_dot32.c eight_streams, chosen per host by speed): each row's value the same both ways, and each row
+    alone; 1 to 70 rows leave the eighths empty, uneven or even. Where the build has no eight-stream path (not
+    AVX-512) asking for it gives the prefetched one."""
+    rng = np.random.default_rng(fmt.id + 80)
+    n = 1000  # 31 steps of 32 values, then a masked 8
+    w, x = weights(fmt, 70, n, rng), tokens(1, n, rng)
+    before = kernels.set_plain_streams(False)
+    assert before is False
+    try:
+        for act in acts_of(fmt):
+            xq = torch.from_numpy(A.quantize(act, x))
+            prefetched = kernels.dot(fmt.id, act, w, xq, n)
+            assert kernels.set_plain_streams(True) is (_dot32_path() == 2)
+            assert one_token_rows_apart(kernels, fmt) == [], fmt.name
+            for rows in (1, 7, 8, 9, 15, 17, 63, 70):
+                assert torch.equal(kernels.dot(fmt.id, act, w[:rows], xq, n), prefetched[:, :rows]), (fmt.name, act, rows)
+            kernels.set_plain_streams(False)
+    finally:
+        kernels.set_plain_streams(cpu_kernels_plain())
+
+
+def cpu_kernels_plain() -> bool:
+    """The way this process chose (moetier.backends.cpu_kernels._choose_streams), to restore after a test."""
+    from moetier.backends import cpu_kernels
+
+    return bool(cpu_kernels._STREAMS["plain"])
+
+
 @pytest.mark.parametrize("fmt", [f for f in FAMILY if f.dtype is None], ids=lambda f: f.name)
 def test_row_tiles_with_tails(fmt):
     """From WIDE_FROM tokens the block formats take 16-row tiles (AVX-512): 37 rows (two tiles and 5), 75 tokens

@@ -257,3 +257,55 @@ def test_rotary_on_the_pool_is_the_tables(tokens, heads, d, rd):
         kernel.rotary(x.transpose(1, 2), cos, sin)
     with pytest.raises(ValueError, match="rotary: cos must be float32"):
         kernel.rotary(x, cos[:-1] if tokens > 1 else cos.double(), sin)
+
+
+STREAMS_PROBE = """
+import json
+from moetier.backends import cpu_kernels, dot_kernels
+kernel = cpu_kernels.decode_kernel(2)
+kernel.read_sum(__import__("torch").ones(4))
+chosen = cpu_kernels._STREAMS["plain"]
+eight = dot_kernels.dot_kernels().set_plain_streams(True)  # whether this build has the eight-stream path
+print(json.dumps({"why": cpu_kernels.streams(), "plain": chosen, "eight": eight}))
+"""
+
+
+def test_the_float_formats_streams_are_chosen_once_per_host(tmp_path):
+    """cpu_kernels._choose_streams: $MOETIER_STREAMS decides, a wrong value is one clear error; else the two read
+    probes are measured when the first pool opens, kept in moetier's home, and the next process reads them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from moetier.native import moetier_home
+
+    (tmp_path / "native").mkdir()
+    for built in (moetier_home() / "native").glob("*.so"):  # the builds, not 25 s of cc again; no streams file
+        (tmp_path / "native" / built.name).symlink_to(built)
+
+    def probe(**env):
+        done = subprocess.run([sys.executable, "-c", STREAMS_PROBE], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "MOETIER_HOME": str(tmp_path), "MOETIER_STREAMS": "", **env})
+        return done.returncode, done.stdout.strip().splitlines()[-1:] or [""], done.stderr
+
+    for asked in ("prefetched", "plain"):
+        code, (line,), err = probe(MOETIER_STREAMS=asked)
+        assert code == 0, err
+        got = json.loads(line)
+        assert got["why"] == f"{asked} ($MOETIER_STREAMS)" and isinstance(got["plain"], bool)
+        assert got["plain"] is (asked == "plain" and got["eight"])
+    assert not list((tmp_path / "native").glob("streams-*.json"))
+    code, _, err = probe(MOETIER_STREAMS="fast")
+    assert code != 0 and "MOETIER_STREAMS must be plain or prefetched, got 'fast'" in err
+    code, (line,), err = probe()
+    assert code == 0, err
+    first = json.loads(line)
+    kept = list((tmp_path / "native").glob("streams-*.json"))
+    assert len(kept) == 1 and first["why"].startswith(("plain (read ", "prefetched (read ")), first
+    rates = json.loads(kept[0].read_text())
+    assert set(rates) == {"plain", "prefetched"} and min(rates.values()) > 0
+    assert first["plain"] is (rates["plain"] > 1.03 * rates["prefetched"] and first["eight"])
+    written = kept[0].stat().st_mtime_ns
+    code, (line,), err = probe()
+    assert code == 0 and json.loads(line) == first and kept[0].stat().st_mtime_ns == written  # read, not measured again

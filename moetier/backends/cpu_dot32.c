@@ -12,8 +12,9 @@
  * the block formats below WIDE_FROM tokens it depends on neither T nor the row (every (row, token) runs the same
  * operations in every tile shape: T tokens at once are bit for bit T calls of one); from WIDE_FROM tokens, on
  * AVX-512, the 16-row tiles (below) add the same per-block terms block after block: within float32 rounding of
- * the row loop, and still independent of the rows beside a row. Float formats sum in four interleaved
- * accumulators at T = 1 and in one per (row, token) in the T > 1 tiles, equal within float32 rounding; F32
+ * the row loop, and still independent of the rows beside a row. Float formats sum in two interleaved
+ * accumulators at T = 1 (AVX2: four) and in one per (row, token) in the T > 1 tiles, equal within float32
+ * rounding; F32
  * weights from OUTER_FROM tokens on AVX-512 take the outer-product tiles (below), which add each (row, token)'s
  * products in k order in chunks of OUTER_CHUNK: within float32 rounding of the others, and a function of n only.
  *
@@ -22,9 +23,9 @@
  * each weight byte comes from memory once for all T. Tiles are 4 rows x up to 4 tokens (AVX2: 2; the float
  * formats on AVX-512: 6, 24 accumulators beside 6 activation vectors and a weight vector, the activations packed
  * per token tile first so a step loads 10 vectors for 24 FMAs: tile_floats), an accumulator each; at T = 1 block
- * formats take 8 rows (AVX2: 4; Q8_0: 1 on AVX-512, its decode cheap next to its bytes; on AVX2 its own 4-row tile), floats 1 row with four
+ * formats take 8 rows (AVX2: 4; Q8_0: 1 on AVX-512, its decode cheap next to its bytes; on AVX2 its own 4-row tile), floats 1 row with two (AVX2: four)
  * accumulators (one FMA chain would wait on its latency). At one token on AVX-512 each row is a prefetched stream
- * (cpu_stream.h); else each block-format tile prefetches the next tile's rows at its own offset: a tile's
+ * (cpu_stream.h; the float formats: or a plain one of eight, where the host reads those faster: eight_streams); else each block-format tile prefetches the next tile's rows at its own offset: a tile's
  * rows are short streams the hardware prefetcher would find anew every tile, and on AMD a masked load that
  * misses the cache stalls (measured: Q4_0 from DRAM 7 GB/s without, 36 with).
  * The SIMD paths first unpack the activations once per call (quants contiguous, scales as float32; AVX-512 also
@@ -101,6 +102,19 @@ INLINE int block_bytes(int f) { return f == Q8_0 ? 34 : f == Q4_1 ? 20 : f == Q5
 INLINE int quants_at(int f) { return f == Q4_1 ? 4 : f == Q5_0 ? 6 : f == Q5_1 ? 8 : 2; }
 INLINE int high_bits_at(int f) { return f == Q5_0 ? 2 : 4; }
 INLINE int has_min(int f) { return f == Q4_1 || f == Q5_1; }
+
+/* How the float formats read their rows at one token on AVX-512: eight plain streams (1) or four prefetched ones
+ * (0, the default; eight_streams says why both). Set once, before the first dot (moetier.backends.dot_kernels
+ * chooses by the read probes); -> the way now in effect (0 where there is no eight-stream path). */
+static int plain_streams = 0;
+int64_t dot32_set_streams(int64_t plain) {
+#if defined(PATH_AVX512)
+    plain_streams = plain != 0;
+#else
+    (void)plain;
+#endif
+    return plain_streams;
+}
 
 int64_t dot32_act_type(int64_t wtype, int64_t float_acts) {
     switch (wtype) {
@@ -450,19 +464,21 @@ INLINE void floats_store(const int R, const int TT, __m512 acc[FLOAT_ROWS][FLOAT
         for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* R (1 or 4) rows `stride` bytes apart at one token, each a lone row: four accumulators (k in 64s), whose one FMA
- * chain would wait on its latency; the last 16s and the masked tail into the first, the four added pairwise. A
- * row's value does not depend on R: tile_floats' lone row is R = 1, four_streams' tile R = 4. */
-INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y) {
+/* R (1, 4 or 8) rows `stride` bytes apart at one token, each a lone row: two accumulators (k in 32s), the masked
+ * tail into the first (2 x R independent FMA chains; one row's two, where leftover rows go alone, still outrun
+ * memory); prefetched: each row a software-prefetched stream (cpu_stream.h), else plain loads, the hardware
+ * prefetchers alone (eight_streams). A row's value depends on neither R nor prefetched: tile_floats' lone row is
+ * R = 1, four_streams' tile R = 4, eight_streams' R = 8. */
+INLINE void floats_lone(const int f, const int R, const int prefetched, const uint8_t *w, int64_t stride, const float *x,
+                        int64_t n, float *y) {
     const int size = f == F32 ? 4 : 2;
-    __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    __m512 acc[8][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 64 <= n; k += 64)
+    for (; k + 32 <= n; k += 32)
         for (int r = 0; r < R; r++) {
-            stream_prefetch(w + r * stride + k * size, 64 * size);
-            for (int j = 0; j < 4; j++)
+            if (prefetched) stream_prefetch(w + r * stride + k * size, 32 * size);
+            for (int j = 0; j < 2; j++)
                 acc[r][j] = _mm512_fmadd_ps(float_weights(f, w + r * stride, k + 16 * j, 0, 0), _mm512_loadu_ps(x + k + 16 * j), acc[r][j]);
         }
     for (; k < n; k += 16) {
@@ -470,7 +486,7 @@ INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stri
         for (int r = 0; r < R; r++)
             acc[r][0] = _mm512_fmadd_ps(float_weights(f, w + r * stride, k, 1, live), _mm512_maskz_loadu_ps(live, x + k), acc[r][0]);
     }
-    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(add4_pinned(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 /* R rows x TT tokens: an accumulator each, or a lone row and token (floats_lone), which reads x as it is. Every
@@ -482,7 +498,7 @@ INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stri
 INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
                         int64_t n, float *y, int64_t ldy) {
     if (R * TT == 1) {
-        floats_lone(f, 1, w, row_bytes, x, n, y);
+        floats_lone(f, 1, 1, w, row_bytes, x, n, y);
         return;
     }
     __m512 acc[FLOAT_ROWS][FLOAT_TOKENS];
@@ -795,8 +811,11 @@ INLINE __m256 float_weights(const int f, const void *row, int64_t k) {
 }
 
 /* R (1 or 4) rows `stride` bytes apart at one token, each a lone row: four accumulators (k in 32s), the last 8s
- * into the first, the rest in scalar, each row a stream (cpu_stream.h); a row's value does not depend on R */
-INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stride, const float *x, int64_t n, float *y) {
+ * into the first, the rest in scalar, each row a stream (cpu_stream.h; AVX2 always `prefetched`); a row's value
+ * does not depend on R */
+INLINE void floats_lone(const int f, const int R, const int prefetched, const uint8_t *w, int64_t stride, const float *x,
+                        int64_t n, float *y) {
+    (void)prefetched;
     const int size = f == F32 ? 4 : 2;
     __m256 acc[4][4];
     for (int r = 0; r < R; r++)
@@ -822,7 +841,7 @@ INLINE void floats_lone(const int f, const int R, const uint8_t *w, int64_t stri
 INLINE void tile_floats(const int f, const int R, const int TT, const uint8_t *w, int64_t row_bytes, const float *x,
                         int64_t n, float *y, int64_t ldy) {
     if (R * TT == 1) {
-        floats_lone(f, 1, w, row_bytes, x, n, y);
+        floats_lone(f, 1, 1, w, row_bytes, x, n, y);
         return;
     }
     const int size = f == F32 ? 4 : 2;
@@ -877,6 +896,28 @@ static void four_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, cons
         for (int64_t r = s * quarter + j; r < (s + 1) * quarter && r < rows; r++) y[r] = one(t, w + r * row_bytes);
 }
 
+#if defined(PATH_AVX512)
+/* One token as eight plain streams: four_streams' way with eighths of the call's rows and no software prefetch,
+ * where that reads faster (dot32_set_streams). Eight streams the hardware prefetchers alone follow read faster on
+ * some hosts than four prefetched ones, on others not (cpu_kernels.c's read probes; docs/kernels.md): on the
+ * Intel Ice Lake host, 2 threads from DRAM, 10 rounds interleaved in one process (2026-12-07), the lane's F32
+ * calls 23.0 -> 26.5 GB/s (median), BF16 23.2 -> 27.1, beside reads of 28.8-29.1; Q8_0 26.1 either way, so the
+ * block formats keep four_streams. Float rows only: their decoding is a load and an FMA, and each row's value
+ * is the same either way (floats_lone), so the choice is one of speed alone. */
+static void eight_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, four_rows_fn eight,
+                          one_row_fn one, float *y) {
+    const int64_t part = (rows + 7) / 8;
+    int64_t j = 0;
+    for (; 7 * part + j < rows; j++) {
+        float y8[8];
+        eight(t, w + j * row_bytes, part * row_bytes, y8);
+        for (int s = 0; s < 8; s++) y[s * part + j] = y8[s];
+    }
+    for (int s = 0; s < 7; s++)
+        for (int64_t r = s * part + j; r < (s + 1) * part && r < rows; r++) y[r] = one(t, w + r * row_bytes);
+}
+#endif
+
 static void q8_0_four(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { q8_0_rows(4, w, stride, t->xv, t->nb, y4); }
 static float q8_0_one(const one_token *t, const uint8_t *w) {
     float y;
@@ -884,20 +925,36 @@ static float q8_0_one(const one_token *t, const uint8_t *w) {
     return y;
 }
 
-/* the float formats' four and one, a pair per format (f a constant in each) */
+/* the float formats' four and one (prefetched streams), and on AVX-512 eight and one (plain streams), per format
+ * (f a constant in each) */
 #define FLOAT_STREAMS(F)                                                                                                \
     static void floats_four_##F(const one_token *t, const uint8_t *w, int64_t stride, float *y4) {                     \
-        floats_lone(F, 4, w, stride, t->x, t->n, y4);                                                                  \
+        floats_lone(F, 4, 1, w, stride, t->x, t->n, y4);                                                               \
     }                                                                                                                  \
     static float floats_one_##F(const one_token *t, const uint8_t *w) {                                                \
         float y;                                                                                                       \
-        floats_lone(F, 1, w, 0, t->x, t->n, &y);                                                                       \
+        floats_lone(F, 1, 1, w, 0, t->x, t->n, &y);                                                                    \
+        return y;                                                                                                      \
+    }                                                                                                                  \
+    PLAIN_STREAMS(F)
+#if defined(PATH_AVX512)
+#define PLAIN_STREAMS(F)                                                                                                \
+    static void floats_eight_##F(const one_token *t, const uint8_t *w, int64_t stride, float *y8) {                    \
+        floats_lone(F, 8, 0, w, stride, t->x, t->n, y8);                                                               \
+    }                                                                                                                  \
+    static float floats_plain_##F(const one_token *t, const uint8_t *w) {                                              \
+        float y;                                                                                                       \
+        floats_lone(F, 1, 0, w, 0, t->x, t->n, &y);                                                                    \
         return y;                                                                                                      \
     }
+#else
+#define PLAIN_STREAMS(F)
+#endif
 FLOAT_STREAMS(F32)
 FLOAT_STREAMS(F16)
 FLOAT_STREAMS(BF16)
 #undef FLOAT_STREAMS
+#undef PLAIN_STREAMS
 #if defined(PATH_BF16_PAIRS)
 static void bf16_four_rows(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { bf16_lone(4, w, stride, t->xb, t->n, y4); }
 static float bf16_one_row(const one_token *t, const uint8_t *w) {
@@ -953,6 +1010,14 @@ INLINE void floats_tiles(const int f, int64_t n, const uint8_t *w, int64_t row_b
                          int64_t stride, int64_t T, float *y, int64_t ldy) {
     if (T == 1) {
         const one_token t = {NULL, 0, x, NULL, n};
+#if defined(PATH_AVX512)
+        if (plain_streams) {
+            if (f == F32) eight_streams(w, row_bytes, rows, &t, floats_eight_F32, floats_plain_F32, y);
+            else if (f == F16) eight_streams(w, row_bytes, rows, &t, floats_eight_F16, floats_plain_F16, y);
+            else eight_streams(w, row_bytes, rows, &t, floats_eight_BF16, floats_plain_BF16, y);
+            return;
+        }
+#endif
         if (f == F32) four_streams(w, row_bytes, rows, &t, floats_four_F32, floats_one_F32, y);
         else if (f == F16) four_streams(w, row_bytes, rows, &t, floats_four_F16, floats_one_F16, y);
         else four_streams(w, row_bytes, rows, &t, floats_four_BF16, floats_one_BF16, y);

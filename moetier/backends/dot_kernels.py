@@ -133,6 +133,17 @@ class DotKernels:
             raise ValueError(f"{fmt.name} -> {to.name}: the {family.name} family does not convert these")
         return out
 
+    def set_plain_streams(self, plain: bool) -> bool:
+        """Whether the float formats read their one-token rows as eight plain streams rather than four prefetched
+        ones (cpu_dot32.c's eight_streams; the same values either way): set for the process, -> the way in effect
+        (False where the family has no eight-stream path: not AVX-512)."""
+        family = next((f for f in self.families if f.name == "dot32"), None)
+        if family is None:
+            return False
+        fn = family.lib.dot32_set_streams
+        fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+        return bool(fn(int(plain)))
+
     def entry(self, wtype: int) -> tuple[int, int, int]:
         """(act_type, quantize, dot) C function addresses of the family computing wtype."""
         family = self._family(wtype)
