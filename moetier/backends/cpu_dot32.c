@@ -880,41 +880,40 @@ INLINE void q8_0_rows(const int R, const uint8_t *w, int64_t stride, const act_v
  * 1024 values only. The float formats: floats_lone, BF16 weights with BF16 activations bf16_lone, whose R = 4 and
  * R = 1 are four rows and one. */
 typedef struct { const act_view *xv; int64_t nb; const float *x; const uint16_t *xb; int64_t n; } one_token;
-typedef void (*four_rows_fn)(const one_token *t, const uint8_t *w, int64_t stride, float *y4);
+typedef void (*rows_fn)(const one_token *t, const uint8_t *w, int64_t stride, float *ys);  /* a tile of S rows */
 typedef float (*one_row_fn)(const one_token *t, const uint8_t *w);
 
-static void four_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, four_rows_fn four,
-                         one_row_fn one, float *y) {
-    const int64_t quarter = (rows + 3) / 4;
+/* The call's rows in S parts, row j of each part read together (`tile`: S rows `stride` apart), their values put
+ * back in place; the rows that the last, shorter part lacks, one at a time (`one`) */
+INLINE void row_streams(const int S, const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, rows_fn tile,
+                        one_row_fn one, float *y) {
+    const int64_t part = (rows + S - 1) / S;
     int64_t j = 0;
-    for (; 3 * quarter + j < rows; j++) {
-        float y4[4];
-        four(t, w + j * row_bytes, quarter * row_bytes, y4);
-        for (int s = 0; s < 4; s++) y[s * quarter + j] = y4[s];
+    for (; (S - 1) * part + j < rows; j++) {
+        float ys[8];
+        tile(t, w + j * row_bytes, part * row_bytes, ys);
+        for (int s = 0; s < S; s++) y[s * part + j] = ys[s];
     }
-    for (int s = 0; s < 3; s++)
-        for (int64_t r = s * quarter + j; r < (s + 1) * quarter && r < rows; r++) y[r] = one(t, w + r * row_bytes);
+    for (int s = 0; s < S - 1; s++)
+        for (int64_t r = s * part + j; r < (s + 1) * part && r < rows; r++) y[r] = one(t, w + r * row_bytes);
+}
+
+static void four_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, rows_fn four,
+                         one_row_fn one, float *y) {
+    row_streams(4, w, row_bytes, rows, t, four, one, y);
 }
 
 #if defined(PATH_AVX512)
 /* One token as eight plain streams: four_streams' way with eighths of the call's rows and no software prefetch,
  * where that reads faster (dot32_set_streams). Eight streams the hardware prefetchers alone follow read faster on
  * some hosts than four prefetched ones, on others not (cpu_kernels.c's read probes; docs/kernels.md): on the
- * Intel Ice Lake host, 2 threads from DRAM, 10 rounds interleaved in one process (2026-12-07), the lane's F32
- * calls 23.0 -> 26.5 GB/s (median), BF16 23.2 -> 27.1, beside reads of 28.8-29.1; Q8_0 26.1 either way, so the
+ * Intel Ice Lake host, 2 threads from DRAM, 10 rounds toggled in one process (2026-12-07), the lane's F32 calls
+ * 23.0 -> 25.7 GB/s (median), BF16 23.5 -> 26.0, beside reads of 27.7-30.5; Q8_0 26.1 either way, so the
  * block formats keep four_streams. Float rows only: their decoding is a load and an FMA, and each row's value
  * is the same either way (floats_lone), so the choice is one of speed alone. */
-static void eight_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, four_rows_fn eight,
+static void eight_streams(const uint8_t *w, int64_t row_bytes, int64_t rows, const one_token *t, rows_fn eight,
                           one_row_fn one, float *y) {
-    const int64_t part = (rows + 7) / 8;
-    int64_t j = 0;
-    for (; 7 * part + j < rows; j++) {
-        float y8[8];
-        eight(t, w + j * row_bytes, part * row_bytes, y8);
-        for (int s = 0; s < 8; s++) y[s * part + j] = y8[s];
-    }
-    for (int s = 0; s < 7; s++)
-        for (int64_t r = s * part + j; r < (s + 1) * part && r < rows; r++) y[r] = one(t, w + r * row_bytes);
+    row_streams(8, w, row_bytes, rows, t, eight, one, y);
 }
 #endif
 
