@@ -924,36 +924,26 @@ static float q8_0_one(const one_token *t, const uint8_t *w) {
     return y;
 }
 
-/* the float formats' four and one (prefetched streams), and on AVX-512 eight and one (plain streams), per format
- * (f a constant in each) */
-#define FLOAT_STREAMS(F)                                                                                                \
-    static void floats_four_##F(const one_token *t, const uint8_t *w, int64_t stride, float *y4) {                     \
-        floats_lone(F, 4, 1, w, stride, t->x, t->n, y4);                                                               \
+/* the float formats' tile of R rows and lone row, per format (f a constant in each): four and one as prefetched
+ * streams, and on AVX-512 eight and one as plain streams */
+#define FLOAT_ROW_FNS(F, TILE, ONE, R, PREFETCHED)                                                                     \
+    static void TILE##_##F(const one_token *t, const uint8_t *w, int64_t stride, float *ys) {                          \
+        floats_lone(F, R, PREFETCHED, w, stride, t->x, t->n, ys);                                                      \
     }                                                                                                                  \
-    static float floats_one_##F(const one_token *t, const uint8_t *w) {                                                \
+    static float ONE##_##F(const one_token *t, const uint8_t *w) {                                                     \
         float y;                                                                                                       \
-        floats_lone(F, 1, 1, w, 0, t->x, t->n, &y);                                                                    \
-        return y;                                                                                                      \
-    }                                                                                                                  \
-    PLAIN_STREAMS(F)
-#if defined(PATH_AVX512)
-#define PLAIN_STREAMS(F)                                                                                                \
-    static void floats_eight_##F(const one_token *t, const uint8_t *w, int64_t stride, float *y8) {                    \
-        floats_lone(F, 8, 0, w, stride, t->x, t->n, y8);                                                               \
-    }                                                                                                                  \
-    static float floats_plain_##F(const one_token *t, const uint8_t *w) {                                              \
-        float y;                                                                                                       \
-        floats_lone(F, 1, 0, w, 0, t->x, t->n, &y);                                                                    \
+        floats_lone(F, 1, PREFETCHED, w, 0, t->x, t->n, &y);                                                           \
         return y;                                                                                                      \
     }
-#else
-#define PLAIN_STREAMS(F)
+FLOAT_ROW_FNS(F32, floats_four, floats_one, 4, 1)
+FLOAT_ROW_FNS(F16, floats_four, floats_one, 4, 1)
+FLOAT_ROW_FNS(BF16, floats_four, floats_one, 4, 1)
+#if defined(PATH_AVX512)
+FLOAT_ROW_FNS(F32, floats_eight, floats_plain, 8, 0)
+FLOAT_ROW_FNS(F16, floats_eight, floats_plain, 8, 0)
+FLOAT_ROW_FNS(BF16, floats_eight, floats_plain, 8, 0)
 #endif
-FLOAT_STREAMS(F32)
-FLOAT_STREAMS(F16)
-FLOAT_STREAMS(BF16)
-#undef FLOAT_STREAMS
-#undef PLAIN_STREAMS
+#undef FLOAT_ROW_FNS
 #if defined(PATH_BF16_PAIRS)
 static void bf16_four_rows(const one_token *t, const uint8_t *w, int64_t stride, float *y4) { bf16_lone(4, w, stride, t->xb, t->n, y4); }
 static float bf16_one_row(const one_token *t, const uint8_t *w) {
