@@ -96,16 +96,16 @@ def read_bandwidth(threads: int, nbytes: int) -> dict[str, float]:
 
 def _float_streams(threads: int) -> str:
     """How moetier's float formats read their rows at one token on this host with `threads` threads
-    (cpu_kernels.streams: the engine's processes choose the same way), a pool opened to choose it if none is yet."""
+    (cpu_streams.streams: the engine's processes choose the same way), a pool opened to choose it if none is yet."""
     import torch
 
-    from moetier.backends import cpu_kernels
+    from moetier.backends import cpu_kernels, cpu_streams
 
     kernel = cpu_kernels.decode_kernel(threads)
     if kernel is None:
         return f"no native kernels: {cpu_kernels.status()}"
     kernel.read_sum(torch.zeros(1))
-    return cpu_kernels.streams()
+    return cpu_streams.streams()
 
 
 def _busy_ticks() -> int:

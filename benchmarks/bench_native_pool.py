@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from quant_blocks import F16_FIELDS, random_rows  # noqa: E402
 
-from moetier.backends import ExpertWork, cpu_kernels, cpu_lane  # noqa: E402
+from moetier.backends import ExpertWork, cpu_kernels, cpu_lane, cpu_streams  # noqa: E402
 from moetier.calibrate import read_probes  # noqa: E402
 from moetier.model import ExpertWeights  # noqa: E402
 from moetier.model.formats import BY_NAME  # noqa: E402
@@ -267,7 +267,7 @@ def main() -> None:
         print(f"{'  through the lane GB/s':<34}" + "".join(f"{result['lane_gb_per_s'][t]:>14.1f}" for t in threads))
         print(f"{'  read bandwidth GB/s':<34}" + "".join(f"{result['read_gb_per_s'][t]:>14.1f}" for t in threads))
         print(f"{'  prefill tok/s (T=256)':<34}" + "".join(f"{result['prefill_tok_per_s'][t]:>14.1f}" for t in threads))
-    report["streams"] = cpu_kernels.streams()  # chosen when the first pool opened
+    report["streams"] = cpu_streams.streams()  # chosen when the first pool opened
     print(f"float formats' one-token rows: {report['streams']}")
     print(json.dumps(report))
 

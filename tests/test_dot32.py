@@ -22,6 +22,7 @@ import torch
 from quant_blocks import random_float_rows, random_rows
 
 from moetier.backends import activations as A
+from moetier.backends import cpu_streams
 from moetier.backends import dot_kernels as D
 from moetier.model.formats import BY_NAME, Format
 from moetier.native import FAST_FLAGS, library
@@ -185,14 +186,7 @@ def test_plain_and_prefetched_streams_give_the_same_bits(fmt):
                 assert torch.equal(kernels.dot(fmt.id, act, w[:rows], xq, n), prefetched[:, :rows]), (fmt.name, act, rows)
             kernels.set_plain_streams(False)
     finally:
-        kernels.set_plain_streams(cpu_kernels_plain())
-
-
-def cpu_kernels_plain() -> bool:
-    """The way this process chose (moetier.backends.cpu_kernels._choose_streams), to restore after a test."""
-    from moetier.backends import cpu_kernels
-
-    return bool(cpu_kernels._STREAMS["plain"])
+        kernels.set_plain_streams(cpu_streams.plain())  # the way this process chose
 
 
 @pytest.mark.parametrize("fmt", [f for f in FAMILY if f.dtype is None], ids=lambda f: f.name)

@@ -261,17 +261,17 @@ def test_rotary_on_the_pool_is_the_tables(tokens, heads, d, rd):
 
 STREAMS_PROBE = """
 import json
-from moetier.backends import cpu_kernels, dot_kernels
+from moetier.backends import cpu_kernels, cpu_streams, dot_kernels
 kernel = cpu_kernels.decode_kernel(2)
 kernel.read_sum(__import__("torch").ones(4))
-chosen = cpu_kernels._STREAMS["plain"]
+chosen = cpu_streams._CHOICE["plain"]
 eight = dot_kernels.dot_kernels().set_plain_streams(True)  # whether this build has the eight-stream path
-print(json.dumps({"why": cpu_kernels.streams(), "plain": chosen, "eight": eight}))
+print(json.dumps({"why": cpu_streams.streams(), "plain": chosen, "eight": eight}))
 """
 
 
 def test_the_float_formats_streams_are_chosen_once_per_host(tmp_path):
-    """cpu_kernels._choose_streams: $MOETIER_STREAMS decides, a wrong value is one clear error; else the two read
+    """moetier.backends.cpu_streams: $MOETIER_STREAMS decides, a wrong value is one clear error; else the two read
     probes are measured when the first pool opens, kept in moetier's home, and the next process reads them."""
     import json
     import os

@@ -104,7 +104,7 @@ INLINE int high_bits_at(int f) { return f == Q5_0 ? 2 : 4; }
 INLINE int has_min(int f) { return f == Q4_1 || f == Q5_1; }
 
 /* How the float formats read their rows at one token on AVX-512: eight plain streams (1) or four prefetched ones
- * (0, the default; eight_streams says why both). Set once, before the first dot (moetier.backends.dot_kernels
+ * (0, the default; eight_streams says why both). Set once, before the first dot (moetier.backends.cpu_streams
  * chooses by the read probes); -> the way now in effect (0 where there is no eight-stream path). */
 static int plain_streams = 0;
 int64_t dot32_set_streams(int64_t plain) {

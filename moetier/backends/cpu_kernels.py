@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from moetier.backends import activations, dot_kernels
+from moetier.backends import activations, cpu_streams, dot_kernels
 from moetier.backends.base import ExpertWork
 from moetier.backends.cpu_mixers import MixerKernels, float_input
 from moetier.backends.cpu_status import status_error
@@ -480,77 +480,9 @@ def _pool(threads: int) -> NativePool:
 @functools.cache
 def _pool_open(threads: int) -> NativePool:
     pool = NativePool(_load()[0].library, threads, float(os.environ.get("MOETIER_POOL_SPIN_US", "200")))
-    if _STREAMS["plain"] is None:  # the first pool chooses how the float formats stream, for the process
-        _choose_streams(pool)
+    if not cpu_streams.chosen():  # the first pool chooses how the float formats stream, for the process
+        cpu_streams.choose(pool, _load()[0].native_types)
     return pool
-
-
-STREAMS_PROBE_BYTES = 512 << 20  # what the choice reads: many times most last-level caches
-_STREAMS: dict = {"plain": None, "why": "not chosen yet (no pool opened)"}
-
-
-def _choose_streams(pool: NativePool) -> None:
-    """How the float formats read their rows at one token (cpu_dot32.c's eight_streams; the values are the same
-    either way, so this is a choice of speed alone): eight plain streams where this host reads them faster than
-    four prefetched ones, as moe_read_sum's two readers measure it on this pool's threads (best of 3 each,
-    interleaved, over STREAMS_PROBE_BYTES; plain taken when 3% faster), once per host and thread count (kept in
-    moetier_home()/native); $MOETIER_STREAMS = plain or prefetched decides instead. streams() says which."""
-    import hashlib
-    import json
-    import time
-
-    from moetier.model.host_memory import host_buffer
-    from moetier.native import _cpu_features, moetier_home
-
-    asked = os.environ.get("MOETIER_STREAMS", "").strip()
-    if asked not in ("", "plain", "prefetched"):
-        raise ValueError(f"MOETIER_STREAMS must be plain or prefetched, got {asked!r}")
-    if not _load()[0].native_types:  # the fallback dots for every format: no family to tell (none built for this)
-        _STREAMS.update(plain=False, why="prefetched (no dot families in use)")
-        return
-    dots = dot_kernels.dot_kernels()
-    if asked:
-        _STREAMS.update(plain=dots.set_plain_streams(asked == "plain"), why=f"{asked} ($MOETIER_STREAMS)")
-        return
-    key = hashlib.sha256(f"{_cpu_features()}|{_model_name()}|{pool.threads}".encode()).hexdigest()[:16]
-    path = moetier_home() / "native" / f"streams-{key}.json"
-    try:
-        rates = json.loads(path.read_text())
-        rates = {"prefetched": float(rates["prefetched"]), "plain": float(rates["plain"])}
-    except (OSError, ValueError, KeyError, TypeError):
-        x = host_buffer(STREAMS_PROBE_BYTES).view(torch.float32).fill_(1.0)
-        total, best = ctypes.c_double(), {"prefetched": 0.0, "plain": 0.0}
-        for _ in range(3):
-            for name in best:
-                begin = time.perf_counter()
-                status_error("read_sum", pool._lib.moe_read_sum(pool.handle, x.data_ptr(), x.numel(), int(name == "plain"),
-                                                                ctypes.byref(total)))
-                best[name] = max(best[name], STREAMS_PROBE_BYTES / (time.perf_counter() - begin))
-        del x
-        rates = best
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = path.with_suffix(f".{os.getpid()}.tmp")
-            scratch.write_text(json.dumps(rates))
-            scratch.replace(path)
-        except OSError:
-            pass  # a read-only home: measured again next time
-    plain = dots.set_plain_streams(rates["plain"] > 1.03 * rates["prefetched"])
-    _STREAMS.update(plain=plain, why=f"{'plain' if plain else 'prefetched'} (read {rates['plain'] / 1e9:.1f} GB/s as eight "
-                                     f"plain streams, {rates['prefetched'] / 1e9:.1f} as four prefetched; {pool.threads} threads)")
-
-
-def _model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
-def streams() -> str:
-    """How the float formats read their rows at one token in this process, and why (_choose_streams)."""
-    return _STREAMS["why"]
 
 
 def decode_kernel(threads: int | None = None) -> DecodeKernel | None:
