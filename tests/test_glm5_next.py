@@ -5,9 +5,10 @@ and not read). The configs vary what changes the arithmetic: hc_mult and the
 Sinkhorn iterations, the linear / indexed layer pattern, indexer types (a
 "shared" layer reusing the previous layer's selection), index_topk below and
 above the sequence length, the pool size and whether the incomplete pool is
-always attended, kv / q lora ranks, dense layer count, groups, shared experts,
-swiglu_limit (small enough here to clamp), the forget gate with and without its
-lower bound, attention biases, tied embeddings (the top-level config decides).
+always attended, kv / q lora ranks, dense layer count, groups, one, two or no
+shared experts (none: transformers writes one of width 0), swiglu_limit (small
+enough here to clamp), the forget gate with and without its lower bound,
+attention biases, tied embeddings (the top-level config decides).
 Teacher-forced logits over 80 positions (two KDA chunks) and 16 cached decode
 steps after a 70-token prompt within 1e-4 in float32, identical greedy tokens;
 `e_score_correction_bias` is drawn non-zero.
@@ -45,8 +46,9 @@ CASES = {
         indexer_types=["full", "full", "shared", "full", "full", "shared"], mlp_layer_types=["dense"] * 2 + ["sparse"] * 4),
     "softplus-gate-bias-pool1-two-shared": dict(linear_lower_bound=None, attention_bias=True, index_kpool=1, index_topk=5,
                                                 hc_sinkhorn_iters=3, n_shared_experts=2, kv_lora_rank=8, q_lora_rank=12),
-    "no-tail-k1-nonorm-tied": dict(index_kpool_always_select_tail=False, index_kpool=2, index_topk=6, num_experts_per_tok=1,
-                                   norm_topk_prob=False, tie_word_embeddings=True),
+    "no-tail-k1-nonorm-tied-no-shared": dict(index_kpool_always_select_tail=False, index_kpool=2, index_topk=6,
+                                             num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True,
+                                             n_shared_experts=0),  # transformers writes a shared expert of width 0
 }
 
 

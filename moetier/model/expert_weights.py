@@ -141,10 +141,12 @@ class NamedWeights:
 
     def shared_experts(self, layer: int, stored: bool = False) -> ExpertWeights | None:
         """A MoE layer's shared expert MLP (always applied: GLM's shared_experts, Qwen3-Next's shared_expert), or
-        None (float32, or in their stored formats)."""
+        None (float32, or in their stored formats). None too where the file holds one of width 0: transformers
+        writes [0, D] matrices for n_shared_experts = 0 (GLM), which add nothing."""
         for prefix in (f"model.layers.{layer}.mlp.shared_experts", f"model.layers.{layer}.mlp.shared_expert"):
             if self.has(f"{prefix}.gate_proj.weight"):
-                return self._ffn(prefix, stored=stored)
+                shared = self._ffn(prefix, stored=stored)
+                return shared if shared.inter > 0 else None
         return None
 
     def shared_expert_gate(self, layer: int) -> torch.Tensor | None:
