@@ -236,6 +236,33 @@ def test_a_folder_without_a_tokenizer_gets_the_converters_stand_in_vocabulary(mo
     check_vocabulary(value, "mixtral", "llama")
 
 
+def small_vocab_checkpoint(folder):
+    """A random transformers Qwen3-MoE of 100 token ids, saved without a tokenizer: fewer ids than bytes."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, bos_token_id=1,
+                                         eos_token_id=2)
+    torch.manual_seed(5)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "norm" in name else 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_stand_in_vocabulary_smaller_than_the_bytes_still_has_a_merge(tmp_path):
+    """100 ids hold no piece after the byte tokens; llama.cpp loads no BPE file without tokenizer.ggml.merges (it
+    refuses 'cannot find tokenizer merges'), so the last byte token gives its place to one (test_peer_llama loads it)."""
+    path = write_gguf(small_vocab_checkpoint(tmp_path / "hf"), tmp_path / "small.gguf", "F32")[0]
+    fields = gguf.GGUFReader(path).fields
+    tokens, merges = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.merges"].contents()
+    assert len(tokens) == 100 and len(set(tokens)) == 100
+    assert merges and all(a in tokens and b in tokens and a + b in tokens for a, b in (m.split(" ") for m in merges))
+
+
 # -- writing is whole or nothing ---------------------------------------------------------
 
 

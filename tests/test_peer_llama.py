@@ -233,6 +233,18 @@ def test_synth_gguf_of_every_arch_loads_in_llama_cpp(arch, tmp_path):
     assert reference.shape == (64, spec.vocab_size) and error <= 1e-4 * scale, (arch, error, scale)
 
 
+def test_a_gguf_of_fewer_ids_than_bytes_loads_in_llama_cpp(tmp_path):
+    """A random 100-id checkpoint without a tokenizer: moetier's stand-in vocabulary (one merge in place of the last
+    byte token) is one llama.cpp loads, and it runs the file as moetier does (F32, within 1e-4 of the logit scale)."""
+    from test_gguf import small_vocab_checkpoint
+
+    path = write_gguf(small_vocab_checkpoint(tmp_path / "hf"), tmp_path / "small.gguf", "F32")[0]
+    ids = np.random.default_rng(6).integers(0, 100, 48).tolist()
+    reference = llama_logits(path, ids)  # [T, V]
+    error, scale = float(np.abs(moetier_logits(path, ids) - reference).max()), float(np.abs(reference).max())
+    assert reference.shape == (48, 100) and error <= 1e-4 * scale, (error, scale)
+
+
 @pytest.fixture(scope="module", params=ARCHES)
 def trained(request, tmp_path_factory):
     """A `small` synthetic checkpoint trained until its predictions are decisive (tests/trained_models.py), its F32

@@ -23,7 +23,8 @@ its byte-level BPE, as the converter writes one); a folder without one (a
 random transformers checkpoint) gets a stand-in: one token per id, the
 config's bos/eos/pad ids as control tokens, the 256 byte tokens, then pieces
 with a BPE merge (gpt2) or a score (llama) each, so llama.cpp can load the file
-and tokenize any text. A checkpoint llama.cpp would
+and tokenize any text (a vocabulary too small for a piece gets one in its last
+byte token's place: llama.cpp loads no BPE file without a merge). A checkpoint llama.cpp would
 compute differently from transformers (a sliding window; Qwen3-MoE's and
 Qwen3-Next's dense layers, unrenormalised top-k or an o_proj bias; Qwen3-Next's
 DeltaNet key and value heads of two sizes, or an rms_norm_eps other than the
@@ -432,6 +433,9 @@ def _add_vocabulary(writer: gguf.GGUFWriter, checkpoint: Checkpoint, arch: str) 
         text, kind = by_id[i] if i in by_id else next(fill)
         tokens.append(text)
         types.append(kind)
+    normal = [i for i, kind in enumerate(types) if kind == TokenType.NORMAL]
+    if model == "gpt2" and len(normal) >= 2 and all(len(tokens[i]) == 1 for i in normal):
+        tokens[normal[-1]] = 2 * tokens[normal[0]]  # too few ids for a piece: one, so the file has a merge to load
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
