@@ -263,6 +263,22 @@ def test_a_stand_in_vocabulary_smaller_than_the_bytes_still_has_a_merge(tmp_path
     assert merges and all(a in tokens and b in tokens and a + b in tokens for a, b in (m.split(" ") for m in merges))
 
 
+def test_a_glm4_moe_without_a_shared_expert_is_refused_as_llama_cpp_runs_it_otherwise(tmp_path):
+    """transformers writes n_shared_experts = 0 as a shared expert of width 0; llama.cpp's glm4moe fails to load those
+    tensors ('wrong number of tensors'), and with them left out its logits were 1.5 from transformers' (moetier's
+    within 4e-7): refused in one line, nothing written."""
+    import transformers
+
+    config = transformers.Glm4MoeConfig(vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=0, first_k_dense_replace=1,
+                                        norm_topk_prob=True, n_group=1, topk_group=1)
+    transformers.Glm4MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(SpecError, match="'n_shared_experts' is 0") as error:
+        write_gguf(tmp_path / "hf", tmp_path / "glm.gguf")
+    assert "\n" not in str(error.value) and not (tmp_path / "glm.gguf").exists()
+
+
 # -- writing is whole or nothing ---------------------------------------------------------
 
 

@@ -436,7 +436,8 @@ def test_write_refuses_glm5_next_that_llama_cpp_cannot_load_or_computes_differen
     """Refused, nothing written: hyper-connections of other than 4 streams, pools of one position (llama.cpp's asserts),
     the incomplete pool not attended (NaN there in llama.cpp), tied embeddings (no output.weight, which its loader
     requires), attention biases (it loads none), KDA heads other than the attention heads, a dense layer after a
-    sparse one (it runs leading_dense_block_count dense layers), every group kept (its loader asserts fewer)."""
+    sparse one (it runs leading_dense_block_count dense layers), every group kept (its loader asserts fewer), no
+    shared expert (it loads one in every MoE layer, and aborts on transformers' width-0 one)."""
     pytest.importorskip("transformers")
     from glm5_next_files import BASE, save_glm5_next
 
@@ -444,7 +445,7 @@ def test_write_refuses_glm5_next_that_llama_cpp_cannot_load_or_computes_differen
              "index_kpool_always_select_tail": dict(index_kpool_always_select_tail=False),
              "tie_word_embeddings": dict(tie_word_embeddings=True), "attention_bias": dict(attention_bias=True),
              "linear_num_heads": dict(linear_num_heads=2), "mlp_layer_types": dict(mlp_layer_types=["sparse", "dense"] + ["sparse"] * 3),
-             "topk_group": dict(n_group=2, topk_group=2)}
+             "topk_group": dict(n_group=2, topk_group=2), "n_shared_experts": dict(n_shared_experts=0)}
     for word, change in cases.items():
         folder = save_glm5_next(tmp_path / word, BASE | change, seed=0)
         with pytest.raises(SpecError, match=word) as error:

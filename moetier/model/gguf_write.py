@@ -31,7 +31,8 @@ DeltaNet key and value heads of two sizes, or an rms_norm_eps other than the
 L2 norm's 1e-6; GLM-5.3 without the incomplete pool attended, NaN there), or
 that llama.cpp would not load (GLM-5.3 with other than 4 hyper-connection
 streams, pools of one position, tied embeddings, biases, KDA heads other than
-the attention heads, dense layers after a MoE layer), is refused, not written.
+the attention heads, dense layers after a MoE layer; GLM without a shared
+expert), is refused, not written.
 Tensors stream one at a time; the file, or every file of a split set, appears
 whole or not at all (moetier.model.output.new_file).
 """
@@ -219,6 +220,10 @@ def _check_convertible(checkpoint: Checkpoint) -> None:
                         "so no GGUF it reads computes this model (expected null)")
     if spec.arch == "glm5_next":
         return _check_glm5_next(checkpoint)
+    if spec.arch == "glm4_moe" and spec.n_shared_experts < 1:
+        raise SpecError(f"{source}: key 'n_shared_experts' is {spec.n_shared_experts}: llama.cpp's glm4moe does not load the width-0 "
+                        "shared expert transformers writes ('wrong number of tensors') and without it computes otherwise "
+                        "(expected >= 1)")
     if spec.arch not in ("qwen3_moe", "qwen3_next"):
         return
     name = GGUF_ARCHITECTURES[spec.arch]
@@ -271,6 +276,9 @@ def _check_glm5_next(checkpoint: Checkpoint) -> None:
                "runs its leading_dense_block_count first layers dense and the rest MoE (expected dense layers first)")
     if spec.n_group > 1 and spec.topk_group >= spec.n_group:
         refuse(f"keys 'n_group' = {spec.n_group} and 'topk_group' = {spec.topk_group}", "asserts fewer groups kept than there are")
+    if spec.n_shared_experts < 1:
+        refuse(f"key 'n_shared_experts' is {spec.n_shared_experts}", "loads a shared expert in every MoE layer and aborts on "
+               "transformers' width-0 one (GGML_ASSERT in ggml.c; expected >= 1)")
     if spec.swiglu_limit is not None and spec.swiglu_limit <= 1e-6:
         refuse(f"key 'swiglu_limit' is {spec.swiglu_limit}", "clamps only with a limit above 1e-6 (expected none or larger)")
 
