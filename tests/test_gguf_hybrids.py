@@ -227,14 +227,17 @@ def test_bad_qwen3_next_files_are_refused_in_one_line(next_models, tmp_path):
 def test_write_refuses_qwen3_next_that_llama_cpp_computes_differently(next_models, tmp_path):
     """What llama.cpp's qwen3next cannot load or computes differently from transformers is refused, and nothing is
     written: DeltaNet key and value heads of two sizes, another rms_norm_eps (its L2 norm's epsilon there), dense
-    layers, unrenormalised top-k, attention biases (it has no o_proj bias), an MTP block (not written yet)."""
+    layers, unrenormalised top-k, attention biases (it has no o_proj bias), no DeltaNet or no attention layer (it
+    aborts on the empty cache), an MTP block (not written yet)."""
     from qwen3_next_files import save_qwen3_next
     from safetensors.torch import load_file, save_file
 
     source = next_models["grouped"][0]
     cases = {"linear_key_head_dim": dict(linear_value_head_dim=8), "rms_norm_eps": dict(rms_norm_eps=1e-5),
              "mlp_only_layers": dict(mlp_only_layers=[1]), "norm_topk_prob": dict(norm_topk_prob=False),
-             "attention_bias": dict(attention_bias=True)}
+             "attention_bias": dict(attention_bias=True),
+             "no full_attention layer": dict(layer_types=["linear_attention"] * NEXT["num_hidden_layers"]),
+             "no linear_attention layer": dict(layer_types=["full_attention"] * NEXT["num_hidden_layers"])}
     for word, change in cases.items():
         folder = save_qwen3_next(tmp_path / word, NEXT | change, seed=0)
         with pytest.raises(SpecError, match=word) as error:
@@ -437,7 +440,8 @@ def test_write_refuses_glm5_next_that_llama_cpp_cannot_load_or_computes_differen
     the incomplete pool not attended (NaN there in llama.cpp), tied embeddings (no output.weight, which its loader
     requires), attention biases (it loads none), KDA heads other than the attention heads, a dense layer after a
     sparse one (it runs leading_dense_block_count dense layers), every group kept (its loader asserts fewer), no
-    shared expert (it loads one in every MoE layer, and aborts on transformers' width-0 one)."""
+    shared expert (it loads one in every MoE layer, and aborts on transformers' width-0 one), no KDA or no indexed
+    layer (it aborts on the empty cache)."""
     pytest.importorskip("transformers")
     from glm5_next_files import BASE, save_glm5_next
 
@@ -445,7 +449,9 @@ def test_write_refuses_glm5_next_that_llama_cpp_cannot_load_or_computes_differen
              "index_kpool_always_select_tail": dict(index_kpool_always_select_tail=False),
              "tie_word_embeddings": dict(tie_word_embeddings=True), "attention_bias": dict(attention_bias=True),
              "linear_num_heads": dict(linear_num_heads=2), "mlp_layer_types": dict(mlp_layer_types=["sparse", "dense"] + ["sparse"] * 3),
-             "topk_group": dict(n_group=2, topk_group=2), "n_shared_experts": dict(n_shared_experts=0)}
+             "topk_group": dict(n_group=2, topk_group=2), "n_shared_experts": dict(n_shared_experts=0),
+             "no indexed_attention layer": dict(layer_types=["linear_attention"] * BASE["num_hidden_layers"]),
+             "no linear_attention layer": dict(layer_types=["indexed_attention"] * BASE["num_hidden_layers"])}
     for word, change in cases.items():
         folder = save_glm5_next(tmp_path / word, BASE | change, seed=0)
         with pytest.raises(SpecError, match=word) as error:

@@ -32,7 +32,8 @@ L2 norm's 1e-6; GLM-5.3 without the incomplete pool attended, NaN there), or
 that llama.cpp would not load (GLM-5.3 with other than 4 hyper-connection
 streams, pools of one position, tied embeddings, biases, KDA heads other than
 the attention heads, dense layers after a MoE layer; GLM without a shared
-expert), is refused, not written.
+expert; a hybrid without a linear or without an attention layer), is refused,
+not written.
 Tensors stream one at a time; the file, or every file of a split set, appears
 whole or not at all (moetier.model.output.new_file).
 """
@@ -218,6 +219,13 @@ def _check_convertible(checkpoint: Checkpoint) -> None:
     if spec.sliding_window is not None:
         raise SpecError(f"{source}: key 'sliding_window' is {spec.sliding_window}: llama.cpp runs {spec.arch} without one, "
                         "so no GGUF it reads computes this model (expected null)")
+    attention = {"qwen3_next": "full_attention", "glm5_next": "indexed_attention"}.get(spec.arch)
+    if attention is not None:  # the hybrids: a recurrent state for the linear layers, a KV cache for the others
+        for kind, layers in (("linear_attention", spec.linear_layers), (attention, set(range(spec.num_layers)) - set(spec.linear_layers))):
+            if not layers:
+                raise SpecError(f"{source}: key 'layer_types' has no {kind} layer: llama.cpp's {GGUF_ARCHITECTURES[spec.arch]} "
+                                "allocates a cache for each kind of layer and aborts on an empty one (GGML_ASSERT(buffer) in "
+                                "ggml-backend.cpp; expected at least one of each)")
     if spec.arch == "glm5_next":
         return _check_glm5_next(checkpoint)
     if spec.arch == "glm4_moe" and spec.n_shared_experts < 1:
