@@ -17,7 +17,8 @@ save_pretrained and compares moetier with transformers as the per-family tests d
   order do not keep. One draw of the first 24 parts so (seed 5: at its first step, 0.33 in a logit); transformers'
   own full forward over the same tokens parts from its cached decode there by up to 0.68 (docs/kernels.md).
 
-40 draws of each family: 4 in the fast suite (~2 s), the rest slow (~35 s on 2 cores).
+40 draws of each family: 4 in the fast suite (~2 s), the rest slow (~35 s on 2 cores). And, marked `peer`, 10
+draws of each moved into what llama.cpp runs (for_llama_cpp), written as F32 GGUF by moetier and run by both.
 """
 
 from __future__ import annotations
@@ -92,13 +93,38 @@ def draw_qwen3_next(rng: random.Random) -> dict:
                                  "partial_rotary_factor": rng.choice([0.25, 0.5, 1.0]), "rope_type": "default"})
 
 
-def build(family: str, seed: int):
-    """(the transformers model of the seed's draw, its class, its vocabulary size)."""
+def for_llama_cpp(family: str, config: dict) -> dict:
+    """The draw moved into what llama.cpp runs as transformers does (what moetier's GGUF writer refuses otherwise:
+    moetier.model.gguf_write): one linear and one attention layer at least; qwen3next: every layer MoE, renormalised
+    top-k, equal DeltaNet key and value widths, eps 1e-6, no biases; glm5-next: 4 streams, pools of 2 or more with
+    the incomplete one attended, untied, no biases, KDA heads = attention heads, a shared expert, fewer groups kept than there are (or no groups)."""
+    config = dict(config, layer_types=list(config["layer_types"]))
+    kinds = ("linear_attention", "indexed_attention" if family == "glm5_next" else "full_attention")
+    for at, kind in enumerate(kinds):
+        if kind not in config["layer_types"]:
+            config["layer_types"][at] = kind
+    if family == "qwen3_next":
+        return config | dict(mlp_only_layers=[], norm_topk_prob=True, linear_value_head_dim=config["linear_key_head_dim"],
+                             rms_norm_eps=1e-6, attention_bias=False)
+    config["indexer_types"] = ["shared" if t == "shared" and i and config["layer_types"][i - 1] == config["layer_types"][i] == kinds[1]
+                               and config["indexer_types"][i - 1] == "full" else "full"
+                               for i, t in enumerate(config["indexer_types"])]
+    pool = max(2, config["index_kpool"])
+    return config | dict(hc_mult=4, index_kpool=pool, index_topk=config["index_topk"] // config["index_kpool"] * pool,
+                         index_kpool_always_select_tail=True, tie_word_embeddings=False, attention_bias=False,
+                         linear_num_heads=config["num_attention_heads"], n_shared_experts=max(1, config["n_shared_experts"]),
+                         **(dict(n_group=1, topk_group=1) if config["topk_group"] >= config["n_group"] else {}))
+
+
+def build(family: str, seed: int, llama_cpp: bool = False):
+    """(the transformers model of the seed's draw, its class, its vocabulary size); llama_cpp: for_llama_cpp's."""
     if family == "glm5_next":
         config = draw_glm5_next(random.Random(seed))
+        config = for_llama_cpp(family, config) if llama_cpp else config
         tied = config.pop("tie_word_embeddings")
         return build_glm5_next(config, seed, tied=tied), transformers.Glm5NextForConditionalGeneration, config["vocab_size"]
     config = draw_qwen3_next(random.Random(seed))
+    config = for_llama_cpp(family, config) if llama_cpp else config
     torch.manual_seed(seed)
     model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config)).eval()
     with torch.no_grad():
@@ -143,3 +169,30 @@ def test_a_drawn_config_matches_transformers(family, seed, tmp_path):
         assert PROMPT - 1 + apart[0] in ties, (apart[0], sorted(ties))
     else:
         assert not apart, (apart, error.max())
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("family", ["qwen3_next", "glm5_next"])
+def test_a_drawn_config_runs_as_llama_cpp_runs_its_gguf(family, seed, tmp_path):
+    """The draw within what llama.cpp runs (for_llama_cpp), written as F32 GGUF by moetier: teacher-forced logits over
+    64 positions within 1e-4 of the logit scale of llama.cpp's (tests/test_peer_llama.llama_logits) -- on glm5_next
+    up to the first position whose indexer top-k boundary ties, where std::partial_sort and torch.topk keep
+    different pools (docs/gguf-glm5-next.md)."""
+    from test_peer_llama import llama_logits
+
+    from moetier.model.gguf_write import write_gguf
+
+    model, _, vocab = build(family, 2000 + seed, llama_cpp=True)
+    model.save_pretrained(tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "F32")[0]
+    ids = random_ids(vocab, 64, seed).tolist()
+    reference = llama_logits(path, ids)  # [T, V]
+    error = np.abs(score(Engine(open_checkpoint(path)), np.asarray(ids)) - reference).max(axis=1)  # [T]
+    scale = float(np.abs(reference).max())
+    apart = np.flatnonzero(error > 1e-4 * scale)
+    if apart.size and family == "glm5_next":
+        ties = {p for tied in boundary_ties(open_checkpoint(path), ids).values() for p in tied}
+        assert int(apart[0]) in ties, (int(apart[0]), sorted(ties))
+    else:
+        assert not apart.size, (error.max(), scale)
