@@ -311,9 +311,15 @@ class GgufCheckpoint(NamedWeights):
             ne = tuple(size for size, _ in dims)
             if name not in self._tensors:
                 raise CheckpointError(f"{where}: tensor {name!r} is missing (expected shape {_ne(ne)}, ggml order)")
-            got = tuple(int(n) for n in self._tensors[name].shape)
+            t = self._tensors[name]
+            got = tuple(int(n) for n in t.shape)
             if len(got) > len(ne) and all(n == 1 for n in got[len(ne):]):  # {D, 1} is {D} to the loader
                 got = got[: len(ne)]
+            elif len(got) < len(ne) and got + (1,) * (len(ne) - len(got)) == ne:  # and {D} is {D, 1}: llama.cpp's
+                # quantizer writes ggml_n_dims dims, so one head's k_b {r, d, 1} is stored {r, d}: read as the metadata says
+                self._tensors[name] = t._replace(shape=np.array(ne, dtype=t.shape.dtype),
+                                                 data=t.data.reshape((1,) * (len(ne) - len(got)) + t.data.shape))
+                got = ne
             if got != ne:
                 why = "; ".join(f"dim {i} is {origin} = {size}" for i, (size, origin) in enumerate(dims)
                                 if i >= len(got) or got[i] != size) or f"{len(got)} dims, not {len(ne)}"
