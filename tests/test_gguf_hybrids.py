@@ -374,6 +374,36 @@ def test_glm5_next_file_is_the_converters(glm5_models, tmp_path):
     assert q8["blk.1.attn_k_b.weight"] == QType.F16 and q8["blk.1.attn_v_b.weight"] == QType.Q8_0
 
 
+def test_glm5_next_nextn_block_is_recognised_and_not_run(glm5_models, tmp_path):
+    """A glm5-next file with a NextN/MTP block after the layers (the converter's supports_mtp_export: block_count
+    grown by nextn_predict_layers, the per-layer arrays by one entry; the block a copy of an indexed layer plus its
+    eh_proj and norms): the same spec and the same logits, the block's tensors in no name."""
+    from gguf import GGUFValueType as V
+    from qwen3_next_files import rewritten
+
+    folder, path = glm5_models["grouped"]
+    s = open_checkpoint(path).spec
+    fields = gguf.GGUFReader(path).fields
+    key = lambda name: f"glm5-next.{name}"  # noqa: E731
+    extra = {"attention.head_count_kv": (1, V.UINT32), "attention.indexer.types": (True, V.BOOL),  # an indexed layer
+             "swiglu_clamp_exp": (s.swiglu_limit, V.FLOAT32), "swiglu_clamp_shexp": (s.swiglu_limit, V.FLOAT32)}
+    keys = {key(name): (list(fields[key(name)].contents()) + [value], V.ARRAY, kind)
+            for name, (value, kind) in extra.items() if key(name) in fields}
+    keys |= {key("block_count"): (s.num_layers + 1, V.UINT32, None), key("nextn_predict_layers"): (1, V.UINT32, None)}
+    rng, L, D = np.random.default_rng(0), s.num_layers, s.hidden_size
+
+    def append(listed):
+        prefix = f"blk.{s.attention_layers[-1]}."
+        block = [(f"blk.{L}." + name[len(prefix):], data, qtype) for name, data, qtype in listed if name.startswith(prefix)]
+        block += [(f"blk.{L}.nextn.eh_proj.weight", rng.normal(0, 0.1, (D, 2 * D)).astype(np.float32), QType.F32)]
+        return listed + block + [(f"blk.{L}.nextn.{n}.weight", np.ones(D, np.float32), QType.F32) for n in ("enorm", "hnorm")]
+
+    nextn = open_checkpoint(rewritten(path, tmp_path / "nextn.gguf", keys=keys, tensors=append))
+    ids = np.arange(70) * 11 % s.vocab_size
+    assert nextn.spec == s and np.abs(score(Engine(nextn), ids) - score(Engine(open_checkpoint(path)), ids)).max() == 0.0
+    assert not any(f"layers.{L}." in name for name in nextn.names())
+
+
 def test_glm5_next_kv_b_of_quantized_and_half_files(glm5_models, tmp_path):
     """kv_b_proj in its bytes where k_b and v_b share a float type (F16, BF16: the transposition moves whole elements),
     else as float32 values (Q8_0's v_b with F16's k_b: blocks run along the other axis); the logits of both files
