@@ -18,7 +18,8 @@ save_pretrained and compares moetier with transformers as the per-family tests d
   own full forward over the same tokens parts from its cached decode there by up to 0.68 (docs/kernels.md).
 
 40 draws of each family: 4 in the fast suite (~2 s), the rest slow (~35 s on 2 cores). And, marked `peer`, 10
-draws of each moved into what llama.cpp runs (for_llama_cpp), written as F32 GGUF by moetier and run by both.
+draws of each moved into what llama.cpp runs (for_llama_cpp), written as F32 GGUF by moetier and run by both; and
+one widened to whole blocks in llama.cpp's IQ3_XXS (its IQ2_S attn_q: a strict xfail, see the test).
 """
 
 from __future__ import annotations
@@ -196,3 +197,42 @@ def test_a_drawn_config_runs_as_llama_cpp_runs_its_gguf(family, seed, tmp_path):
         assert int(apart[0]) in ties, (int(apart[0]), sorted(ties))
     else:
         assert not apart.size, (error.max(), scale)
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("mix", ["attn_q IQ3_XXS", "llama.cpp's IQ3_XXS mix"])
+def test_a_drawn_qwen3_next_in_iq3_xxs_against_llama_cpp(mix, tmp_path):
+    """A drawn qwen3_next widened to whole 256-value blocks (hidden and widths 256), quantized by llama.cpp to IQ3_XXS
+    (a uniform importance matrix): mean KL(llama.cpp || moetier) over 64 positions <= 1e-3. llama.cpp's own mix puts
+    attn_q in IQ2_S, which moetier holds as float32 values and multiplies by float32 activations where llama.cpp
+    quantizes them to Q8_K: 2.0e-2 on this draw (strict xfail, until IQ2_S is a stored format); with attn_q
+    IQ3_XXS too (llama-quantize's --tensor-type), 2.4e-4."""
+    import gguf
+    from llama_imatrix import quantize_with_imatrix
+    from test_peer_llama import kl_and_top1, llama_logits
+
+    from moetier.model.gguf_write import write_gguf
+
+    config = for_llama_cpp("qwen3_next", draw_qwen3_next(random.Random(9500))) | dict(hidden_size=256, intermediate_size=256,
+                                                                                   moe_intermediate_size=256)
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "norm" in name else 0.05)
+    model.save_pretrained(tmp_path / "hf")
+    f32 = write_gguf(tmp_path / "hf", tmp_path / "f32.gguf", "F32")[0]
+    uniform = {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
+               for t in gguf.GGUFReader(f32).tensors if len(t.shape) >= 2}
+    overrides = {r"\.attn_q\.weight$": 18} if mix == "attn_q IQ3_XXS" else None  # GGML_TYPE_IQ3_XXS
+    path = quantize_with_imatrix(f32, tmp_path / "iq3_xxs.gguf", 23, uniform, overrides)  # LLAMA_FTYPE_MOSTLY_IQ3_XXS
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == "IQ3_XXS"
+    ids = random_ids(config["vocab_size"], 64, 0).tolist()
+    kl, _ = kl_and_top1(llama_logits(path, ids), score(Engine(open_checkpoint(path)), np.asarray(ids)))
+    attn_q = {types[n] for n in types if n.endswith("attn_q.weight")}
+    if attn_q == {"IQ2_S"}:
+        if kl > 1e-3:
+            pytest.xfail(f"attn_q IQ2_S, computed with float32 activations: mean KL {kl:.3g} > 1e-3")
+        pytest.fail(f"attn_q IQ2_S and mean KL {kl:.3g} <= 1e-3: IQ2_S now runs as llama.cpp runs it; drop this xfail")
+    assert kl <= 1e-3, (mix, attn_q, kl)
