@@ -24,6 +24,14 @@ Tensors = list[tuple[str, np.ndarray, QType]]  # (name, data as GGUFReader maps 
 
 def save_qwen3_next(folder: Path, config: dict[str, Any], seed: int, std: float = 0.1, dtype: str = "float32") -> Path:
     import torch
+
+    build_qwen3_next(config, seed, std).to(getattr(torch, dtype)).save_pretrained(folder)
+    return folder
+
+
+def build_qwen3_next(config: dict[str, Any], seed: int, std: float = 0.1):
+    """A random Qwen3NextForCausalLM of this config: weights N(0, std), norms (offsets from 1) N(0, 0.5)."""
+    import torch
     import transformers
 
     torch.manual_seed(seed)
@@ -31,8 +39,7 @@ def save_qwen3_next(folder: Path, config: dict[str, Any], seed: int, std: float 
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.5 if "norm" in name else std)
-    model.to(getattr(torch, dtype)).save_pretrained(folder)
-    return folder
+    return model
 
 
 Key = tuple[Any, GGUFValueType, GGUFValueType | None]  # value, type, element type (arrays)

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from glm5_next_files import boundary_ties, build_glm5_next
+from qwen3_next_files import build_qwen3_next, save_qwen3_next
 from reference_checks import random_ids
 
 from moetier.engine import Engine, generate, score
@@ -126,12 +127,7 @@ def build(family: str, seed: int, llama_cpp: bool = False):
         return build_glm5_next(config, seed, tied=tied), transformers.Glm5NextForConditionalGeneration, config["vocab_size"]
     config = draw_qwen3_next(random.Random(seed))
     config = for_llama_cpp(family, config) if llama_cpp else config
-    torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.5 if "norm" in name else 0.1)
-    return model, transformers.Qwen3NextForCausalLM, config["vocab_size"]
+    return build_qwen3_next(config, seed), transformers.Qwen3NextForCausalLM, config["vocab_size"]
 
 
 FAST = 4  # draws in the fast suite; the rest are slow
@@ -215,13 +211,7 @@ def test_a_drawn_qwen3_next_in_iq3_xxs_against_llama_cpp(mix, tmp_path):
 
     config = for_llama_cpp("qwen3_next", draw_qwen3_next(random.Random(9500))) | dict(hidden_size=256, intermediate_size=256,
                                                                                    moe_intermediate_size=256)
-    torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.5 if "norm" in name else 0.05)
-    model.save_pretrained(tmp_path / "hf")
-    f32 = write_gguf(tmp_path / "hf", tmp_path / "f32.gguf", "F32")[0]
+    f32 = write_gguf(save_qwen3_next(tmp_path / "hf", config, seed=0, std=0.05), tmp_path / "f32.gguf", "F32")[0]
     uniform = {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
                for t in gguf.GGUFReader(f32).tensors if len(t.shape) >= 2}
     overrides = {r"\.attn_q\.weight$": 18} if mix == "attn_q IQ3_XXS" else None  # GGML_TYPE_IQ3_XXS
