@@ -19,12 +19,8 @@ tensor whose rows are not whole blocks falls back to F16, as there); for
 Qwen3-Next and GLM-5.3, measured against the converter, the same bytes but for
 the vocabulary (docs/gguf-qwen3next.md, docs/gguf-glm5-next.md). The
 vocabulary is a synthetic folder's own tokenizer.json (moetier.model.synth_tokenizer:
-its byte-level BPE, as the converter writes one); a folder without one (a
-random transformers checkpoint) gets a stand-in: one token per id, the
-config's bos/eos/pad ids as control tokens, the 256 byte tokens, then pieces
-with a BPE merge (gpt2) or a score (llama) each, so llama.cpp can load the file
-and tokenize any text (a vocabulary too small for a piece gets one in its last
-byte token's place: llama.cpp loads no BPE file without a merge). A checkpoint llama.cpp would
+its byte-level BPE, as the converter writes one); a folder without one gets a
+stand-in (moetier.model.gguf_write_vocab). A checkpoint llama.cpp would
 compute differently from transformers (a sliding window; Qwen3-MoE's and
 Qwen3-Next's dense layers, unrenormalised top-k or an o_proj bias; Qwen3-Next's
 DeltaNet key and value heads of two sizes, or an rms_norm_eps other than the
@@ -40,10 +36,9 @@ whole or not at all (moetier.model.output.new_file).
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,28 +48,21 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import LlamaFileType, TokenType
-from gguf.vocab import bytes_to_unicode
+from gguf import LlamaFileType
 
 from moetier.model.checkpoint import Checkpoint, open_checkpoint
 from moetier.model.gguf_spec import (CONVERTED, EXPERT_STACKS, GGUF_ARCHITECTURES, HYPER_STREAMS, INDEX_NORM_EPS, L2_NORM_EPS,
                                      expert_layer, gguf_name)
 from moetier.model.output import check_output, new_file
-from moetier.model.synth_sessions import SYNTH_META
-from moetier.model.synth_tokenizer import add_gguf_vocabulary, gguf_vocabulary
+from moetier.model.gguf_write_vocab import add_vocabulary
 from moetier.model.safetensors_mmap import CheckpointError
 from moetier.model.spec import ModelSpec, SpecError
 
 # --outtype -> (general.file_type, the type of the tensors it quantizes)
 OUT_TYPES = {"F32": (LlamaFileType.ALL_F32, QType.F32), "F16": (LlamaFileType.MOSTLY_F16, QType.F16),
              "BF16": (LlamaFileType.MOSTLY_BF16, QType.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, QType.Q8_0)}
-# the converter's vocabulary per architecture: (tokenizer.ggml.model, tokenizer.ggml.pre)
-TOKENIZERS = {"qwen3_moe": ("gpt2", "qwen2"), "glm4_moe": ("gpt2", "glm4"), "mixtral": ("llama", "default"),
-              "qwen3_next": ("gpt2", "qwen2"), "glm5_next": ("gpt2", "glm4")}
 # Glm5NextModel.tensor_force_quant: the small mHC / gating tensors kept F32 (and ModelBase's SSM_CONV1D_Q/K/V, INDEXER_PROJ)
 EXACT = ("hc_attn_", "hc_ffn_", "indexer_compressor_", "ssm_a", "ssm_dt", "exp_probs_b", "ssm_conv1d_", "indexer.proj.")
-SPECIAL_NAMES = {"gpt2": {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"},
-                 "llama": {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}}
 
 
 @dataclass(frozen=True)
@@ -414,56 +402,6 @@ def _add_qwen3_next(writer: gguf.GGUFWriter, checkpoint: Checkpoint) -> None:
     writer.add_rope_dimension_count(spec.rotary_dim)
 
 
-def _pieces(alphabet: list[str]) -> Iterator[str]:
-    """Strings over the alphabet, shortest first: each one's prefix without its last character came before it."""
-    for length in itertools.count(2):
-        for chars in itertools.product(alphabet, repeat=length):
-            yield "".join(chars)
-
-
-def _add_vocabulary(writer: gguf.GGUFWriter, checkpoint: Checkpoint, arch: str) -> None:
-    """A synthetic folder's own tokenizer (moetier.model.synth_tokenizer: its BPE vocabulary as the converter writes a
-    tokenizer.json's); else the stand-in vocabulary (see the module docstring), written as _set_vocab_gpt2 /
-    _set_vocab_sentencepiece write theirs: model, pre, tokens, (scores,) token types, (merges,) then SpecialVocab's ids."""
-    if (Path(checkpoint.folder) / "tokenizer.json").exists() and (Path(checkpoint.folder) / SYNTH_META).exists():
-        add_gguf_vocabulary(writer, gguf_vocabulary(checkpoint.folder))
-        return
-    model, pre = TOKENIZERS[arch]
-    size, config = checkpoint.spec.vocab_size, checkpoint.config
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    # SpecialVocab: the root's id, else text_config's (a vision-language config's)
-    special = {role: next((c[f"{role}_token_id"] for c in (config, text) if c.get(f"{role}_token_id") is not None), None)
-               for role in ("bos", "eos", "pad")}
-    special = {role: i for role, i in special.items() if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size}
-    table = bytes_to_unicode()
-    byte_chars = [table[b] for b in range(256)]  # GPT-2's byte-level characters, in byte order
-    if model == "gpt2":
-        bytes_ = [(text, TokenType.NORMAL) for text in byte_chars]
-    else:
-        bytes_ = [(f"<0x{b:02X}>", TokenType.BYTE) for b in range(256)]
-    printable = [byte_chars[b] for b in range(0x21, 0x7F)] if model == "gpt2" else [chr(b) for b in range(0x21, 0x7F)]
-    fill = itertools.chain(bytes_, ((text, TokenType.NORMAL) for text in _pieces(printable)))
-    by_id = {i: (SPECIAL_NAMES[model][role], TokenType.CONTROL) for role, i in special.items()}
-    tokens, types = [], []
-    for i in range(size):
-        text, kind = by_id[i] if i in by_id else next(fill)
-        tokens.append(text)
-        types.append(kind)
-    normal = [i for i, kind in enumerate(types) if kind == TokenType.NORMAL]
-    if model == "gpt2" and len(normal) >= 2 and all(len(tokens[i]) == 1 for i in normal):
-        tokens[normal[-1]] = 2 * tokens[normal[0]]  # too few ids for a piece: one, so the file has a merge to load
-    writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    if model == "llama":
-        writer.add_token_scores([-float(i) if kind == TokenType.NORMAL else 0.0 for i, kind in enumerate(types)])
-    writer.add_token_types(types)
-    if model == "gpt2":
-        writer.add_token_merges([f"{t[:-1]} {t[-1]}" for t, kind in zip(tokens, types) if kind == TokenType.NORMAL and len(t) > 1])
-    for role, i in special.items():
-        getattr(writer, f"add_{role}_token_id")(i)
-
-
 def write_gguf(folder: str | Path, out: str | Path, dtype: str = "F32", split_max_tensors: int = 0) -> list[Path]:
     """Write the HF checkpoint in `folder` as the GGUF llama.cpp's converter writes (see the module docstring), at
     `out`, or as split files NAME-0000i-of-0000N.gguf of at most `split_max_tensors` tensors each; returns the paths."""
@@ -489,7 +427,7 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "F32", split_ma
     metadata.set_gguf_meta_model(writer)
     _add_parameters(writer, checkpoint, file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_vocabulary(writer, checkpoint, arch)
+    add_vocabulary(writer, checkpoint, arch)
     paths = writer.format_shard_names(out)
     with ExitStack() as stack:
         writer.staged = tuple(stack.enter_context(new_file(path)) for path in paths)
