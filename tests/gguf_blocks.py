@@ -18,11 +18,12 @@ import numpy as np
 from gguf import GGUFValueType
 
 from moetier.model.formats import BY_NAME
-from quant_blocks import random_rows
+from quant_blocks import NOT_STORED, random_rows
 
 
 def restored(source: Path, out: Path, formats: dict[str, str], seed: int = 0, scale: float = 2e-4) -> Path:
-    """formats: fnmatch pattern on GGUF tensor names -> format name (the first match wins)."""
+    """formats: fnmatch pattern on GGUF tensor names -> format name (the first match wins): a stored format, or
+    one of quant_blocks.NOT_STORED."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
@@ -37,7 +38,7 @@ def restored(source: Path, out: Path, formats: dict[str, str], seed: int = 0, sc
         if target is None:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
             continue
-        fmt = BY_NAME[target]
+        fmt = BY_NAME.get(target) or NOT_STORED[target]
         rows = int(np.prod(shape[:-1]))
         blocks = random_rows(fmt, rows, shape[-1], rng, scale).reshape(*shape[:-1], fmt.row_bytes(shape[-1]))
         writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType(fmt.id))  # byte shape

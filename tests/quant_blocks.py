@@ -12,13 +12,15 @@ import numpy as np
 
 from moetier.model.formats import BY_NAME, Format
 
+# a GGML format outside moetier's stored formats: the gguf package dequantizes it, moetier holds it as float32 values
+NOT_STORED = {"IQ1_S": Format("IQ1_S", 19, 256, 50)}
 # byte offsets of the float16 fields in one block, per format (GGML's block structs)
 F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ4_XS": (0,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ4_XS": (0,), "IQ1_S": (0,),
 }
-BLOCK_FORMATS = tuple(BY_NAME[name] for name in F16_FIELDS)
+BLOCK_FORMATS = tuple(BY_NAME[name] for name in F16_FIELDS if name not in NOT_STORED)
 
 
 def random_rows(fmt: Format, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:

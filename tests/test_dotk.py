@@ -27,27 +27,21 @@ import torch
 
 from moetier.backends import activations as A
 from moetier.backends import dot_kernels as D
+from moetier.backends.cpu_kernels import _tables
 from moetier.model.formats import BY_NAME
 from moetier.native import FAST_FLAGS, library
 from tests.quant_blocks import random_rows
 
-NAMES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ3_XXS", "IQ3_S", "IQ4_XS")
+NAMES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
 SOURCE = Path(D.__file__).parent / "cpu_dotk.c"
 BOUND, PEER_BOUND = 1e-5, 2e-6  # of sum |w||x| over the row
 
 
-def tables() -> tuple[bytes, bytes, bytes, bytes]:
-    """The gguf package's IQ3_XXS and IQ3_S grids, IQ2_XXS sign patterns and IQ4_NL kvalues, as dotk_tables reads them."""
-    for cls in (gguf.quants.IQ3_XXS, gguf.quants.IQ3_S):
-        cls.init_grid()
-    grid = lambda cls: np.asarray(cls.grid, dtype=np.float32).astype(np.uint8).tobytes()  # noqa: E731
-    return (grid(gguf.quants.IQ3_XXS), grid(gguf.quants.IQ3_S), bytes(gguf.quants.IQ2_XXS.ksigns),
-            np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8).tobytes())
-
-
 def with_tables(lib: ctypes.CDLL, path: Path) -> D.DotKernels:
-    lib.dotk_tables.restype, lib.dotk_tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * 4
-    code = lib.dotk_tables(*tables())
+    tables = _tables()  # the gguf package's IQ grids, sign patterns and kvalues, as dotk_tables reads them
+    assert not isinstance(tables, str), tables
+    lib.dotk_tables.restype, lib.dotk_tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * len(tables)
+    code = lib.dotk_tables(*tables)
     assert code == 0, f"dotk_tables refused gguf's tables ({'signs not the parity rule' if code == 1 else 'a grid value out of range'})"
     return D.DotKernels([D._Family("dotk", lib, path)])
 

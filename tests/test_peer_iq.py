@@ -13,8 +13,8 @@ llama.cpp's quantizer makes two IQ3_XXS files with it:
            --tensor-type): IQ3_XXS in the attention too.
 Asserted: the expert stacks of both are stored as IQ3_XXS; over POSITIONS
 teacher-forced positions of each file, mean KL(llama.cpp || moetier) <= 1e-3
-nats (the default file's IQ2_S attn_q is a trunk tensor, dequantized once at
-load by the gguf package). Top-1 agreement is printed, not asserted: that bar is
+nats (the default file's IQ2_S attn_q is a trunk tensor, held as IQ2_S blocks
+and dotted with Q8_K activations as llama.cpp does). Top-1 agreement is printed, not asserted: that bar is
 test_peer_llama's strict xfail (llama.cpp quantizes activations for its
 quantized dot products, moetier's reference path does not).
 """

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -92,6 +93,21 @@ def test_torch_and_native_paths_match_the_reference_on_every_format(files, name)
         assert np.abs(got - reference).max() <= 1e-5 * scale, name
     tokens = generate(Engine(checkpoint, backend="numpy"), [5, 9, 13], 6).ids
     assert generate(Engine(checkpoint), [5, 9, 13], 6).ids == tokens
+
+
+def test_a_trunk_tensor_outside_the_stored_formats_is_held_as_its_float32_values(files, tmp_path):
+    """llama.cpp's lowest-bit mixes hold some trunk rows in IQ1_S, which moetier does not store: such a tensor is its
+    float32 values (the gguf package's dequantization, once at load), and the model computes with them."""
+    path = restored(files["F32"], tmp_path / "iq1_s.gguf", {"blk.1.attn_q.weight": "IQ1_S"})
+    raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_q.weight")
+    checkpoint = open_checkpoint(path)
+    tensor, qtype = checkpoint.stored("model.layers.1.self_attn.q_proj.weight")
+    assert qtype == BY_NAME["F32"].id and raw.tensor_type.name == "IQ1_S"
+    assert np.array_equal(tensor.numpy().view(np.int32), gguf.quants.dequantize(raw.data, raw.tensor_type).view(np.int32))
+    reference = score(Engine(checkpoint, backend="numpy"), IDS)
+    got = score(Engine(checkpoint), IDS)
+    assert np.abs(got - reference).max() <= 1e-5 * np.abs(reference).max()
+    assert np.abs(got - score(Engine(open_checkpoint(files["F32"])), IDS)).max() > 1e-3 * np.abs(reference).max()  # read
 
 
 def test_the_torch_ops_decode_batches_stored_experts_by_kind(files):

@@ -22,7 +22,8 @@
 
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-    Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ4_XS = 23, BF16 = 30,
+    Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23,
+    BF16 = 30,
     IQ3_XXS_T = 118, IQ3_S_T = 121,  /* moetier's resident IQ3_XXS and IQ3_S (cpu_iq3_t.h), not GGML types */
     TYPES = 122,
 };
@@ -32,8 +33,9 @@ enum {
 static const int64_t GEOMETRY[TYPES][2] = {
     [F32] = {1, 4}, [F16] = {1, 2}, [BF16] = {1, 2}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
     [Q5_1] = {32, 24}, [Q8_0] = {32, 34}, [Q2_K] = {256, 84}, [Q3_K] = {256, 110}, [Q4_K] = {256, 144},
-    [Q5_K] = {256, 176}, [Q6_K] = {256, 210}, [IQ3_XXS] = {256, 98}, [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110},
-    [IQ4_XS] = {256, 136}, [IQ3_XXS_T] = {256, 98}, [IQ3_S_T] = {256, 110},
+    [Q5_K] = {256, 176}, [Q6_K] = {256, 210}, [IQ2_XXS] = {256, 66}, [IQ2_XS] = {256, 74}, [IQ3_XXS] = {256, 98},
+    [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110}, [IQ2_S] = {256, 82}, [IQ4_XS] = {256, 136}, [IQ3_XXS_T] = {256, 98},
+    [IQ3_S_T] = {256, 110},
 };
 
 /* -> 1 and the type's block geometry, or 0 for a type this file does not read */
@@ -45,15 +47,21 @@ int64_t format_geometry(int64_t type, int64_t *block, int64_t *block_bytes) {
 }
 
 static uint8_t grid_iq3_xxs[256][4], grid_iq3_s[512][4], ksigns[128];
+static uint8_t grid_iq2_xxs[256][8], grid_iq2_xs[512][8], grid_iq2_s[1024][8];
 static int8_t kvalues[16];
 
 /* The IQ tables, from the gguf package: IQ3_XXS's grid [256, 4] and IQ3_S's [512, 4] (values 1..62,
- * as bytes), IQ2_XXS's 128 sign patterns (bit i set: value i of 8 is negated), IQ4_NL's 16 kvalues. */
-void format_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs, const int8_t *kv) {
+ * as bytes), IQ2_XXS's 128 sign patterns (bit i set: value i of 8 is negated), IQ4_NL's 16 kvalues, and the
+ * IQ2 grids: IQ2_XXS's [256, 8], IQ2_XS's [512, 8], IQ2_S's [1024, 8] (values 8, 25, 43). */
+void format_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs, const int8_t *kv,
+                   const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s) {
     memcpy(grid_iq3_xxs, iq3_xxs, sizeof grid_iq3_xxs);
     memcpy(grid_iq3_s, iq3_s, sizeof grid_iq3_s);
     memcpy(ksigns, signs, sizeof ksigns);
     memcpy(kvalues, kv, sizeof kvalues);
+    memcpy(grid_iq2_xxs, iq2_xxs, sizeof grid_iq2_xxs);
+    memcpy(grid_iq2_xs, iq2_xs, sizeof grid_iq2_xs);
+    memcpy(grid_iq2_s, iq2_s, sizeof grid_iq2_s);
 }
 
 static inline float bits_float(uint32_t u) {
@@ -246,6 +254,43 @@ static void block_iq3_s(const uint8_t *restrict b, float *restrict y) {  /* 8 gr
     }
 }
 
+/* The IQ2 formats: 32 grid rows of 8 values, each with a byte of signs (bit i set: value i negated), and a
+ * 4-bit scale s per 16 or 32 values: ((d * (0.5 + s)) * 0.25) * grid * sign; iq2_rows writes one row. */
+static inline void iq2_rows(float db, const uint8_t *grid, uint8_t signs, float *out) {
+    for (int i = 0; i < 8; i++) out[i] = db * (float)grid[i] * ((signs >> i) & 1 ? -1.f : 1.f);
+}
+
+static void block_iq2_xxs(const uint8_t *restrict b, float *restrict y) {  /* 8 groups of 32: 4 index bytes, a u32 of signs and scale */
+    const float d = f16_at(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *g = b + 2 + 8 * ib;
+        const uint32_t aux = u32_at(g + 4);  /* four 7-bit sign indices, 4 bits of scale */
+        const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+        for (int k = 0; k < 4; k++) iq2_rows(db, grid_iq2_xxs[g[k]], ksigns[(aux >> (7 * k)) & 127], y + 32 * ib + 8 * k);
+    }
+}
+
+static void block_iq2_xs(const uint8_t *restrict b, float *restrict y) {  /* 16 groups of 16: u16 9-bit index | 7-bit signs */
+    const float d = f16_at(b);
+    for (int group = 0; group < 16; group++) {
+        const float db = d * (0.5f + (float)((b[66 + group / 2] >> (4 * (group % 2))) & 15)) * 0.25f;
+        for (int k = 2 * group; k < 2 * group + 2; k++) {
+            const uint16_t q = (uint16_t)(b[2 + 2 * k] | b[3 + 2 * k] << 8);
+            iq2_rows(db, grid_iq2_xs[q & 511], ksigns[q >> 9], y + 8 * k);
+        }
+    }
+}
+
+static void block_iq2_s(const uint8_t *restrict b, float *restrict y) {  /* 16 groups of 16: 10-bit indices, sign bytes */
+    const float d = f16_at(b);
+    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
+    for (int group = 0; group < 16; group++) {
+        const float db = d * (0.5f + (float)((scales[group / 2] >> (4 * (group % 2))) & 15)) * 0.25f;
+        for (int k = 2 * group; k < 2 * group + 2; k++)
+            iq2_rows(db, grid_iq2_s[qs[k] | ((qh[k / 4] >> (2 * (k % 4))) & 3) << 8], signs[k], y + 8 * k);
+    }
+}
+
 static void block_iq4_nl(const uint8_t *restrict b, float *restrict y) {  /* d * kvalue */
     const float d = f16_at(b);
     const uint8_t *qs = b + 2;
@@ -306,6 +351,9 @@ const uint8_t *dequantize_row(int64_t type, const uint8_t *src, float *dst, int6
     case Q4_K: BLOCKS(block_q4_k, 256, 144);
     case Q5_K: BLOCKS(block_q5_k, 256, 176);
     case Q6_K: BLOCKS(block_q6_k, 256, 210);
+    case IQ2_XXS: BLOCKS(block_iq2_xxs, 256, 66);
+    case IQ2_XS: BLOCKS(block_iq2_xs, 256, 74);
+    case IQ2_S: BLOCKS(block_iq2_s, 256, 82);
     case IQ3_XXS: BLOCKS(block_iq3_xxs, 256, 98);
     case IQ4_NL: BLOCKS(block_iq4_nl, 32, 18);
     case IQ3_S: BLOCKS(block_iq3_s, 256, 110);

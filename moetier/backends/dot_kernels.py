@@ -178,7 +178,7 @@ def _load() -> tuple[DotKernels | None, str]:
             if isinstance(grids, str):
                 why.append(f"{name}: {grids}")
             else:
-                tables.restype, tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * 4
+                tables.restype, tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * len(grids)
                 refused = tables(*grids)
                 if refused:
                     why.append(f"{name}: the IQ tables were refused ({refused}): IQ formats off")

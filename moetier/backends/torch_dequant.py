@@ -85,17 +85,19 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
     """A gguf lookup table as a float32 torch tensor on `device` (built once per device)."""
     import gguf.quants as q  # the reference package, read only when an IQ format is first met
 
-    if name in ("IQ3_XXS", "IQ3_S"):
+    if name in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"):
         cls = getattr(q, name)
         cls.init_grid()
-        return torch.from_numpy(cls.grid.reshape(-1, 4).copy()).to(device)  # [256 or 512, 4]
+        return torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy()).to(device)  # [entries, 4 or 8]
     if name == "ksigns":  # 7-bit sign index -> 8 signs (+1/-1), as IQ3_XXS's numpy code expands them
         ksigns = torch.frombuffer(bytearray(q.IQ2_XXS.ksigns), dtype=torch.uint8)  # [128]
         bits = _unpack(ksigns, 1, 8, last=True)  # [128, 8]
         return (1 - 2 * bits.float()).to(device)  # [128, 8]
+    if name == "ksigns_bytes":  # 7-bit sign index -> its byte of 8 sign bits
+        return torch.frombuffer(bytearray(q.IQ2_XXS.ksigns), dtype=torch.uint8).to(device)  # [128]
     if name == "kvalues":
         return torch.tensor(q.IQ4_NL.kvalues, dtype=torch.float32, device=device)  # [16]
-    raise ValueError(f"no lookup table named {name!r} (expected IQ3_XXS, IQ3_S, ksigns or kvalues)")
+    raise ValueError(f"no lookup table named {name!r} (expected an IQ2 or IQ3 grid, ksigns or kvalues)")
 
 
 # ---- the formats: each follows its gguf.quants dequantize_blocks, float ops in the same order -------
@@ -239,6 +241,41 @@ def _iq3_s(b: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     return grid.mul_(db).mul_(signs).reshape(n, 256)
 
 
+def _iq2(b: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, signs: torch.Tensor, grid: str) -> torch.Tensor:
+    """The IQ2 formats' shared tail: scales [n, g] (4-bit, per 256/g values), index [n, 32] grid rows, signs [n, 32]
+    sign bytes (bit i set: value i of the row negated) -> ((d * (0.5 + s)) * 0.25) * grid * sign, [n, 256]."""
+    n, g = scales.shape
+    db = (_f16(b, 0) * (0.5 + scales.float()) * 0.25).reshape(n, g, 1, 1)  # [n, g, 1, 1]
+    sign = 1 - 2 * _unpack(signs, 1, 8, last=True).reshape(n, g, -1, 8).float()  # [n, g, 32 / g, 8]
+    rows = _table(grid, b.device)[index.long()].reshape(n, g, -1, 8)  # [n, g, 32 / g, 8]
+    return db.mul(rows).mul_(sign).reshape(n, 256)
+
+
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    groups = b[:, 2:].reshape(n, 8, 8)  # [n, 8, 8]: 4 index bytes, a uint32 of 4 sign indices and the scale
+    aux = _u32(groups[:, :, 4:].reshape(n, 32))  # [n, 8]
+    sign_index = _unpack(aux, 7, 4, last=True).reshape(n, 32)  # [n, 32]
+    signs = _table("ksigns_bytes", b.device)[sign_index]  # [n, 32]
+    return _iq2(b, aux >> 28, groups[:, :, :4].reshape(n, 32), signs, "IQ2_XXS")
+
+
+def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    q = b[:, 2:66].reshape(n, 32, 2).long()  # [n, 32, 2]
+    q = q[:, :, 0] | (q[:, :, 1] << 8)  # [n, 32]: 9-bit grid row | 7-bit sign index << 9
+    scales = _unpack(b[:, 66:74], 4, 2, last=True).reshape(n, 16)  # [n, 16]
+    return _iq2(b, scales, q & 511, _table("ksigns_bytes", b.device)[q >> 9], "IQ2_XS")
+
+
+def _iq2_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qh = _unpack(b[:, 66:74], 2, 4, last=True).reshape(n, 32).long()  # [n, 32]
+    index = b[:, 2:34].long() | (qh << 8)  # [n, 32]: 10-bit grid rows
+    scales = _unpack(b[:, 74:82], 4, 2, last=True).reshape(n, 16)  # [n, 16]
+    return _iq2(b, scales, index, b[:, 34:66], "IQ2_S")
+
+
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     q = _unpack(b[:, 2:], 4, 2).reshape(n, 32)  # [n, 32]
@@ -258,6 +295,6 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 _UNPACK: dict[str, Unpack] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
+    "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
     "IQ3_XXS_T": lambda b: _iq3_xxs(b, transposed=True), "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
 }  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)
