@@ -32,7 +32,7 @@ from moetier.model.formats import BY_NAME
 from moetier.native import FAST_FLAGS, library
 from tests.quant_blocks import random_rows
 
-NAMES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
+NAMES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
 SOURCE = Path(D.__file__).parent / "cpu_dotk.c"
 BOUND, PEER_BOUND = 1e-5, 2e-6  # of sum |w||x| over the row
 

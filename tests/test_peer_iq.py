@@ -17,6 +17,10 @@ nats (the default file's IQ2_S attn_q is a trunk tensor, held as IQ2_S blocks
 and dotted with Q8_K activations as llama.cpp does). Top-1 agreement is printed, not asserted: that bar is
 test_peer_llama's strict xfail (llama.cpp quantizes activations for its
 quantized dot products, moetier's reference path does not).
+
+And llama.cpp's lowest-bit file types (IQ2_XXS, IQ2_XS, IQ2_S, IQ2_M, IQ1_S,
+IQ1_M) of the qwen3_moe checkpoint, quantized with the same kind of matrix:
+their experts in IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S or IQ1_M, the same KL bar.
 """
 
 from __future__ import annotations
@@ -69,17 +73,49 @@ def kl_against_llama_cpp(arch: str, name: str, path, ids: list[int]) -> float:
     reference = llama_logits(path, ids)
     assert reference.shape == mine.shape == (POSITIONS, open_checkpoint(path).spec.vocab_size)
     kl, top1 = kl_and_top1(reference, mine)
-    print(f"{arch} IQ3_XXS {name}: mean KL(llama.cpp || moetier) {kl:.3g} nats, top-1 agreement {top1:.1%}")
+    print(f"{arch} {name}: mean KL(llama.cpp || moetier) {kl:.3g} nats, top-1 agreement {top1:.1%}")
     return kl
 
 
 def test_iq3_xxs_kl_against_llama_cpp(iq3_model):
     arch, files, ids = iq3_model
-    kl = kl_against_llama_cpp(arch, "q", files["q"], ids)
+    kl = kl_against_llama_cpp(arch, "IQ3_XXS q", files["q"], ids)
     assert kl <= 1e-3, (arch, kl)
 
 
 def test_llama_cpp_default_iq3_xxs_mix_kl_against_llama_cpp(iq3_model):
     arch, files, ids = iq3_model
-    kl = kl_against_llama_cpp(arch, "default", files["default"], ids)
+    kl = kl_against_llama_cpp(arch, "IQ3_XXS default", files["default"], ids)
     assert kl <= 1e-3, (arch, kl)
+
+
+# llama.cpp's lowest-bit file types (LLAMA_FTYPE_MOSTLY_*) -> the type its quantizer gives the expert stacks
+LOW_BIT = {"IQ2_XXS": (19, "IQ2_XXS"), "IQ2_XS": (20, "IQ2_XS"), "IQ2_S": (28, "IQ2_XS"), "IQ2_M": (29, "IQ2_S"),
+           "IQ1_S": (24, "IQ1_S"), "IQ1_M": (31, "IQ1_M")}
+
+
+@pytest.fixture(scope="module")
+def low_bit_model(tmp_path_factory):
+    """qwen3_moe `blocks` as F32 GGUF, its importance matrix, the ids scored."""
+    root = tmp_path_factory.mktemp("peer-low-bit")
+    f32 = write_gguf(write_synthetic(root / "hf", arch="qwen3_moe", preset="blocks", seed=4), root / "model-f32.gguf", "F32")[0]
+    ids = np.random.default_rng(7).integers(0, open_checkpoint(f32).spec.vocab_size, POSITIONS).tolist()
+    return f32, activation_imatrix(f32), ids
+
+
+@pytest.mark.parametrize("ftype", sorted(LOW_BIT))
+def test_llama_cpp_lowest_bit_mixes_kl_against_llama_cpp(low_bit_model, ftype, tmp_path):
+    """llama.cpp's IQ2 and IQ1 file types, which put the experts (and most of the trunk) in IQ2_XXS, IQ2_XS, IQ2_S,
+    IQ1_S or IQ1_M: every tensor is held in its stored format and dotted with Q8_K activations as llama.cpp does,
+    mean KL(llama.cpp || moetier) <= 1e-3 nats."""
+    import gguf
+
+    f32, imatrix, ids = low_bit_model
+    code, stack_type = LOW_BIT[ftype]
+    path = quantize_with_imatrix(f32, tmp_path / f"model-{ftype}.gguf", code, imatrix)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    stacks = {t for n, t in types.items() if n.endswith("_exps.weight")}
+    print(f"qwen3_moe {ftype}: {sorted(set(types.values()))}")
+    assert stack_type in stacks, (ftype, stacks)
+    kl = kl_against_llama_cpp("qwen3_moe", ftype, path, ids)
+    assert kl <= 1e-3, (ftype, kl)

@@ -96,13 +96,13 @@ def test_torch_and_native_paths_match_the_reference_on_every_format(files, name)
 
 
 def test_a_trunk_tensor_outside_the_stored_formats_is_held_as_its_float32_values(files, tmp_path):
-    """llama.cpp's lowest-bit mixes hold some trunk rows in IQ1_S, which moetier does not store: such a tensor is its
-    float32 values (the gguf package's dequantization, once at load), and the model computes with them."""
-    path = restored(files["F32"], tmp_path / "iq1_s.gguf", {"blk.1.attn_q.weight": "IQ1_S"})
+    """A trunk tensor in a type the gguf package reads but moetier does not store (TQ2_0): its float32 values (the
+    gguf package's dequantization, once at load), with which the model computes."""
+    path = restored(files["F32"], tmp_path / "tq2_0.gguf", {"blk.1.attn_q.weight": "TQ2_0"})
     raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_q.weight")
     checkpoint = open_checkpoint(path)
     tensor, qtype = checkpoint.stored("model.layers.1.self_attn.q_proj.weight")
-    assert qtype == BY_NAME["F32"].id and raw.tensor_type.name == "IQ1_S"
+    assert qtype == BY_NAME["F32"].id and raw.tensor_type.name == "TQ2_0"
     assert np.array_equal(tensor.numpy().view(np.int32), gguf.quants.dequantize(raw.data, raw.tensor_type).view(np.int32))
     reference = score(Engine(checkpoint, backend="numpy"), IDS)
     got = score(Engine(checkpoint), IDS)

@@ -59,7 +59,7 @@ def test_float_format_matches_gguf_bit_for_bit(fmt):
 
 
 @pytest.mark.parametrize("data, qtype, cols, message", [
-    (torch.zeros(2, 18, dtype=torch.uint8), 19, None, "GGML type 19 is not a stored format"),
+    (torch.zeros(2, 18, dtype=torch.uint8), 35, None, "GGML type 35 is not a stored format"),
     (torch.zeros(2, 145, dtype=torch.uint8), BY_NAME["Q4_K"].id, None, "145 bytes is not a whole number of 144-byte blocks"),
     (torch.zeros(2, 36, dtype=torch.int8), BY_NAME["Q8_0"].id, None, "expected a uint8 tensor"),
     (torch.zeros(2, 144, dtype=torch.uint8), BY_NAME["Q4_K"].id, 512, "cols=512 disagrees"),

@@ -25,7 +25,7 @@ ACT_F32, ACT_F16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_BF16 = 0, 1, 8, 9, 15, 30
 # the activation format of each weight format's dot product (llama.cpp's type_traits_cpu[..].vec_dot_type)
 ACT_TYPE = {0: ACT_F32, 1: ACT_F16, 30: ACT_BF16, 2: ACT_Q8_0, 6: ACT_Q8_0, 8: ACT_Q8_0, 20: ACT_Q8_0, 3: ACT_Q8_1,
             7: ACT_Q8_1, 10: ACT_Q8_K, 11: ACT_Q8_K, 12: ACT_Q8_K, 13: ACT_Q8_K, 14: ACT_Q8_K, 16: ACT_Q8_K, 17: ACT_Q8_K,
-            18: ACT_Q8_K, 21: ACT_Q8_K, 22: ACT_Q8_K, 23: ACT_Q8_K, 118: ACT_Q8_K,
+            18: ACT_Q8_K, 19: ACT_Q8_K, 21: ACT_Q8_K, 22: ACT_Q8_K, 23: ACT_Q8_K, 29: ACT_Q8_K, 118: ACT_Q8_K,
             121: ACT_Q8_K}  # 118, 121: IQ3_XXS_T, IQ3_S_T (formats.py)
 Q8_K_BLOCK = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])  # 292 bytes
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # 34 bytes

@@ -1,5 +1,5 @@
-/* The dotk family (cpu_dot.h): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and IQ4_XS
- * weight rows dotted with activations in Q8_K, as llama.cpp's ggml_vec_dot_<fmt>_q8_K computes them.
+/* The dotk family (cpu_dot.h): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
+ * and IQ4_XS weight rows dotted with activations in Q8_K, as llama.cpp's ggml_vec_dot_<fmt>_q8_K computes them.
  *
  * dotk_quantize writes Q8_K (float d, int8 qs[256], int16 bsums[16] per 256 values) byte for byte as
  * quantize_row_q8_K_ref: the first value of largest magnitude sets iscale = -127 / it, q = round-half-even of
@@ -10,10 +10,10 @@
  * dmin_w * d_x * sum(min * bsum) for the formats with mins (Q2_K, Q4_K, Q5_K). Every format is decoded to one
  * shape (the struct wblock): 256 unsigned quants u < 128 with w = u - offset, 16 group scales, the offset's
  * share (offset * scale * bsum, an integer: Q3_K 4, Q6_K 32, IQ3_XXS 64, IQ3_S 16) taken off through the
- * bsums, so every product is a u8 x s8 pair (maddubs) that cannot saturate. IQ4_XS, the IQ2 formats, and with
+ * bsums, so every product is a u8 x s8 pair (maddubs) that cannot saturate. IQ4_XS, the IQ1 and IQ2 formats, and with
  * AVX-512 IQ3_XXS and IQ3_S, keep signed values (|w| <= 127) and move their signs onto the activations (|q| <= 127
  * in Q8_K). Only the float sums' order differs from llama.cpp's (vector lanes, blocks in turn): float32 rounding.
- * IQ3_XXS's factor 0.25 and the IQ2 formats' 0.125 are folded into d (exact).
+ * IQ3_XXS's factor 0.25 and the IQ1 and IQ2 formats' 0.125 are folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory bound):
  * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS, IQ3_S
@@ -37,10 +37,10 @@
  * which the one-token AVX-512 loops read as masks; dotk_repack converts, dotk_resident_type says which a host
  * holds; every other loop decodes a block put back.
  *
- * Tables: the IQ2 and IQ3 grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until it
- * is called the IQ formats are not offered (act_type -1). The IQ2 formats' grid rows (8 values of 8, 25 or 43) are
- * looked up by scalar loads, one row of 8 values each, on every path (they serve trunk tensors of llama.cpp's
- * low-bit mixes; no one-token loop of their own). IQ3_XXS's sign patterns follow a rule
+ * Tables: the IQ1, IQ2 and IQ3 grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until
+ * it is called the IQ formats are not offered (act_type -1). The IQ1 and IQ2 formats' grid rows (8 values) are
+ * looked up by scalar loads, a row at a time, on every path (they serve llama.cpp's lowest-bit mixes; no one-token
+ * loop of their own). IQ3_XXS's sign patterns follow a rule
  * (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
@@ -60,8 +60,8 @@
 #include <immintrin.h>
 #endif
 
-enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ3_S = 21,
-       IQ2_S = 22, IQ4_XS = 23, IQ3_XXS_T = 118, IQ3_S_T = 121 };
+enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
+       IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, IQ3_XXS_T = 118, IQ3_S_T = 121 };
 enum { QK = 256, Q8K_BYTES = 292 };  /* Q8_K block: d at 0, qs at 4, bsums at 260 */
 /* Q8_K blocks copied for many tokens: qs on a 64-byte boundary (no load splits a cache line), bsums, d, and
  * (AVX2) the 8 sub-block sums (int16) */
@@ -81,6 +81,10 @@ enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigne
 
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static uint64_t grid2_xxs[256], grid2_xs[512], grid2_s[1024];  /* the IQ2 grids: 8 values (bytes) per entry */
+/* the IQ1 grid (values -1, 0, 1) as the values 8 g + delta its rows stand for with a row's delta of +1 ([0]) or -1
+ * ([1]): their magnitudes (8 bytes) and signs (bit i: value i negative); never 0 */
+static uint64_t grid1_mag[2][2048];
+static uint8_t grid1_neg[2][2048];
 static int8_t kvalues[16];
 static int tables_ready;
 /* The grids again for in-register lookups (AVX-512): each value is one of 8 levels (gguf's grids: IQ3_XXS 4..62,
@@ -184,11 +188,12 @@ static int affine_codes(const uint8_t levels[8], uint8_t code[8], uint64_t matri
 
 /* -> 0, or why the IQ formats stay off: 1 when the package's sign table is not the parity rule this file
  * computes, 2 when an IQ3 grid has a value over its offset (the unsigned form offset +- value must stay in 0..127)
- * or more than 8 distinct values, or an IQ2 grid a value outside 1..127 (a magnitude vpmaddubsw takes, never 0: the
- * AVX2 loop moves the signs with vpsignb). grids: IQ3_XXS [256][4] and IQ3_S [512][4] bytes; signs: IQ2_XXS's 128
- * patterns; kv: IQ4_NL's 16 kvalues; IQ2_XXS [256][8], IQ2_XS [512][8], IQ2_S [1024][8] bytes. */
+ * or more than 8 distinct values, an IQ2 grid a value outside 1..127 (a magnitude vpmaddubsw takes, never 0: the
+ * AVX2 loop moves the signs with vpsignb), or the IQ1 grid one outside -1..1. grids: IQ3_XXS [256][4] and IQ3_S
+ * [512][4] bytes; signs: IQ2_XXS's 128 patterns; kv: IQ4_NL's 16 kvalues; IQ2_XXS [256][8], IQ2_XS [512][8], IQ2_S
+ * [1024][8] bytes; IQ1_S's (and IQ1_M's) [2048][8] int8. */
 int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs, const int8_t *kv,
-                    const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s) {
+                    const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s, const int8_t *iq1) {
     for (unsigned i = 0; i < 128; i++)
         if (signs[i] != sign_pattern(i)) return 1;
     for (int i = 0; i < 4 * 512; i++)
@@ -196,6 +201,8 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     for (int i = 0; i < 8 * 1024; i++)
         if ((i < 8 * 256 && (iq2_xxs[i] - 1u) > 126u) || (i < 8 * 512 && (iq2_xs[i] - 1u) > 126u) || (iq2_s[i] - 1u) > 126u)
             return 2;
+    for (int i = 0; i < 8 * 2048; i++)
+        if (iq1[i] < -1 || iq1[i] > 1) return 2;
     if (!level_codes(iq3_xxs, 256, levels_xxs, code_xxs[0]) || !level_codes(iq3_s, 512, levels_s, code_s[0])) return 2;
     uint8_t code[8], half[8];  /* the loop dots half of each level (halved exactly: every level even) */
     int even = 1;
@@ -218,6 +225,15 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     memcpy(grid2_xxs, iq2_xxs, sizeof grid2_xxs);
     memcpy(grid2_xs, iq2_xs, sizeof grid2_xs);
     memcpy(grid2_s, iq2_s, sizeof grid2_s);
+    for (int neg = 0; neg < 2; neg++)
+        for (int e = 0; e < 2048; e++) {
+            grid1_mag[neg][e] = grid1_neg[neg][e] = 0;
+            for (int i = 0; i < 8; i++) {
+                const int v = 8 * iq1[8 * e + i] + (neg ? -1 : 1);
+                grid1_mag[neg][e] |= (uint64_t)(v < 0 ? -v : v) << 8 * i;
+                grid1_neg[neg][e] |= (uint8_t)((v < 0) << i);
+            }
+        }
     for (unsigned i = 0; i < 128; i++) {
         sign_table[i] = sign_pattern(i);
         sign_ones[i] = 0;
@@ -231,7 +247,8 @@ int64_t dotk_act_type(int64_t wtype, int64_t float_acts) {
     (void)float_acts;  /* these formats dot with Q8_K only */
     switch (wtype) {
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return ACT_Q8_K;
-    case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_XXS: case IQ3_S: case IQ4_XS: case IQ3_XXS_T: case IQ3_S_T:
+    case IQ1_S: case IQ1_M: case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_XXS: case IQ3_S: case IQ4_XS: case IQ3_XXS_T:
+    case IQ3_S_T:
         return tables_ready ? ACT_Q8_K : -1;
     default: return -1;
     }
@@ -355,19 +372,23 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
 }
 #endif
 
-/* ---- the IQ2 formats: 32 grid rows of 8 values a block, a byte of signs each, 16 scales ---------------------
+/* ---- the IQ2 and IQ1 formats: 32 grid rows of 8 values a block, 16 scales ------------------------------------
  * llama.cpp's ggml_vec_dot_iq2_{xxs,xs,s}_q8_K: per block d_w * d_x * sum over 16 (or 32) values of (2s + 1) * the
  * integer dot of grid values carrying their signs with the activation quants, all times 0.125 (folded into d, exact).
- * Each format's bytes are read into one shape, which each path turns into its SIGNED wblock (iq2_wblock). */
+ * ggml_vec_dot_iq1_{s,m}_q8_K: d_w * d_x * (sum (2s + 1) * grid . q + 0.125 * sum (2s + 1) * delta * (sum of q)),
+ * grid values -1, 0, 1 and delta +-1 per row (IQ1_S: per 32 values): the same as (d_w / 8) * d_x * sum (2s + 1) *
+ * (8 grid + delta) . q, whose values 8 g + delta (+-1, +-7, +-9) are whole, and whose float32 product rounds as
+ * llama.cpp's (scaling by 8 is exact). Each format's bytes are read into one shape, which each path turns into its
+ * SIGNED wblock (grid_wblock). */
 typedef struct {
-    uint64_t rows[32];   /* the grid rows, 8 magnitudes (bytes) each, in value order */
+    uint64_t rows[32];   /* the rows, 8 magnitudes (bytes) each, in value order */
     uint8_t signs[32];   /* bit i of byte k: value 8k + i is negative */
     uint8_t scales[16];  /* each 16 values' 2s + 1 */
     float d;             /* 0.125 * the block's d */
-} iq2_fields;
+} grid_fields;
 
 /* 8 groups of 32: 4 index bytes, then a uint32 of four 7-bit sign pattern indices and the group's scale (bits 28..31) */
-static inline void fields_iq2xxs(const uint8_t *b, iq2_fields *f) {
+static inline void fields_iq2xxs(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *g = b + 2 + 8 * ib;
@@ -381,7 +402,7 @@ static inline void fields_iq2xxs(const uint8_t *b, iq2_fields *f) {
 }
 
 /* 32 uint16: a 9-bit grid index and a 7-bit sign pattern index; then 16 scales as nibbles */
-static inline void fields_iq2xs(const uint8_t *b, iq2_fields *f) {
+static inline void fields_iq2xs(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
     for (int k = 0; k < 32; k++) {
         const unsigned q = u16_at(b + 2 + 2 * k);
@@ -392,11 +413,40 @@ static inline void fields_iq2xs(const uint8_t *b, iq2_fields *f) {
 }
 
 /* 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 16 scales as nibbles */
-static inline void fields_iq2s(const uint8_t *b, iq2_fields *f) {
+static inline void fields_iq2s(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
     for (int k = 0; k < 32; k++) f->rows[k] = grid2_s[b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3) << 8];
     memcpy(f->signs, b + 34, 32);
     for (int g = 0; g < 16; g++) f->scales[g] = (uint8_t)(2 * ((b[74 + g / 2] >> (4 * (g % 2))) & 15) + 1);
+}
+
+/* 8 groups of 32: 32 index bytes, then 8 uint16: three high index bits per row, the group's scale (bits 12..14)
+ * and its delta's sign (bit 15) */
+static inline void fields_iq1s(const uint8_t *b, grid_fields *f) {
+    f->d = 0.125f * f16_at(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const unsigned qh = u16_at(b + 34 + 2 * ib), neg = qh >> 15;
+        f->scales[2 * ib] = f->scales[2 * ib + 1] = (uint8_t)(2 * ((qh >> 12) & 7) + 1);
+        for (int l = 0; l < 4; l++) {
+            const unsigned e = b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8;
+            f->rows[4 * ib + l] = grid1_mag[neg][e];
+            f->signs[4 * ib + l] = grid1_neg[neg][e];
+        }
+    }
+}
+
+/* 32 index bytes; 16 bytes, a nibble per row: three high index bits and the row's delta's sign; 4 uint16 of 4 three-
+ * bit scales each (per 16 values), whose top nibbles are the block's float16 d */
+static inline void fields_iq1m(const uint8_t *b, grid_fields *f) {
+    const uint16_t s0 = u16_at(b + 48), s1 = u16_at(b + 50), s2 = u16_at(b + 52), s3 = u16_at(b + 54);
+    const uint16_t d = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00f0) | ((s2 >> 4) & 0x0f00) | (s3 & 0xf000));
+    f->d = 0.125f * f16_at((const uint8_t *)&d);
+    for (int g = 0; g < 16; g++) f->scales[g] = (uint8_t)(2 * ((u16_at(b + 48 + 2 * (g / 4)) >> (3 * (g % 4))) & 7) + 1);
+    for (int k = 0; k < 32; k++) {
+        const unsigned nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15, neg = nib >> 3, e = b[k] | (nib & 7) << 8;
+        f->rows[k] = grid1_mag[neg][e];
+        f->signs[k] = grid1_neg[neg][e];
+    }
 }
 
 #if defined(DOTK_AVX512)
@@ -630,8 +680,8 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
     }
 }
 
-/* an IQ2 block's fields (iq2_fields, below) -> the SIGNED form */
-static inline void iq2_wblock(const iq2_fields *f, wblock *w) {
+/* an IQ1 or IQ2 block's fields (grid_fields, above) -> the SIGNED form */
+static inline void grid_wblock(const grid_fields *f, wblock *w) {
     w->dd = _mm512_set1_ps(f->d);
     spread_scales(w, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)f->scales)));
     for (int c = 0; c < 4; c++) {
@@ -854,8 +904,8 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
     }
 }
 
-/* an IQ2 block's fields (iq2_fields, below) -> the SIGNED form */
-static inline void iq2_wblock(const iq2_fields *f, wblock *w) {
+/* an IQ1 or IQ2 block's fields (grid_fields, above) -> the SIGNED form */
+static inline void grid_wblock(const grid_fields *f, wblock *w) {
     w->d = f->d;
     spread_scales(w, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)f->scales)));
     for (int c = 0; c < 8; c++) {
@@ -1019,8 +1069,8 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
         }
 }
 
-/* an IQ2 block's fields (iq2_fields, below) -> the SIGNED form: int8 values */
-static inline void iq2_wblock(const iq2_fields *f, wblock *w) {
+/* an IQ1 or IQ2 block's fields (grid_fields, above) -> the SIGNED form: int8 values */
+static inline void grid_wblock(const grid_fields *f, wblock *w) {
     w->d = f->d;
     for (int g = 0; g < 16; g++) w->sc[g] = f->scales[g];
     for (int k = 0; k < 32; k++)
@@ -1236,18 +1286,22 @@ static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
 ROWS(rows_iq3xxst, decode_iq3xxs_t, 98, IQ3_KIND)
 ROWS(rows_iq3st, decode_iq3s_t, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
-#define IQ2_DECODE(name, fields)                           \
+#define GRID_DECODE(name, fields)                          \
     static inline void name(const uint8_t *b, wblock *w) { \
-        iq2_fields f;                                      \
+        grid_fields f;                                     \
         fields(b, &f);                                     \
-        iq2_wblock(&f, w);                                 \
+        grid_wblock(&f, w);                                \
     }
-IQ2_DECODE(decode_iq2xxs, fields_iq2xxs)
-IQ2_DECODE(decode_iq2xs, fields_iq2xs)
-IQ2_DECODE(decode_iq2s, fields_iq2s)
+GRID_DECODE(decode_iq2xxs, fields_iq2xxs)
+GRID_DECODE(decode_iq2xs, fields_iq2xs)
+GRID_DECODE(decode_iq2s, fields_iq2s)
+GRID_DECODE(decode_iq1s, fields_iq1s)
+GRID_DECODE(decode_iq1m, fields_iq1m)
 ROWS(rows_iq2xxs, decode_iq2xxs, 66, SIGNED)
 ROWS(rows_iq2xs, decode_iq2xs, 74, SIGNED)
 ROWS(rows_iq2s, decode_iq2s, 82, SIGNED)
+ROWS(rows_iq1s, decode_iq1s, 50, SIGNED)
+ROWS(rows_iq1m, decode_iq1m, 56, SIGNED)
 
 #if defined(DOTK_AVX512)
 /* The one-token gemvs below that read the token's quants in an order of their own: order(x, blocks, out) writes
@@ -2211,6 +2265,8 @@ TILED_ROWS(tiled_iq4xs, decode_iq4xs, 136, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq2xxs, decode_iq2xxs, 66, SIGNED, 8, 7)
 TILED_ROWS(tiled_iq2xs, decode_iq2xs, 74, SIGNED, 4, 7)
 TILED_ROWS(tiled_iq2s, decode_iq2s, 82, SIGNED, 4, 7)
+TILED_ROWS(tiled_iq1s, decode_iq1s, 50, SIGNED, 8, 7)
+TILED_ROWS(tiled_iq1m, decode_iq1m, 56, SIGNED, 4, 7)
 #endif
 
 void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t row_bytes, int64_t rows,
@@ -2240,6 +2296,8 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         case IQ2_XXS: PICK(rows_iq2xxs, tiled_iq2xxs); break;
         case IQ2_XS: PICK(rows_iq2xs, tiled_iq2xs); break;
         case IQ2_S: PICK(rows_iq2s, tiled_iq2s); break;
+        case IQ1_S: PICK(rows_iq1s, tiled_iq1s); break;
+        case IQ1_M: PICK(rows_iq1m, tiled_iq1m); break;
         }
     }
 #undef PICK

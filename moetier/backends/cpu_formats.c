@@ -22,8 +22,8 @@
 
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-    Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23,
-    BF16 = 30,
+    Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
+    IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
     IQ3_XXS_T = 118, IQ3_S_T = 121,  /* moetier's resident IQ3_XXS and IQ3_S (cpu_iq3_t.h), not GGML types */
     TYPES = 122,
 };
@@ -34,8 +34,8 @@ static const int64_t GEOMETRY[TYPES][2] = {
     [F32] = {1, 4}, [F16] = {1, 2}, [BF16] = {1, 2}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
     [Q5_1] = {32, 24}, [Q8_0] = {32, 34}, [Q2_K] = {256, 84}, [Q3_K] = {256, 110}, [Q4_K] = {256, 144},
     [Q5_K] = {256, 176}, [Q6_K] = {256, 210}, [IQ2_XXS] = {256, 66}, [IQ2_XS] = {256, 74}, [IQ3_XXS] = {256, 98},
-    [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110}, [IQ2_S] = {256, 82}, [IQ4_XS] = {256, 136}, [IQ3_XXS_T] = {256, 98},
-    [IQ3_S_T] = {256, 110},
+    [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110}, [IQ2_S] = {256, 82}, [IQ4_XS] = {256, 136}, [IQ1_S] = {256, 50},
+    [IQ1_M] = {256, 56}, [IQ3_XXS_T] = {256, 98}, [IQ3_S_T] = {256, 110},
 };
 
 /* -> 1 and the type's block geometry, or 0 for a type this file does not read */
@@ -48,13 +48,14 @@ int64_t format_geometry(int64_t type, int64_t *block, int64_t *block_bytes) {
 
 static uint8_t grid_iq3_xxs[256][4], grid_iq3_s[512][4], ksigns[128];
 static uint8_t grid_iq2_xxs[256][8], grid_iq2_xs[512][8], grid_iq2_s[1024][8];
-static int8_t kvalues[16];
+static int8_t kvalues[16], grid_iq1[2048][8];
 
 /* The IQ tables, from the gguf package: IQ3_XXS's grid [256, 4] and IQ3_S's [512, 4] (values 1..62,
  * as bytes), IQ2_XXS's 128 sign patterns (bit i set: value i of 8 is negated), IQ4_NL's 16 kvalues, and the
- * IQ2 grids: IQ2_XXS's [256, 8], IQ2_XS's [512, 8], IQ2_S's [1024, 8] (values 8, 25, 43). */
+ * IQ2 grids: IQ2_XXS's [256, 8], IQ2_XS's [512, 8], IQ2_S's [1024, 8] (values 8, 25, 43), and IQ1_S's (and
+ * IQ1_M's) [2048, 8] (values -1, 0, 1). */
 void format_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs, const int8_t *kv,
-                   const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s) {
+                   const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s, const int8_t *iq1) {
     memcpy(grid_iq3_xxs, iq3_xxs, sizeof grid_iq3_xxs);
     memcpy(grid_iq3_s, iq3_s, sizeof grid_iq3_s);
     memcpy(ksigns, signs, sizeof ksigns);
@@ -62,6 +63,7 @@ void format_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *
     memcpy(grid_iq2_xxs, iq2_xxs, sizeof grid_iq2_xxs);
     memcpy(grid_iq2_xs, iq2_xs, sizeof grid_iq2_xs);
     memcpy(grid_iq2_s, iq2_s, sizeof grid_iq2_s);
+    memcpy(grid_iq1, iq1, sizeof grid_iq1);
 }
 
 static inline float bits_float(uint32_t u) {
@@ -291,6 +293,36 @@ static void block_iq2_s(const uint8_t *restrict b, float *restrict y) {  /* 16 g
     }
 }
 
+/* The IQ1 formats: 32 rows of 8 grid values (-1, 0, 1) plus the row's delta (+-0.125), each 16 or 32 values
+ * scaled by d * (2s + 1): dl * (grid + delta) */
+static inline void iq1_row(float dl, const int8_t *grid, float delta, float *out) {
+    for (int i = 0; i < 8; i++) out[i] = dl * ((float)grid[i] + delta);
+}
+
+static void block_iq1_s(const uint8_t *restrict b, float *restrict y) {  /* 8 groups of 32: a uint16 of high bits each */
+    const float d = f16_at(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const unsigned qh = (unsigned)(b[34 + 2 * ib] | b[35 + 2 * ib] << 8);
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000u ? -0.125f : 0.125f;
+        for (int l = 0; l < 4; l++)
+            iq1_row(dl, grid_iq1[b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8], delta, y + 32 * ib + 8 * l);
+    }
+}
+
+static void block_iq1_m(const uint8_t *restrict b, float *restrict y) {  /* 16 groups of 16; d in the scales' top nibbles */
+    uint16_t sc[4];
+    for (int j = 0; j < 4; j++) sc[j] = (uint16_t)(b[48 + 2 * j] | b[49 + 2 * j] << 8);
+    const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    const float d = f16_at((const uint8_t *)&dbits);
+    for (int group = 0; group < 16; group++) {
+        const float dl = d * (float)(2 * ((sc[group / 4] >> (3 * (group % 4))) & 7) + 1);
+        for (int k = 2 * group; k < 2 * group + 2; k++) {  /* row k: a nibble of qh, three index bits and delta's sign */
+            const unsigned nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
+            iq1_row(dl, grid_iq1[b[k] | (nib & 7) << 8], nib & 8 ? -0.125f : 0.125f, y + 8 * k);
+        }
+    }
+}
+
 static void block_iq4_nl(const uint8_t *restrict b, float *restrict y) {  /* d * kvalue */
     const float d = f16_at(b);
     const uint8_t *qs = b + 2;
@@ -354,6 +386,8 @@ const uint8_t *dequantize_row(int64_t type, const uint8_t *src, float *dst, int6
     case IQ2_XXS: BLOCKS(block_iq2_xxs, 256, 66);
     case IQ2_XS: BLOCKS(block_iq2_xs, 256, 74);
     case IQ2_S: BLOCKS(block_iq2_s, 256, 82);
+    case IQ1_S: BLOCKS(block_iq1_s, 256, 50);
+    case IQ1_M: BLOCKS(block_iq1_m, 256, 56);
     case IQ3_XXS: BLOCKS(block_iq3_xxs, 256, 98);
     case IQ4_NL: BLOCKS(block_iq4_nl, 32, 18);
     case IQ3_S: BLOCKS(block_iq3_s, 256, 110);

@@ -329,7 +329,7 @@ def _tables() -> tuple[bytes, ...] | str:
     """The IQ lookup tables cpu_formats.c and cpu_dotk.c read, from the gguf package (the reference), in their
     argument order: IQ3_XXS's and IQ3_S's grids as bytes [256, 4] and [512, 4], IQ2_XXS's 128 sign patterns,
     IQ4_NL's 16 kvalues as int8, then IQ2_XXS's, IQ2_XS's and IQ2_S's grids as bytes [256, 8], [512, 8] and
-    [1024, 8]; or why the package's tables do not have that form."""
+    [1024, 8], and IQ1_S's (IQ1_M's too) as int8 [2048, 8]; or why the package's tables do not have that form."""
     import gguf.quants as q  # the grids' hex is decoded only once a kernel is loaded
     import numpy as np
 
@@ -344,8 +344,12 @@ def _tables() -> tuple[bytes, ...] | str:
     signs, kvalues = bytes(q.IQ2_XXS.ksigns), np.array(q.IQ4_NL.kvalues)
     if len(signs) != 128 or kvalues.shape != (16,) or not np.array_equal(kvalues, kvalues.astype(np.int8)):
         return f"gguf's IQ2_XXS signs ({len(signs)} bytes) or IQ4_NL kvalues (shape {kvalues.shape}) are not 128 bytes and 16 int8s"
+    q.IQ1_S.init_grid()
+    iq1 = np.asarray(q.IQ1_S.grid, dtype=np.float32)
+    if iq1.size != 2048 * 8 or not np.isin(iq1, (-1, 0, 1)).all():
+        return f"gguf's IQ1_S grid is not [2048, 8] values in -1..1 (shape {iq1.shape})"
     return (grids["IQ3_XXS"], grids["IQ3_S"], signs, kvalues.astype(np.int8).tobytes(), grids["IQ2_XXS"], grids["IQ2_XS"],
-            grids["IQ2_S"])
+            grids["IQ2_S"], iq1.astype(np.int8).tobytes())
 
 
 def _open_formats(formats: ctypes.CDLL) -> str | None:

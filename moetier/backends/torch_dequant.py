@@ -85,7 +85,7 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
     """A gguf lookup table as a float32 torch tensor on `device` (built once per device)."""
     import gguf.quants as q  # the reference package, read only when an IQ format is first met
 
-    if name in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"):
+    if name in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S"):
         cls = getattr(q, name)
         cls.init_grid()
         return torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy()).to(device)  # [entries, 4 or 8]
@@ -97,7 +97,7 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
         return torch.frombuffer(bytearray(q.IQ2_XXS.ksigns), dtype=torch.uint8).to(device)  # [128]
     if name == "kvalues":
         return torch.tensor(q.IQ4_NL.kvalues, dtype=torch.float32, device=device)  # [16]
-    raise ValueError(f"no lookup table named {name!r} (expected an IQ2 or IQ3 grid, ksigns or kvalues)")
+    raise ValueError(f"no lookup table named {name!r} (expected an IQ1, IQ2 or IQ3 grid, ksigns or kvalues)")
 
 
 # ---- the formats: each follows its gguf.quants dequantize_blocks, float ops in the same order -------
@@ -276,6 +276,35 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:
     return _iq2(b, scales, index, b[:, 34:66], "IQ2_S")
 
 
+def _iq1(d: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """The IQ1 formats' shared tail: d [n, 1], scales [n, g] (3-bit, per 256/g values), index [n, 32] grid rows,
+    negative [n, r] (r = 8 or 32: each 32 or 8 values' delta is -0.125) -> (d * (2s + 1)) * (grid + delta), [n, 256]."""
+    n, g = scales.shape
+    dl = (d * (2 * scales + 1).float()).reshape(n, g, 1, 1)  # [n, g, 1, 1]
+    delta = torch.where(negative.bool(), -0.125, 0.125).float().reshape(n, g, -1, 1)  # [n, g, 1 or 2, 1]
+    rows = _table("IQ1_S", index.device)[index.long()].reshape(n, g, -1, 8)  # [n, g, 32 / g, 8]
+    return dl.mul(rows.add_(delta)).reshape(n, 256)
+
+
+def _iq1_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qh = b[:, 34:50].reshape(n, 8, 2).long()  # [n, 8, 2]
+    qh = qh[:, :, 0] | (qh[:, :, 1] << 8)  # [n, 8]: uint16 per 32 values
+    index = b[:, 2:34].long() | ((_unpack(qh, 3, 4, last=True) << 8).reshape(n, 32))  # [n, 32]: 11-bit grid rows
+    return _iq1(_f16(b, 0), (qh >> 12) & 7, index, qh >> 15)
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc = b[:, 48:56].reshape(n, 4, 2).long()  # [n, 4, 2]
+    sc = sc[:, :, 0] | (sc[:, :, 1] << 8)  # [n, 4]: uint16
+    bits = ((sc >> 12) << _shifts(b.device, torch.int64, 4, 4)).sum(-1, keepdim=True)  # [n, 1]: d's bits, 4 from each
+    d = (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.float16).float()  # [n, 1]
+    nibbles = _unpack(b[:, 32:48], 4, 2, last=True).reshape(n, 32).long()  # [n, 32]: a row's high bits and delta
+    index = b[:, :32].long() | ((nibbles & 7) << 8)  # [n, 32]
+    return _iq1(d, _unpack(sc, 3, 4, last=True).reshape(n, 16), index, nibbles >> 3)
+
+
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     q = _unpack(b[:, 2:], 4, 2).reshape(n, 32)  # [n, 32]
@@ -295,6 +324,6 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 _UNPACK: dict[str, Unpack] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
+    "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
     "IQ3_XXS_T": lambda b: _iq3_xxs(b, transposed=True), "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
 }  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)
