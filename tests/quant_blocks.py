@@ -19,7 +19,7 @@ F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
     "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ4_XS": (0,), "IQ1_S": (0,),
-    "IQ1_M": (), "TQ2_0": (64,),
+    "IQ1_M": (), "MXFP4": (), "TQ2_0": (64,),
 }
 BLOCK_FORMATS = tuple(BY_NAME[name] for name in F16_FIELDS if name not in NOT_STORED)
 
@@ -31,6 +31,8 @@ def random_rows(fmt: Format, rows: int, cols: int, rng: np.random.Generator, sca
     for at in F16_FIELDS[fmt.name]:
         values = (rng.standard_normal(blocks) * scale).astype(np.float16)
         data[:, at:at + 2] = values.view(np.uint8).reshape(blocks, 2)
+    if fmt.name == "MXFP4":  # its scale: an E8M0 byte, 2^(e - 128), about `scale`
+        data[:, 0] = np.clip(np.round(np.log2(scale)) + 128 + rng.integers(-2, 3, size=blocks), 2, 254).astype(np.uint8)
     if fmt.name == "IQ1_M":  # its float16 d is the top nibbles of the four uint16 scale fields (bytes 48..55)
         d = (rng.standard_normal(blocks) * scale).astype(np.float16).view(np.uint16)
         top = np.stack([(d >> (4 * j)) & 15 for j in range(4)], axis=1).astype(np.uint16)  # [blocks, 4]

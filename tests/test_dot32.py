@@ -43,7 +43,7 @@ def _dot32_path() -> int:
 WIDE_TILES = _dot32_path() == 2
 pytestmark = pytest.mark.skipif(kernels is None or not any(f.name == "dot32" for f in kernels.families),
                                 reason=f"dot32 family {D.status()}")
-FAMILY = tuple(BY_NAME[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "Q4_1", "Q5_1"))
+FAMILY = tuple(BY_NAME[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4", "Q4_1", "Q5_1"))
 SHAPES = [(T, n) for T in (1, 3, 8) for n in (256, 1024)] + [(5, 352)]  # 352: 11 blocks, an odd last pair
 FORCED = {"avx512-no-gfni": ("-mno-gfni",), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx2+vnni": ("-mno-avx512f",),
           "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx")}
@@ -243,10 +243,11 @@ def test_scratch_beyond_the_stack_buffer(name):
     assert (np.abs(together.numpy() - want) / scale).max() <= 1e-5
 
 
-def test_iq4_nl_kvalues_are_gguf_s():
+def test_iq4_nl_and_mxfp4_kvalues_are_gguf_s():
     source = (D.HERE / "cpu_dot32.c").read_text()
-    table = re.search(r"KVALUES\[16\] = \{([^}]*)\}", source).group(1)
-    assert tuple(int(v) for v in table.split(",")) == tuple(gguf.quants.IQ4_NL.kvalues)
+    for name, cls in (("KVALUES", gguf.quants.IQ4_NL), ("KVALUES_MXFP4", gguf.quants.MXFP4)):
+        table = re.search(rf"{name}\[16\] = \{{([^}}]*)\}}", source).group(1)
+        assert tuple(int(v) for v in table.split(",")) == tuple(cls.kvalues), name
 
 
 @pytest.mark.parametrize("path", FORCED)

@@ -19,8 +19,9 @@ test_peer_llama's strict xfail (llama.cpp quantizes activations for its
 quantized dot products, moetier's reference path does not).
 
 And llama.cpp's lowest-bit file types (IQ2_XXS, IQ2_XS, IQ2_S, IQ2_M, IQ1_S,
-IQ1_M) of the qwen3_moe checkpoint, quantized with the same kind of matrix:
-their experts in IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S or IQ1_M, the same KL bar.
+IQ1_M) of the qwen3_moe checkpoint, quantized with the same kind of matrix,
+and its MXFP4_MOE: their experts in IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M or
+MXFP4, the same KL bar.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def test_llama_cpp_default_iq3_xxs_mix_kl_against_llama_cpp(iq3_model):
     assert kl <= 1e-3, (arch, kl)
 
 
-# llama.cpp's lowest-bit file types (LLAMA_FTYPE_MOSTLY_*) -> the type its quantizer gives the expert stacks
+# llama.cpp's lowest-bit file types and MXFP4_MOE (LLAMA_FTYPE_MOSTLY_*) -> the type its quantizer gives the experts
 LOW_BIT = {"IQ2_XXS": (19, "IQ2_XXS"), "IQ2_XS": (20, "IQ2_XS"), "IQ2_S": (28, "IQ2_XS"), "IQ2_M": (29, "IQ2_S"),
-           "IQ1_S": (24, "IQ1_S"), "IQ1_M": (31, "IQ1_M")}
+           "IQ1_S": (24, "IQ1_S"), "IQ1_M": (31, "IQ1_M"), "MXFP4_MOE": (38, "MXFP4")}
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,8 @@ def low_bit_model(tmp_path_factory):
 @pytest.mark.parametrize("ftype", sorted(LOW_BIT))
 def test_llama_cpp_lowest_bit_mixes_kl_against_llama_cpp(low_bit_model, ftype, tmp_path):
     """llama.cpp's IQ2 and IQ1 file types, which put the experts (and most of the trunk) in IQ2_XXS, IQ2_XS, IQ2_S,
-    IQ1_S or IQ1_M: every tensor is held in its stored format and dotted with Q8_K activations as llama.cpp does,
-    mean KL(llama.cpp || moetier) <= 1e-3 nats."""
+    IQ1_S or IQ1_M, and MXFP4_MOE (experts MXFP4, the rest Q8_0): every tensor is held in its stored format and
+    dotted with Q8_K (MXFP4: Q8_0) activations as llama.cpp does, mean KL(llama.cpp || moetier) <= 1e-3 nats."""
     import gguf
 
     f32, imatrix, ids = low_bit_model

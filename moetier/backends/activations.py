@@ -3,7 +3,7 @@
 llama.cpp multiplies a quantized weight matrix by converting each row of
 activations, once, to the format the weight type's dot product reads (its
 `vec_dot_type`: Q8_K for the K-quants and IQ formats, Q8_0 for Q4_0 / Q5_0 /
-Q8_0 / IQ4_NL, Q8_1 for Q4_1 / Q5_1, F16 for F16, BF16 for BF16, F32 for
+Q8_0 / IQ4_NL / MXFP4, Q8_1 for Q4_1 / Q5_1, F16 for F16, BF16 for BF16, F32 for
 F32), then summing each block's integer dot product scaled in float32.
 moetier's native kernels do the same (moetier/backends/cpu_dot.h); this
 module is their judge: `quantize(act_type, x)` gives the bytes llama.cpp's
@@ -23,7 +23,7 @@ import numpy as np
 
 ACT_F32, ACT_F16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_BF16 = 0, 1, 8, 9, 15, 30
 # the activation format of each weight format's dot product (llama.cpp's type_traits_cpu[..].vec_dot_type)
-ACT_TYPE = {0: ACT_F32, 1: ACT_F16, 30: ACT_BF16, 2: ACT_Q8_0, 6: ACT_Q8_0, 8: ACT_Q8_0, 20: ACT_Q8_0, 3: ACT_Q8_1,
+ACT_TYPE = {0: ACT_F32, 1: ACT_F16, 30: ACT_BF16, 2: ACT_Q8_0, 6: ACT_Q8_0, 8: ACT_Q8_0, 20: ACT_Q8_0, 39: ACT_Q8_0, 3: ACT_Q8_1,
             7: ACT_Q8_1, 10: ACT_Q8_K, 11: ACT_Q8_K, 12: ACT_Q8_K, 13: ACT_Q8_K, 14: ACT_Q8_K, 16: ACT_Q8_K, 17: ACT_Q8_K,
             18: ACT_Q8_K, 19: ACT_Q8_K, 21: ACT_Q8_K, 22: ACT_Q8_K, 23: ACT_Q8_K, 29: ACT_Q8_K, 118: ACT_Q8_K,
             121: ACT_Q8_K}  # 118, 121: IQ3_XXS_T, IQ3_S_T (formats.py)

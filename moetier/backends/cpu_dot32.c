@@ -1,5 +1,5 @@
 /* moetier's dot32 family (cpu_dot.h): weights in F32, F16, BF16 or a 32-value block format (Q4_0, Q4_1, Q5_0,
- * Q5_1, Q8_0, IQ4_NL) times activations in the format llama.cpp's dot product for that format takes.
+ * Q5_1, Q8_0, IQ4_NL, MXFP4) times activations in the format llama.cpp's dot product for that format takes.
  *
  * dot32_quantize writes the bytes llama.cpp's x86 from_float writes (moetier/backends/activations.py is the
  * judge): Q8_0 / Q8_1 with d = max|x| / 127, multiplier 127 / max|x|, round half to even (Q8_1's s = d * the
@@ -37,14 +37,14 @@
  * SIMD paths, chosen at compile time (the library is built with -march=native):
  *  - AVX-512 (F, BW, VL, VNNI, VBMI; GFNI where present, for the nibbles): two blocks per zmm. Each weight
  *    block becomes unsigned bytes u = q + o
- *    (Q8_0 and IQ4_NL biased by o = 128, Q4_0 / Q5_0 as stored with o = 8 / 16, Q4_1 / Q5_1 o = 0), and one
+ *    (Q8_0, IQ4_NL and MXFP4 biased by o = 128, Q4_0 / Q5_0 as stored with o = 8 / 16, Q4_1 / Q5_1 o = 0), and one
  *    vpdpbusd(u, x) started from -o * (x's sums of four), formed once per token block and shared by the rows,
  *    gives the block's dot product; F16 / BF16 weights widened in registers, 16 values a step.
  *  - AVX-512 BF16 (where present, beside the AVX-512 path): BF16 weights times BF16 activations (a GGUF's) by
  *    vdpbf16ps, 32 values a step, as llama.cpp's ggml_vec_dot_bf16 there: the same exact products, added pair by
  *    pair, subnormal bf16 inputs taken as zero (prefill of the `medium` BF16 file 1544 -> 2350 tok/s).
  *  - AVX2 (+FMA, F16C): a block per ymm, through maddubs / madd (vpdpbusd where AVX-VNNI is present): Q4_* /
- *    Q5_* as unsigned quants (Q4_0 / Q5_0 with the same -o * sum(x) start), Q8_0 and IQ4_NL by ggml's sign trick
+ *    Q5_* as unsigned quants (Q4_0 / Q5_0 with the same -o * sum(x) start), Q8_0, IQ4_NL and MXFP4 by ggml's sign trick
  *    (|w| times x with w's sign: biased they would saturate maddubs).
  *  - scalar: any other machine, and the path without scratch.
  */
@@ -92,14 +92,21 @@
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, BF16 = 30 };
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, BF16 = 30, MXFP4 = 39 };
 
-/* IQ4_NL's 16 values (ggml's kvalues_iq4nl; tests/test_dot32.py checks them against the gguf package) */
+/* IQ4_NL's 16 values (ggml's kvalues_iq4nl) and MXFP4's (kvalues_mxfp4: the E2M1 values doubled; its scale, an
+ * E8M0 byte, is taken halved); tests/test_dot32.py checks both against the gguf package */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+INLINE int looked_up(int f) { return f == IQ4_NL || f == MXFP4; }  /* nibbles that index a table of values */
+INLINE const int8_t *kvalues_of(int f) { return f == MXFP4 ? KVALUES_MXFP4 : KVALUES; }
 
-/* block layout: bytes per block, where the nibbles / quants start, where the 5th bits start, whether m follows d */
-INLINE int block_bytes(int f) { return f == Q8_0 ? 34 : f == Q4_1 ? 20 : f == Q5_0 ? 22 : f == Q5_1 ? 24 : 18; }
-INLINE int quants_at(int f) { return f == Q4_1 ? 4 : f == Q5_0 ? 6 : f == Q5_1 ? 8 : 2; }
+/* block layout: bytes per block, where the nibbles / quants start, where the 5th bits start, whether m follows d
+ * (d: a float16 at byte 0; MXFP4's an E8M0 byte, block_d) */
+INLINE int block_bytes(int f) {
+    return f == Q8_0 ? 34 : f == Q4_1 ? 20 : f == Q5_0 ? 22 : f == Q5_1 ? 24 : f == MXFP4 ? 17 : 18;
+}
+INLINE int quants_at(int f) { return f == Q4_1 ? 4 : f == Q5_0 ? 6 : f == Q5_1 ? 8 : f == MXFP4 ? 1 : 2; }
 INLINE int high_bits_at(int f) { return f == Q5_0 ? 2 : 4; }
 INLINE int has_min(int f) { return f == Q4_1 || f == Q5_1; }
 
@@ -121,7 +128,7 @@ int64_t dot32_act_type(int64_t wtype, int64_t float_acts) {
     case F32: return ACT_F32;
     case F16: return float_acts ? ACT_F32 : ACT_F16;
     case BF16: return float_acts ? ACT_F32 : ACT_BF16;
-    case Q4_0: case Q5_0: case Q8_0: case IQ4_NL: return ACT_Q8_0;
+    case Q4_0: case Q5_0: case Q8_0: case IQ4_NL: case MXFP4: return ACT_Q8_0;
     case Q4_1: case Q5_1: return ACT_Q8_1;
     default: return -1;
     }
@@ -144,6 +151,12 @@ static inline float half_float(uint16_t h) {
     return bits_float(sign | (e + 112) << 23 | m << 13);
 #endif
 }
+
+/* ggml_e8m0_to_fp32_half: MXFP4's scale byte e as 2^(e - 128) (e < 2: the subnormals 2^-128 and 2^-127) */
+static inline float e8m0_half(uint8_t e) { return bits_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
+
+/* a block's d */
+INLINE float block_d(int f, const uint8_t *p) { return f == MXFP4 ? e8m0_half(p[0]) : half_float(load16(p)); }
 
 static inline uint16_t float_half(float f) {
 #if defined(__F16C__)
@@ -221,10 +234,10 @@ void dot32_quantize(int64_t act, const float *x, void *xq, int64_t n) {
 
 /* ---- scalar path: the raw activation bytes, no scratch ---- */
 
-/* one block -> its 32 quants (signed: q - o for Q4_0 / Q5_0, the kvalues for IQ4_NL; q for Q4_1 / Q5_1), d, m */
+/* one block -> its 32 quants (signed: q - o for Q4_0 / Q5_0, the kvalues for IQ4_NL / MXFP4; q for Q4_1 / Q5_1), d, m */
 static void decode_block(int f, const uint8_t *p, int8_t v[32], float *d, float *m) {
     const uint8_t *qs = p + quants_at(f);
-    *d = half_float(load16(p));
+    *d = block_d(f, p);
     *m = has_min(f) ? half_float(load16(p + 2)) : 0.0f;
     if (f == Q8_0) { memcpy(v, qs, 32); return; }
     const uint32_t qh = f == Q5_0 || f == Q5_1 ? load32(p + high_bits_at(f)) : 0;
@@ -232,7 +245,7 @@ static void decode_block(int f, const uint8_t *p, int8_t v[32], float *d, float 
         int lo = qs[j] & 15, hi = qs[j] >> 4;
         lo |= (qh >> j & 1) << 4;
         hi |= (qh >> (j + 16) & 1) << 4;
-        if (f == IQ4_NL) lo = KVALUES[lo], hi = KVALUES[hi];
+        if (looked_up(f)) lo = kvalues_of(f)[lo], hi = kvalues_of(f)[hi];
         else if (f == Q4_0) lo -= 8, hi -= 8;
         else if (f == Q5_0) lo -= 16, hi -= 16;
         v[j] = (int8_t)lo, v[j + 16] = (int8_t)hi;
@@ -366,11 +379,16 @@ INLINE void decode_pair(const int f, const int single, const uint8_t *p, __m512i
         const uint64_t h = load32(p + high_bits_at(f)) | (single ? 0 : (uint64_t)load32(p + bb + high_bits_at(f)) << 32);
         q = _mm512_mask_add_epi8(q, _cvtu64_mask64(h), q, _mm512_set1_epi8(16));
     }
-    if (f == IQ4_NL) {
-        const __m128i kv = _mm_add_epi8(_mm_loadu_si128((const __m128i *)KVALUES), _mm_set1_epi8((char)0x80));
+    if (looked_up(f)) {
+        const __m128i kv = _mm_add_epi8(_mm_loadu_si128((const __m128i *)kvalues_of(f)), _mm_set1_epi8((char)0x80));
         q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(kv), q);
     }
     *u = q;
+    if (f == MXFP4) {  /* [d0 x8 | d1 x8] from the two scale bytes */
+        const __m512 d0 = _mm512_set1_ps(e8m0_half(p[0]));
+        *d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(d0), _mm256_castps_pd(_mm256_set1_ps(single ? 0.0f : e8m0_half(p[bb]))), 1));
+        return;
+    }
     /* words [d0 x8, d1 x8, m0 x8, m1 x8]: d at word 0 of each block, m at word 1 */
     const __m512i words = _mm512_set_epi16(bb / 2 + 1, bb / 2 + 1, bb / 2 + 1, bb / 2 + 1, bb / 2 + 1, bb / 2 + 1,
                                            bb / 2 + 1, bb / 2 + 1, 1, 1, 1, 1, 1, 1, 1, 1, bb / 2, bb / 2, bb / 2,
@@ -380,7 +398,7 @@ INLINE void decode_pair(const int f, const int single, const uint8_t *p, __m512i
     if (has_min(f)) *m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
 }
 
-INLINE int bias(int f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : f == Q8_0 || f == IQ4_NL ? 128 : 0; }
+INLINE int bias(int f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : f == Q8_0 || looked_up(f) ? 128 : 0; }
 
 /* two floats at p in lanes 0 and 1 */
 INLINE __m512 two_floats(const float *p) { return _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p))); }
@@ -605,6 +623,7 @@ typedef struct {
 INLINE void wide_fill(const int f, const int single, const uint8_t *w, int64_t row_bytes, int64_t rr, wide_tile *t) {
     __m512i v[16];
     uint16_t dh[2][16] = {{0}}, mh[2][16] = {{0}};
+    float de[2][16] = {{0}};  /* MXFP4's d */
     const int bb = block_bytes(f);
     for (int64_t r = 0; r < 16; r++) {
         if (r >= rr) { v[r] = _mm512_setzero_si512(); continue; }
@@ -612,14 +631,15 @@ INLINE void wide_fill(const int f, const int single, const uint8_t *w, int64_t r
         __m512 d, m;
         decode_pair(f, single, p, &v[r], &d, &m);
         for (int h = 0; h < 2 - single; h++) {
-            dh[h][r] = load16(p + h * bb);
+            if (f == MXFP4) de[h][r] = e8m0_half(p[h * bb]);
+            else dh[h][r] = load16(p + h * bb);
             if (has_min(f)) mh[h][r] = load16(p + h * bb + 2);
         }
     }
     transpose16(v);
     for (int k = 0; k < 16; k++) t->q[k] = v[k];
     for (int h = 0; h < 2; h++) {
-        t->d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh[h]));
+        t->d[h] = f == MXFP4 ? _mm512_loadu_ps(de[h]) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh[h]));
         t->m[h] = has_min(f) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mh[h])) : _mm512_setzero_ps();
     }
 }
@@ -711,13 +731,13 @@ INLINE float sum8(__m256 v) {
 }
 
 /* The bias o the AVX2 path leaves in a format's quants (then takes o * x's sums off once per token block): Q4_0 / Q5_0
- * stay unsigned, 0..15 / 0..31; Q8_0 and IQ4_NL (to +-127, where maddubs would saturate) take ggml's sign trick. */
+ * stay unsigned, 0..15 / 0..31; Q8_0, IQ4_NL and MXFP4 (to +-127, where maddubs would saturate) take ggml's sign trick. */
 INLINE int bias(int f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : 0; }
-INLINE int signed_quants(int f) { return f == Q8_0 || f == IQ4_NL; }
+INLINE int signed_quants(int f) { return f == Q8_0 || looked_up(f); }
 
 /* one block -> 32 quants: *u the unsigned bytes to multiply (q, or |w| for signed_quants), *s w itself (its signs) */
 INLINE void decode_block256(const int f, const uint8_t *p, __m256i *u, __m256i *s, float *d, float *m) {
-    *d = half_float(load16(p));
+    *d = block_d(f, p);
     *m = has_min(f) ? half_float(load16(p + 2)) : 0.0f;
     __m256i q;
     if (f == Q8_0) {
@@ -733,7 +753,7 @@ INLINE void decode_block256(const int f, const uint8_t *p, __m256i *u, __m256i *
                                                _mm256_set1_epi64x(-1));
         q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
     }
-    if (f == IQ4_NL) q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES)), q);
+    if (looked_up(f)) q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_of(f))), q);
     *s = q;
     *u = signed_quants(f) ? _mm256_sign_epi8(q, q) : q;
 }
@@ -1184,6 +1204,7 @@ __attribute__((noinline)) static int dot_wide(int64_t f, int64_t act, int64_t n,
     case Q5_1: blocks_wide(Q5_1, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
     case Q8_0: blocks_wide(Q8_0, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
     case IQ4_NL: blocks_wide(IQ4_NL, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
+    case MXFP4: blocks_wide(MXFP4, act, nb, w, row_bytes, rows, xq, meta, T, y, ldy); break;
     }
     free(meta);
     return 1;
@@ -1231,6 +1252,7 @@ static int dot_simd(int64_t f, int64_t act, int64_t n, const uint8_t *w, int64_t
             case Q5_1: blocks_simd(Q5_1, nb, w, row_bytes, rows, xc, tc, yc, ldy); break;
             case Q8_0: blocks_simd(Q8_0, nb, w, row_bytes, rows, xc, tc, yc, ldy); break;
             case IQ4_NL: blocks_simd(IQ4_NL, nb, w, row_bytes, rows, xc, tc, yc, ldy); break;
+            case MXFP4: blocks_simd(MXFP4, nb, w, row_bytes, rows, xc, tc, yc, ldy); break;
             }
         }
     } else {

@@ -11,7 +11,8 @@
  *
  * The IQ lookup tables (grids, sign patterns, kvalues) are not spelled out
  * here: moetier/backends/cpu_kernels.py takes them from the gguf package and
- * hands them over once (format_tables) before any row is read. Inputs are
+ * hands them over once (format_tables) before any row is read (MXFP4's 16
+ * values are: the tests compare every format with the package, bit for bit). Inputs are
  * checked by the Python wrappers; nothing here validates a type or a size.
  * cpu_kernels.c's decode calls dequantize_row through a pointer.
  */
@@ -23,7 +24,7 @@
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
     Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
-    IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
+    IQ4_XS = 23, IQ1_M = 29, BF16 = 30, MXFP4 = 39,
     IQ3_XXS_T = 118, IQ3_S_T = 121,  /* moetier's resident IQ3_XXS and IQ3_S (cpu_iq3_t.h), not GGML types */
     TYPES = 122,
 };
@@ -35,7 +36,7 @@ static const int64_t GEOMETRY[TYPES][2] = {
     [Q5_1] = {32, 24}, [Q8_0] = {32, 34}, [Q2_K] = {256, 84}, [Q3_K] = {256, 110}, [Q4_K] = {256, 144},
     [Q5_K] = {256, 176}, [Q6_K] = {256, 210}, [IQ2_XXS] = {256, 66}, [IQ2_XS] = {256, 74}, [IQ3_XXS] = {256, 98},
     [IQ4_NL] = {32, 18}, [IQ3_S] = {256, 110}, [IQ2_S] = {256, 82}, [IQ4_XS] = {256, 136}, [IQ1_S] = {256, 50},
-    [IQ1_M] = {256, 56}, [IQ3_XXS_T] = {256, 98}, [IQ3_S_T] = {256, 110},
+    [IQ1_M] = {256, 56}, [MXFP4] = {32, 17}, [IQ3_XXS_T] = {256, 98}, [IQ3_S_T] = {256, 110},
 };
 
 /* -> 1 and the type's block geometry, or 0 for a type this file does not read */
@@ -323,6 +324,14 @@ static void block_iq1_m(const uint8_t *restrict b, float *restrict y) {  /* 16 g
     }
 }
 
+/* MXFP4: an E8M0 scale byte e, taken as 2^(e - 128) (ggml_e8m0_to_fp32_half), times the doubled E2M1 values */
+static void block_mxfp4(const uint8_t *restrict b, float *restrict y) {
+    static const int8_t kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    const float d = bits_float(b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23);
+    for (int j = 0; j < 16; j++) y[j] = d * (float)kv[b[1 + j] & 15];
+    for (int j = 0; j < 16; j++) y[j + 16] = d * (float)kv[b[1 + j] >> 4];
+}
+
 static void block_iq4_nl(const uint8_t *restrict b, float *restrict y) {  /* d * kvalue */
     const float d = f16_at(b);
     const uint8_t *qs = b + 2;
@@ -390,6 +399,7 @@ const uint8_t *dequantize_row(int64_t type, const uint8_t *src, float *dst, int6
     case IQ1_M: BLOCKS(block_iq1_m, 256, 56);
     case IQ3_XXS: BLOCKS(block_iq3_xxs, 256, 98);
     case IQ4_NL: BLOCKS(block_iq4_nl, 32, 18);
+    case MXFP4: BLOCKS(block_mxfp4, 32, 17);
     case IQ3_S: BLOCKS(block_iq3_s, 256, 110);
     case IQ3_XXS_T: BLOCKS(block_iq3_xxs_t, 256, 98);
     case IQ3_S_T: BLOCKS(block_iq3_s_t, 256, 110);

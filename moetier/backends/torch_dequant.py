@@ -95,8 +95,8 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
         return (1 - 2 * bits.float()).to(device)  # [128, 8]
     if name == "ksigns_bytes":  # 7-bit sign index -> its byte of 8 sign bits
         return torch.frombuffer(bytearray(q.IQ2_XXS.ksigns), dtype=torch.uint8).to(device)  # [128]
-    if name == "kvalues":
-        return torch.tensor(q.IQ4_NL.kvalues, dtype=torch.float32, device=device)  # [16]
+    if name in ("kvalues", "kvalues_mxfp4"):
+        return torch.tensor((q.IQ4_NL if name == "kvalues" else q.MXFP4).kvalues, dtype=torch.float32, device=device)  # [16]
     raise ValueError(f"no lookup table named {name!r} (expected an IQ1, IQ2 or IQ3 grid, ksigns or kvalues)")
 
 
@@ -305,6 +305,14 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     return _iq1(d, _unpack(sc, 3, 4, last=True).reshape(n, 16), index, nibbles >> 3)
 
 
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    e = b[:, :1].long()  # [n, 1]: the E8M0 scale byte, taken halved (ggml_e8m0_to_fp32_half)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(torch.int32)  # [n, 1]
+    q = _unpack(b[:, 1:], 4, 2).reshape(n, 32)  # [n, 32]
+    return _table("kvalues_mxfp4", b.device)[q.long()].mul_(bits.view(torch.float32))
+
+
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     q = _unpack(b[:, 2:], 4, 2).reshape(n, 32)  # [n, 32]
@@ -324,6 +332,6 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 _UNPACK: dict[str, Unpack] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
+    "MXFP4": _mxfp4, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
     "IQ3_XXS_T": lambda b: _iq3_xxs(b, transposed=True), "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
 }  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)

@@ -42,7 +42,7 @@ _ALL = (
     Format("Q8_0", 8, 32, 34), Format("Q2_K", 10, 256, 84), Format("Q3_K", 11, 256, 110), Format("Q4_K", 12, 256, 144),
     Format("Q5_K", 13, 256, 176), Format("Q6_K", 14, 256, 210), Format("IQ2_XXS", 16, 256, 66), Format("IQ2_XS", 17, 256, 74),
     Format("IQ3_XXS", 18, 256, 98), Format("IQ1_S", 19, 256, 50), Format("IQ4_NL", 20, 32, 18), Format("IQ3_S", 21, 256, 110),
-    Format("IQ2_S", 22, 256, 82), Format("IQ4_XS", 23, 256, 136), Format("IQ1_M", 29, 256, 56),
+    Format("IQ2_S", 22, 256, 82), Format("IQ4_XS", 23, 256, 136), Format("IQ1_M", 29, 256, 56), Format("MXFP4", 39, 32, 17),
 )
 # moetier's resident layouts of a GGML format, never in a file: where a native library reads a format faster laid
 # out otherwise, the CPU backend holds it so (moetier.backends.cpu_kernels.resident_layout). IQ3_XXS_T and IQ3_S_T:

@@ -57,9 +57,9 @@ from moetier.model.safetensors_mmap import CheckpointError
 
 # the GGML types moetier reads experts in: the stored formats (moetier.model.formats, the one table to extend)
 EXPERT_TYPES = tuple(QType(qtype) for qtype in GGML_FORMATS)
-# and the trunk in: those and the other types the gguf package dequantizes (the ternary TQ1_0 / TQ2_0, MXFP4), each
+# and the trunk in: those and the other types the gguf package dequantizes (the ternary TQ1_0 / TQ2_0), each
 # dequantized to float32 once at load
-DEQUANTIZED = EXPERT_TYPES + (QType.TQ1_0, QType.TQ2_0, QType.MXFP4)
+DEQUANTIZED = EXPERT_TYPES + (QType.TQ1_0, QType.TQ2_0)
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _KEPT = {name for names in CONVERTED["qwen3_next"].values() for name in names}  # by GGUF name: no HF tensor holds these
 # tensors of layouts llama.cpp can write that moetier does not read yet -> what they are
@@ -178,12 +178,12 @@ class GgufCheckpoint(NamedWeights):
     def stored(self, name: str) -> tuple[torch.Tensor, int]:
         """(tensor, its GGML type id) by HF name, in the bytes stored, a view of the mapping (Mixtral's Q/K rows:
         a copy, put back in HF order): float32 / float16 / bfloat16 [rows, cols] for F32 / F16 / BF16, uint8 [rows,
-        row bytes] for a block format; a trunk tensor of a type outside the stored formats (TQ2_0, MXFP4, ...) as
+        row bytes] for a block format; a trunk tensor of a type outside the stored formats (TQ1_0, TQ2_0) as
         its float32 values (F32), dequantized once."""
         source = self._sources.get(name)
         if source is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
-        if int(source.tensor.tensor_type) not in GGML_FORMATS or source.undo == "exp":  # TQ2_0, ... or A_log: float32 values
+        if int(source.tensor.tensor_type) not in GGML_FORMATS or source.undo == "exp":  # TQ1_0, TQ2_0 or A_log: float32 values
             return self.load(name), F32
         if source.undo == "kv_b":  # rows of either kind: in their bytes for a float type, else float32 values
             types = {int(source.tensor.tensor_type), int(source.partner.tensor_type)}
