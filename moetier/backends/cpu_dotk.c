@@ -81,10 +81,7 @@ enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigne
 
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static uint64_t grid2_xxs[256], grid2_xs[512], grid2_s[1024];  /* the IQ2 grids: 8 values (bytes) per entry */
-/* the IQ1 grid (values -1, 0, 1) as the values 8 g + delta its rows stand for with a row's delta of +1 ([0]) or -1
- * ([1]): their magnitudes (8 bytes) and signs (bit i: value i negative); never 0 */
-static uint64_t grid1_mag[2][2048];
-static uint8_t grid1_neg[2][2048];
+static uint64_t grid1[2048];  /* the IQ1 grid: 8 values g of -1, 0, 1 (int8) per entry */
 static int8_t kvalues[16];
 static int tables_ready;
 /* The grids again for in-register lookups (AVX-512): each value is one of 8 levels (gguf's grids: IQ3_XXS 4..62,
@@ -225,15 +222,7 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     memcpy(grid2_xxs, iq2_xxs, sizeof grid2_xxs);
     memcpy(grid2_xs, iq2_xs, sizeof grid2_xs);
     memcpy(grid2_s, iq2_s, sizeof grid2_s);
-    for (int neg = 0; neg < 2; neg++)
-        for (int e = 0; e < 2048; e++) {
-            grid1_mag[neg][e] = grid1_neg[neg][e] = 0;
-            for (int i = 0; i < 8; i++) {
-                const int v = 8 * iq1[8 * e + i] + (neg ? -1 : 1);
-                grid1_mag[neg][e] |= (uint64_t)(v < 0 ? -v : v) << 8 * i;
-                grid1_neg[neg][e] |= (uint8_t)((v < 0) << i);
-            }
-        }
+    memcpy(grid1, iq1, sizeof grid1);
     for (unsigned i = 0; i < 128; i++) {
         sign_table[i] = sign_pattern(i);
         sign_ones[i] = 0;
@@ -381,57 +370,90 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
  * llama.cpp's (scaling by 8 is exact). Each format's bytes are read into one shape, which each path turns into its
  * SIGNED wblock (grid_wblock). */
 typedef struct {
-    uint64_t rows[32];   /* the rows, 8 magnitudes (bytes) each, in value order */
-    uint8_t signs[32];   /* bit i of byte k: value 8k + i is negative */
-    uint8_t scales[16];  /* each 16 values' 2s + 1 */
-    float d;             /* 0.125 * the block's d */
+    const uint64_t *grid; /* the format's rows: 8 magnitudes (IQ2) or values -1, 0, 1 (IQ1, int8) each */
+    uint64_t neg[4];      /* bit j of word c: value 64c + j is negative (IQ2), its row's delta is -1 (IQ1) */
+    uint64_t scales[2];   /* byte g: the 16 values g's 2s + 1 */
+    float d;              /* 0.125 * the block's d */
 } grid_fields;
+
+/* a sub-block's 32-bit sign mask (bit k: value k negative) from its four 7-bit pattern indices: each field
+ * to its byte, and bit 7 of each byte its parity */
+static inline uint32_t signs_xxs1(uint32_t a) {
+    uint32_t f = (a & 0x7fu) | ((a << 1) & 0x7f00u) | ((a << 2) & 0x7f0000u) | ((a << 3) & 0x7f000000u);
+    uint32_t p = f ^ (f >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return f | (p & 0x01010101u) << 7;
+}
+
+/* the sign patterns of four 7-bit indices in bits 9..15 of four uint16 (IQ2_XS): as signs_xxs1, a byte each */
+static inline uint32_t signs_xs4(uint64_t q4) {
+    uint64_t f = (q4 >> 9) & 0x007f007f007f007full, p = f ^ (f >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    f |= (p & 0x0001000100010001ull) << 7;
+    f = (f | f >> 8) & 0x0000ffff0000ffffull;
+    return (uint32_t)(f | f >> 16);
+}
+
+/* 16 four-bit scales s (8 bytes, low nibble first) -> the 16 bytes 2s + 1, as two words */
+static inline void odd_scales(const uint8_t *p, uint64_t out[2]) {
+    for (int h = 0; h < 2; h++) out[h] = nibbles8(u32_at(p + 4 * h)) << 1 | 0x0101010101010101ull;
+}
+
+/* Each word below is built in a register and stored once, and each format's row indices are read from the block as
+ * the paths look the rows up (grid_wblock: indices_* with AVX-512, row_* elsewhere), not stored between: a chain of
+ * read-modify-writes of a word through memory, or a load of narrower stores, stalls on store forwarding. One Zen 4
+ * core from DRAM at one token (2048 columns), through memory as first written -> as now, llama.cpp's vec_dot beside
+ * (GB/s): IQ2_XXS 2.3 -> 1.8 (3.5), IQ2_XS 1.2 -> 2.4 (4.1), IQ2_S 1.1 -> 3.2 (4.5), IQ1_S 1.3 -> 1.7 (2.8), IQ1_M
+ * 0.9 -> 1.7 (3.1). What is left is the 32 scalar grid lookups a block and their inserts into vectors (gathers,
+ * vpgatherdq, were no faster); no one-token loop of their own yet. */
+static inline unsigned row_iq2xxs(const uint8_t *b, int k) { return b[2 + 8 * (k / 4) + k % 4]; }
+static inline unsigned row_iq2xs(const uint8_t *b, int k) { return u16_at(b + 2 + 2 * k) & 511u; }
+static inline unsigned row_iq2s(const uint8_t *b, int k) { return b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8; }
+static inline unsigned row_iq1s(const uint8_t *b, int k) { return b[2 + k] | ((u16_at(b + 34 + 2 * (k / 4)) >> (3 * (k % 4))) & 7u) << 8; }
+static inline unsigned row_iq1m(const uint8_t *b, int k) { return b[k] | ((b[32 + k / 2] >> (4 * (k % 2))) & 7u) << 8; }
 
 /* 8 groups of 32: 4 index bytes, then a uint32 of four 7-bit sign pattern indices and the group's scale (bits 28..31) */
 static inline void fields_iq2xxs(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *g = b + 2 + 8 * ib;
-        const uint32_t aux = u32_at(g + 4);
-        f->scales[2 * ib] = f->scales[2 * ib + 1] = (uint8_t)(2 * (aux >> 28) + 1);
-        for (int k = 0; k < 4; k++) {
-            f->rows[4 * ib + k] = grid2_xxs[g[k]];
-            f->signs[4 * ib + k] = sign_pattern((aux >> (7 * k)) & 127);
-        }
+    f->grid = grid2_xxs;
+    for (int c = 0; c < 4; c++)  /* word c: groups 2c, 2c + 1 */
+        f->neg[c] = signs_xxs1(u32_at(b + 6 + 16 * c)) | (uint64_t)signs_xxs1(u32_at(b + 14 + 16 * c)) << 32;
+    for (int h = 0; h < 2; h++) {
+        uint64_t sc = 0;
+        for (int i = 0; i < 4; i++) sc |= (uint64_t)(2 * (u32_at(b + 6 + 8 * (4 * h + i)) >> 28) + 1) * 0x0101u << 16 * i;
+        f->scales[h] = sc;
     }
 }
 
 /* 32 uint16: a 9-bit grid index and a 7-bit sign pattern index; then 16 scales as nibbles */
 static inline void fields_iq2xs(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    for (int k = 0; k < 32; k++) {
-        const unsigned q = u16_at(b + 2 + 2 * k);
-        f->rows[k] = grid2_xs[q & 511];
-        f->signs[k] = sign_pattern(q >> 9);
-    }
-    for (int g = 0; g < 16; g++) f->scales[g] = (uint8_t)(2 * ((b[66 + g / 2] >> (4 * (g % 2))) & 15) + 1);
+    f->grid = grid2_xs;
+    for (int c = 0; c < 4; c++) f->neg[c] = signs_xs4(u64_at(b + 2 + 16 * c)) | (uint64_t)signs_xs4(u64_at(b + 10 + 16 * c)) << 32;
+    odd_scales(b + 66, f->scales);
 }
 
 /* 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 16 scales as nibbles */
 static inline void fields_iq2s(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    for (int k = 0; k < 32; k++) f->rows[k] = grid2_s[b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3) << 8];
-    memcpy(f->signs, b + 34, 32);
-    for (int g = 0; g < 16; g++) f->scales[g] = (uint8_t)(2 * ((b[74 + g / 2] >> (4 * (g % 2))) & 15) + 1);
+    f->grid = grid2_s;
+    for (int c = 0; c < 4; c++) f->neg[c] = u64_at(b + 34 + 8 * c);
+    odd_scales(b + 74, f->scales);
 }
 
 /* 8 groups of 32: 32 index bytes, then 8 uint16: three high index bits per row, the group's scale (bits 12..14)
  * and its delta's sign (bit 15) */
 static inline void fields_iq1s(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    for (int ib = 0; ib < 8; ib++) {
-        const unsigned qh = u16_at(b + 34 + 2 * ib), neg = qh >> 15;
-        f->scales[2 * ib] = f->scales[2 * ib + 1] = (uint8_t)(2 * ((qh >> 12) & 7) + 1);
-        for (int l = 0; l < 4; l++) {
-            const unsigned e = b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8;
-            f->rows[4 * ib + l] = grid1_mag[neg][e];
-            f->signs[4 * ib + l] = grid1_neg[neg][e];
-        }
+    f->grid = grid1;
+    for (int c = 0; c < 4; c++)  /* word c: groups 2c, 2c + 1, each all one delta */
+        f->neg[c] = (u16_at(b + 34 + 4 * c) >> 15) * 0x00000000ffffffffull | (u16_at(b + 36 + 4 * c) >> 15) * 0xffffffff00000000ull;
+    for (int h = 0; h < 2; h++) {
+        uint64_t sc = 0;
+        for (int i = 0; i < 4; i++) sc |= (uint64_t)(2 * ((u16_at(b + 34 + 2 * (4 * h + i)) >> 12) & 7) + 1) * 0x0101u << 16 * i;
+        f->scales[h] = sc;
     }
 }
 
@@ -441,11 +463,20 @@ static inline void fields_iq1m(const uint8_t *b, grid_fields *f) {
     const uint16_t s0 = u16_at(b + 48), s1 = u16_at(b + 50), s2 = u16_at(b + 52), s3 = u16_at(b + 54);
     const uint16_t d = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00f0) | ((s2 >> 4) & 0x0f00) | (s3 & 0xf000));
     f->d = 0.125f * f16_at((const uint8_t *)&d);
-    for (int g = 0; g < 16; g++) f->scales[g] = (uint8_t)(2 * ((u16_at(b + 48 + 2 * (g / 4)) >> (3 * (g % 4))) & 7) + 1);
-    for (int k = 0; k < 32; k++) {
-        const unsigned nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15, neg = nib >> 3, e = b[k] | (nib & 7) << 8;
-        f->rows[k] = grid1_mag[neg][e];
-        f->signs[k] = grid1_neg[neg][e];
+    f->grid = grid1;
+    for (int h = 0; h < 2; h++) {
+        uint64_t sc = 0;
+        for (int g = 0; g < 8; g++) sc |= (uint64_t)(2 * ((u16_at(b + 48 + 2 * (2 * h + g / 4)) >> (3 * (g % 4))) & 7) + 1) << 8 * g;
+        f->scales[h] = sc;
+    }
+    for (int c = 0; c < 4; c++) {
+        uint64_t neg = 0;
+        for (int j = 0; j < 8; j++) {
+            const int k = 8 * c + j;
+            const unsigned nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
+            neg |= (uint64_t)(nib >> 3) * 0xff << 8 * j;
+        }
+        f->neg[c] = neg;
     }
 }
 
@@ -680,13 +711,60 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
     }
 }
 
-/* an IQ1 or IQ2 block's fields (grid_fields, above) -> the SIGNED form */
-static inline void grid_wblock(const grid_fields *f, wblock *w) {
+/* The 32 row indices of an IQ1 / IQ2 block as uint16 lanes, computed in registers: the low 8 bits from 32 bytes
+ * (index_low), bits 8.. from `fields16` (uint16 lanes; index k: lane k / per, shifted right by bits * (k % per),
+ * masked: index_high) */
+static inline __m512i index_low(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512i index_high(__m512i fields16, int per, int bits, unsigned mask) {
+    __m512i lane = _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                                                      13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), per == 4 ? 2 : 1);
+    const __m512i k = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10,
+                                       9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i shift = _mm512_mullo_epi16(_mm512_and_si512(k, _mm512_set1_epi16((short)(per - 1))), _mm512_set1_epi16((short)bits));
+    const __m512i v = _mm512_srlv_epi16(_mm512_permutexvar_epi16(lane, fields16), shift);
+    return _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16((short)mask)), 8);
+}
+static inline __m512i indices_iq2xxs(const uint8_t *b) {  /* bytes 8 (k / 4) + k % 4 of the 64 after d */
+    const __m512i pick = _mm512_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0, 0, 59, 58, 57, 56, 51, 50, 49, 48, 43, 42, 41, 40, 35, 34, 33, 32, 27, 26, 25, 24, 19,
+                                         18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    return _mm512_cvtepu8_epi16(_mm512_castsi512_si256(_mm512_permutexvar_epi8(pick, _mm512_loadu_si512(b + 2))));
+}
+static inline __m512i indices_iq2xs(const uint8_t *b) { return _mm512_and_si512(_mm512_loadu_si512(b + 2), _mm512_set1_epi16(511)); }
+static inline __m512i indices_iq2s(const uint8_t *b) {
+    return _mm512_or_si512(index_low(b + 2), index_high(_mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 66)))), 4, 2, 3));
+}
+static inline __m512i indices_iq1s(const uint8_t *b) {
+    return _mm512_or_si512(index_low(b + 2), index_high(_mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + 34))), 4, 3, 7));
+}
+static inline __m512i indices_iq1m(const uint8_t *b) {
+    return _mm512_or_si512(index_low(b), index_high(_mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 32)))), 2, 4, 7));
+}
+
+/* an IQ1 or IQ2 block (b), its fields (grid_fields, above) and its row indices (rows) -> the SIGNED form; ternary
+ * (IQ1): the values 8 g + delta, from g's byte (0xff, 0, 1: its low nibble picks) in one of two tables by delta */
+static inline __attribute__((always_inline)) void grid_wblock(const uint8_t *b, const grid_fields *f, __m512i (*rows)(const uint8_t *),
+                                                              wblock *w, const int ternary) {
+    uint16_t r16[32] __attribute__((aligned(64)));  /* one store, read back a lane at a time */
+    _mm512_store_si512(r16, rows(b));
     w->dd = _mm512_set1_ps(f->d);
-    spread_scales(w, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)f->scales)));
+    spread_scales(w, _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)f->scales[1], (long long)f->scales[0])));
+    const uint64_t *g = f->grid;
     for (int c = 0; c < 4; c++) {
-        w->q[c] = _mm512_loadu_si512(f->rows + 8 * c);
-        w->neg[c] = u64_at(f->signs + 8 * c);
+        const uint16_t *r = r16 + 8 * c;
+        const __m512i v = _mm512_set_epi64((long long)g[r[7]], (long long)g[r[6]], (long long)g[r[5]], (long long)g[r[4]],
+                                           (long long)g[r[3]], (long long)g[r[2]], (long long)g[r[1]], (long long)g[r[0]]);
+        if (ternary) {
+            const __m512i nib = _mm512_and_si512(v, _mm512_set1_epi8(15));
+            const __m512i plus = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -7));
+            const __m512i minus = _mm512_broadcast_i32x4(_mm_setr_epi8(-1, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -9));
+            const __m512i x = _mm512_mask_blend_epi8(f->neg[c], _mm512_shuffle_epi8(plus, nib), _mm512_shuffle_epi8(minus, nib));
+            w->q[c] = _mm512_abs_epi8(x);
+            w->neg[c] = _mm512_movepi8_mask(x);
+        } else {
+            w->q[c] = v;
+            w->neg[c] = f->neg[c];
+        }
     }
 }
 
@@ -851,16 +929,6 @@ static inline __m256i signed_grid(const uint32_t *grid, const uint32_t idx[8], u
     return _mm256_blendv_epi8(_mm256_add_epi8(o, g), _mm256_sub_epi8(o, g), sign_bytes(neg));
 }
 
-/* a sub-block's 32-bit sign mask (bit k: value k negative) from its four 7-bit pattern indices: each field
- * to its byte, and bit 7 of each byte its parity */
-static inline uint32_t signs_xxs1(uint32_t a) {
-    uint32_t f = (a & 0x7fu) | ((a << 1) & 0x7f00u) | ((a << 2) & 0x7f0000u) | ((a << 3) & 0x7f000000u);
-    uint32_t p = f ^ (f >> 4);
-    p ^= p >> 2;
-    p ^= p >> 1;
-    return f | (p & 0x01010101u) << 7;
-}
-
 static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     const __m256i a = load256(b + 66);
     __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
@@ -904,14 +972,28 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
     }
 }
 
-/* an IQ1 or IQ2 block's fields (grid_fields, above) -> the SIGNED form */
-static inline void grid_wblock(const grid_fields *f, wblock *w) {
+/* an IQ1 or IQ2 block, its fields and row indices (grid_fields, above) -> the SIGNED form (ternary: as AVX-512's) */
+static inline __attribute__((always_inline)) void grid_wblock(const uint8_t *b, const grid_fields *f, unsigned (*row)(const uint8_t *, int),
+                                                              wblock *w, const int ternary) {
     w->d = f->d;
-    spread_scales(w, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)f->scales)));
+    spread_scales(w, _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)f->scales[1], (long long)f->scales[0])));
+    const uint64_t *g = f->grid;
     for (int c = 0; c < 8; c++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(f->rows + 4 * c));
-        w->q[c] = q;
-        w->sg[c] = _mm256_blendv_epi8(q, _mm256_sub_epi8(_mm256_setzero_si256(), q), sign_bytes(u32_at(f->signs + 4 * c)));
+        const int k = 4 * c;
+        const __m256i v = _mm256_set_epi64x((long long)g[row(b, k + 3)], (long long)g[row(b, k + 2)], (long long)g[row(b, k + 1)],
+                                            (long long)g[row(b, k)]);
+        const __m256i neg = sign_bytes((uint32_t)(f->neg[c / 2] >> 32 * (c % 2)));
+        if (ternary) {
+            const __m256i nib = _mm256_and_si256(v, _mm256_set1_epi8(15));
+            const __m256i plus = _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -7));
+            const __m256i minus = _mm256_broadcastsi128_si256(_mm_setr_epi8(-1, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -9));
+            const __m256i x = _mm256_blendv_epi8(_mm256_shuffle_epi8(plus, nib), _mm256_shuffle_epi8(minus, nib), neg);
+            w->q[c] = _mm256_abs_epi8(x);
+            w->sg[c] = x;
+        } else {
+            w->q[c] = v;
+            w->sg[c] = _mm256_blendv_epi8(v, _mm256_sub_epi8(_mm256_setzero_si256(), v), neg);
+        }
     }
 }
 
@@ -1069,15 +1151,16 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
         }
 }
 
-/* an IQ1 or IQ2 block's fields (grid_fields, above) -> the SIGNED form: int8 values */
-static inline void grid_wblock(const grid_fields *f, wblock *w) {
+/* an IQ1 or IQ2 block, its fields and row indices (grid_fields, above) -> the SIGNED form: int8 values (ternary:
+ * 8 g + delta) */
+static inline void grid_wblock(const uint8_t *b, const grid_fields *f, unsigned (*row)(const uint8_t *, int), wblock *w,
+                               const int ternary) {
     w->d = f->d;
-    for (int g = 0; g < 16; g++) w->sc[g] = f->scales[g];
-    for (int k = 0; k < 32; k++)
-        for (int i = 0; i < 8; i++) {
-            const int v = (int)(f->rows[k] >> (8 * i) & 255);
-            w->q[8 * k + i] = (uint8_t)(int8_t)(f->signs[k] >> i & 1 ? -v : v);
-        }
+    for (int g = 0; g < 16; g++) w->sc[g] = (int32_t)(f->scales[g / 8] >> 8 * (g % 8) & 255);
+    for (int v = 0; v < QK; v++) {
+        const int m = (int)(f->grid[row(b, v / 8)] >> (8 * (v % 8)) & 255), neg = (int)(f->neg[v / 64] >> (v % 64) & 1);
+        w->q[v] = (uint8_t)(int8_t)(ternary ? 8 * (int8_t)m + (neg ? -1 : 1) : neg ? -m : m);
+    }
 }
 
 static inline __attribute__((always_inline)) acc_t apply_block(const wblock *w, const uint8_t *x, acc_t acc, int kind, int packed) {
@@ -1286,17 +1369,22 @@ static inline void decode_iq3s_t(const uint8_t *b, wblock *w) {
 ROWS(rows_iq3xxst, decode_iq3xxs_t, 98, IQ3_KIND)
 ROWS(rows_iq3st, decode_iq3s_t, 110, IQ3_KIND)
 ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
-#define GRID_DECODE(name, fields)                          \
-    static inline void name(const uint8_t *b, wblock *w) { \
-        grid_fields f;                                     \
-        fields(b, &f);                                     \
-        grid_wblock(&f, w);                                \
+#if defined(DOTK_AVX512)  /* the row indices a vector at a time (indices_*), elsewhere one at a time (row_*) */
+#define ROW_INDICES(fmt) indices_##fmt
+#else
+#define ROW_INDICES(fmt) row_##fmt
+#endif
+#define GRID_DECODE(fmt, ternary)                                  \
+    static inline void decode_##fmt(const uint8_t *b, wblock *w) { \
+        grid_fields f;                                             \
+        fields_##fmt(b, &f);                                       \
+        grid_wblock(b, &f, ROW_INDICES(fmt), w, ternary);          \
     }
-GRID_DECODE(decode_iq2xxs, fields_iq2xxs)
-GRID_DECODE(decode_iq2xs, fields_iq2xs)
-GRID_DECODE(decode_iq2s, fields_iq2s)
-GRID_DECODE(decode_iq1s, fields_iq1s)
-GRID_DECODE(decode_iq1m, fields_iq1m)
+GRID_DECODE(iq2xxs, 0)
+GRID_DECODE(iq2xs, 0)
+GRID_DECODE(iq2s, 0)
+GRID_DECODE(iq1s, 1)
+GRID_DECODE(iq1m, 1)
 ROWS(rows_iq2xxs, decode_iq2xxs, 66, SIGNED)
 ROWS(rows_iq2xs, decode_iq2xs, 74, SIGNED)
 ROWS(rows_iq2s, decode_iq2s, 82, SIGNED)
