@@ -82,6 +82,12 @@ enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigne
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static uint64_t grid2_xxs[256], grid2_xs[512], grid2_s[1024];  /* the IQ2 grids: 8 values (bytes) per entry */
 static uint64_t grid1[2048];  /* the IQ1 grid: 8 values g of -1, 0, 1 (int8) per entry */
+/* The same grids as 16-bit codes for in-register lookups (AVX-512): value i of an entry is level (code >> 2i) & 3 of
+ * levels2 (the IQ2 grids' three values 8, 25, 43) or of -1, 0, 1 (IQ1); codes_ok: every grid has that form */
+static uint16_t code2_xxs[256] __attribute__((aligned(64))), code2_xs[512] __attribute__((aligned(64)));
+static uint16_t code2_s[1024] __attribute__((aligned(64))), code1[2048] __attribute__((aligned(64)));
+static uint8_t levels2[16] __attribute__((aligned(16)));
+static int codes_ok;
 static int8_t kvalues[16];
 static int tables_ready;
 /* The grids again for in-register lookups (AVX-512): each value is one of 8 levels (gguf's grids: IQ3_XXS 4..62,
@@ -183,6 +189,32 @@ static int affine_codes(const uint8_t levels[8], uint8_t code[8], uint64_t matri
     return 1;
 }
 
+/* an IQ2 grid [entries][8] -> codes (levels2's level of each value, 2 bits each); 0 if a value is not one of
+ * levels2's (the first grid's three values, ascending, set here) */
+static int grid_codes(const uint8_t *grid, int entries, uint16_t *codes) {
+    if (grid == NULL) return 0;
+    if (codes == code2_xxs) {  /* the first: its distinct values are the levels */
+        int count = 0, seen[256] = {0};
+        for (int i = 0; i < 8 * entries; i++) seen[grid[i]] = 1;
+        memset(levels2, 0, sizeof levels2);
+        for (int v = 0; v < 256; v++)
+            if (seen[v]) {
+                if (count == 3) return 0;
+                levels2[count++] = (uint8_t)v;
+            }
+    }
+    for (int e = 0; e < entries; e++) {
+        codes[e] = 0;
+        for (int i = 0; i < 8; i++) {
+            int level = 0;
+            while (level < 3 && levels2[level] != grid[8 * e + i]) level++;
+            if (level == 3) return 0;
+            codes[e] |= (uint16_t)(level << 2 * i);
+        }
+    }
+    return 1;
+}
+
 /* -> 0, or why the IQ formats stay off: 1 when the package's sign table is not the parity rule this file
  * computes, 2 when an IQ3 grid has a value over its offset (the unsigned form offset +- value must stay in 0..127)
  * or more than 8 distinct values, an IQ2 grid a value outside 1..127 (a magnitude vpmaddubsw takes, never 0: the
@@ -223,6 +255,11 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     memcpy(grid2_xs, iq2_xs, sizeof grid2_xs);
     memcpy(grid2_s, iq2_s, sizeof grid2_s);
     memcpy(grid1, iq1, sizeof grid1);
+    codes_ok = grid_codes(iq2_xxs, 256, code2_xxs) && grid_codes(iq2_xs, 512, code2_xs) && grid_codes(iq2_s, 1024, code2_s);
+    for (int e = 0; e < 2048; e++) {
+        code1[e] = 0;
+        for (int i = 0; i < 8; i++) code1[e] |= (uint16_t)((iq1[8 * e + i] + 1) << 2 * i);
+    }
     for (unsigned i = 0; i < 128; i++) {
         sign_table[i] = sign_pattern(i);
         sign_ones[i] = 0;
@@ -371,6 +408,7 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
  * SIGNED wblock (grid_wblock). */
 typedef struct {
     const uint64_t *grid; /* the format's rows: 8 magnitudes (IQ2) or values -1, 0, 1 (IQ1, int8) each */
+    const uint16_t *codes; /* the same rows as codes (code2_*, code1) */
     uint64_t neg[4];      /* bit j of word c: value 64c + j is negative (IQ2), its row's delta is -1 (IQ1) */
     uint64_t scales[2];   /* byte g: the 16 values g's 2s + 1 */
     float d;              /* 0.125 * the block's d */
@@ -404,10 +442,12 @@ static inline void odd_scales(const uint8_t *p, uint64_t out[2]) {
 /* Each word below is built in a register and stored once, and each format's row indices are read from the block as
  * the paths look the rows up (grid_wblock: indices_* with AVX-512, row_* elsewhere), not stored between: a chain of
  * read-modify-writes of a word through memory, or a load of narrower stores, stalls on store forwarding. One Zen 4
- * core from DRAM at one token (2048 columns), through memory as first written -> as now, llama.cpp's vec_dot beside
- * (GB/s): IQ2_XXS 2.3 -> 1.8 (3.5), IQ2_XS 1.2 -> 2.4 (4.1), IQ2_S 1.1 -> 3.2 (4.5), IQ1_S 1.3 -> 1.7 (2.8), IQ1_M
- * 0.9 -> 1.7 (3.1). What is left is the 32 scalar grid lookups a block and their inserts into vectors (gathers,
- * vpgatherdq, were no faster); no one-token loop of their own yet. */
+ * core from DRAM at one token (2048 columns), through memory as first written -> scalar as below -> the IQ2 grids'
+ * codes in registers (grid_wblock; IQ2_XXS's signs and scales as IQ3_XXS's), llama.cpp's vec_dot beside (GB/s):
+ * IQ2_XXS 2.3 -> 1.7 -> 3.2 (3.5), IQ2_XS 1.2 -> 2.4 -> 3.3-3.7 (4.1), IQ2_S 1.1 -> 3.3 -> 3.5-3.8 (4.5), IQ1_S 1.3
+ * -> 1.7 (2.8), IQ1_M 0.9 -> 1.7 (3.1). What is left: the scalar work on the other formats' fields, IQ1's 32 grid
+ * lookups and their inserts (vpgatherdq was no faster), and the decoded block's round trip through the wblock form;
+ * no one-token loop of their own yet. */
 static inline unsigned row_iq2xxs(const uint8_t *b, int k) { return b[2 + 8 * (k / 4) + k % 4]; }
 static inline unsigned row_iq2xs(const uint8_t *b, int k) { return u16_at(b + 2 + 2 * k) & 511u; }
 static inline unsigned row_iq2s(const uint8_t *b, int k) { return b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8; }
@@ -417,7 +457,7 @@ static inline unsigned row_iq1m(const uint8_t *b, int k) { return b[k] | ((b[32 
 /* 8 groups of 32: 4 index bytes, then a uint32 of four 7-bit sign pattern indices and the group's scale (bits 28..31) */
 static inline void fields_iq2xxs(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    f->grid = grid2_xxs;
+    f->grid = grid2_xxs, f->codes = code2_xxs;
     for (int c = 0; c < 4; c++)  /* word c: groups 2c, 2c + 1 */
         f->neg[c] = signs_xxs1(u32_at(b + 6 + 16 * c)) | (uint64_t)signs_xxs1(u32_at(b + 14 + 16 * c)) << 32;
     for (int h = 0; h < 2; h++) {
@@ -430,7 +470,7 @@ static inline void fields_iq2xxs(const uint8_t *b, grid_fields *f) {
 /* 32 uint16: a 9-bit grid index and a 7-bit sign pattern index; then 16 scales as nibbles */
 static inline void fields_iq2xs(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    f->grid = grid2_xs;
+    f->grid = grid2_xs, f->codes = code2_xs;
     for (int c = 0; c < 4; c++) f->neg[c] = signs_xs4(u64_at(b + 2 + 16 * c)) | (uint64_t)signs_xs4(u64_at(b + 10 + 16 * c)) << 32;
     odd_scales(b + 66, f->scales);
 }
@@ -438,7 +478,7 @@ static inline void fields_iq2xs(const uint8_t *b, grid_fields *f) {
 /* 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 16 scales as nibbles */
 static inline void fields_iq2s(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    f->grid = grid2_s;
+    f->grid = grid2_s, f->codes = code2_s;
     for (int c = 0; c < 4; c++) f->neg[c] = u64_at(b + 34 + 8 * c);
     odd_scales(b + 74, f->scales);
 }
@@ -447,7 +487,7 @@ static inline void fields_iq2s(const uint8_t *b, grid_fields *f) {
  * and its delta's sign (bit 15) */
 static inline void fields_iq1s(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    f->grid = grid1;
+    f->grid = grid1, f->codes = code1;
     for (int c = 0; c < 4; c++)  /* word c: groups 2c, 2c + 1, each all one delta */
         f->neg[c] = (u16_at(b + 34 + 4 * c) >> 15) * 0x00000000ffffffffull | (u16_at(b + 36 + 4 * c) >> 15) * 0xffffffff00000000ull;
     for (int h = 0; h < 2; h++) {
@@ -463,7 +503,7 @@ static inline void fields_iq1m(const uint8_t *b, grid_fields *f) {
     const uint16_t s0 = u16_at(b + 48), s1 = u16_at(b + 50), s2 = u16_at(b + 52), s3 = u16_at(b + 54);
     const uint16_t d = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00f0) | ((s2 >> 4) & 0x0f00) | (s3 & 0xf000));
     f->d = 0.125f * f16_at((const uint8_t *)&d);
-    f->grid = grid1;
+    f->grid = grid1, f->codes = code1;
     for (int h = 0; h < 2; h++) {
         uint64_t sc = 0;
         for (int g = 0; g < 8; g++) sc |= (uint64_t)(2 * ((u16_at(b + 48 + 2 * (2 * h + g / 4)) >> (3 * (g % 4))) & 7) + 1) << 8 * g;
@@ -642,11 +682,11 @@ static inline void grid_values(wblock *w, const uint8_t *codes, int entries, con
     }
 }
 
-static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
-    const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 66));
+/* IQ3_XXS's and IQ2_XXS's 8 sign and scale words (each: four 7-bit sign pattern indices, the group's scale in bits
+ * 28..31) -> w's 16 scales (2s + 1) and 256 sign bits */
+static inline void xxs_words(__m256i a, wblock *w) {
     __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
     s = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));  /* 2 * scale + 1 in both int16 halves: 16 group scales */
-    w->dd = _mm512_set1_ps(0.25f * f16_at(b));
     spread_scales(w, s);
     /* the 32 seven-bit fields, a byte each (vpmultishiftqb), through the 128 patterns (vpermi2b): 256 sign bits
      * in value order; vector c's mask is bit v % 8 of byte 8c + v / 8 of them, spread by vpermb */
@@ -657,6 +697,11 @@ static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
     const __m512i bit = _mm512_set1_epi64((long long)0x8040201008040201ull);
     for (int c = 0; c < 4; c++)
         w->neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(_mm512_add_epi8(byte, _mm512_set1_epi8((char)(8 * c))), patterns), bit);
+}
+
+static inline void decode_iq3xxs(const uint8_t *b, wblock *w) {
+    w->dd = _mm512_set1_ps(0.25f * f16_at(b));
+    xxs_words(_mm256_loadu_si256((const __m256i *)(b + 66)), w);
     grid_values(w, code_xxs[0], 256, levels_xxs, _mm512_loadu_si512(b + 2), 0);
 }
 
@@ -743,12 +788,46 @@ static inline __m512i indices_iq1m(const uint8_t *b) {
 
 /* an IQ1 or IQ2 block (b), its fields (grid_fields, above) and its row indices (rows) -> the SIGNED form; ternary
  * (IQ1): the values 8 g + delta, from g's byte (0xff, 0, 1: its low nibble picks) in one of two tables by delta */
+/* 32 uint16 lanes of idx (< entries) -> table[idx] each: a vpermi2w per 64 entries, then blends by the index's
+ * bits 6.. (a tree) */
+static inline __attribute__((always_inline)) __m512i lookup16(const uint16_t *table, const int entries, __m512i idx) {
+    const __m512i *t = (const __m512i *)table;
+    __m512i r[32];
+    int parts = entries / 64;
+    for (int p = 0; p < parts; p++) r[p] = _mm512_permutex2var_epi16(t[2 * p], idx, t[2 * p + 1]);
+    for (int bit = 6; parts > 1; bit++) {
+        const __mmask32 high = _mm512_test_epi16_mask(idx, _mm512_set1_epi16((short)(1 << bit)));
+        parts /= 2;
+        for (int p = 0; p < parts; p++) r[p] = _mm512_mask_blend_epi16(high, r[2 * p], r[2 * p + 1]);
+    }
+    return r[0];
+}
+
+/* 32 rows' IQ2 codes (uint16 lanes) -> w's magnitudes: each code's 8 levels picked by vpmultishiftqb, looked up in
+ * levels2 */
+static inline void code_magnitudes(__m512i codes, wblock *w) {
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)levels2));
+    for (int c = 0; c < 4; c++) {
+        const __m512i code64 = _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(codes, c));  /* row 8c + j in qword j */
+        const __m512i level = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0e0c0a0806040200ll), code64),
+                                               _mm512_set1_epi8(3));
+        w->q[c] = _mm512_shuffle_epi8(levels, level);
+    }
+}
+
 static inline __attribute__((always_inline)) void grid_wblock(const uint8_t *b, const grid_fields *f, __m512i (*rows)(const uint8_t *),
-                                                              wblock *w, const int ternary) {
-    uint16_t r16[32] __attribute__((aligned(64)));  /* one store, read back a lane at a time */
-    _mm512_store_si512(r16, rows(b));
+                                                              wblock *w, const int ternary, const int entries) {
     w->dd = _mm512_set1_ps(f->d);
     spread_scales(w, _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)f->scales[1], (long long)f->scales[0])));
+    if (codes_ok && entries <= 1024) {  /* the rows' codes looked up in registers (IQ1's 2048 entries: 32 lookups and
+                                          * 31 blends, slower than the scalar loads below: 1.7 -> 0.6-0.9 GB/s a Zen 4
+                                          * core) */
+        code_magnitudes(lookup16(f->codes, entries, rows(b)), w);
+        for (int c = 0; c < 4; c++) w->neg[c] = f->neg[c];
+        return;
+    }
+    uint16_t r16[32] __attribute__((aligned(64)));  /* one store, read back a lane at a time */
+    _mm512_store_si512(r16, rows(b));
     const uint64_t *g = f->grid;
     for (int c = 0; c < 4; c++) {
         const uint16_t *r = r16 + 8 * c;
@@ -974,7 +1053,8 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
 
 /* an IQ1 or IQ2 block, its fields and row indices (grid_fields, above) -> the SIGNED form (ternary: as AVX-512's) */
 static inline __attribute__((always_inline)) void grid_wblock(const uint8_t *b, const grid_fields *f, unsigned (*row)(const uint8_t *, int),
-                                                              wblock *w, const int ternary) {
+                                                              wblock *w, const int ternary, const int entries) {
+    (void)entries;
     w->d = f->d;
     spread_scales(w, _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)f->scales[1], (long long)f->scales[0])));
     const uint64_t *g = f->grid;
@@ -1154,7 +1234,8 @@ static inline void decode_iq4xs(const uint8_t *b, wblock *w) {
 /* an IQ1 or IQ2 block, its fields and row indices (grid_fields, above) -> the SIGNED form: int8 values (ternary:
  * 8 g + delta) */
 static inline void grid_wblock(const uint8_t *b, const grid_fields *f, unsigned (*row)(const uint8_t *, int), wblock *w,
-                               const int ternary) {
+                               const int ternary, const int entries) {
+    (void)entries;
     w->d = f->d;
     for (int g = 0; g < 16; g++) w->sc[g] = (int32_t)(f->scales[g / 8] >> 8 * (g % 8) & 255);
     for (int v = 0; v < QK; v++) {
@@ -1374,17 +1455,32 @@ ROWS(rows_iq4xs, decode_iq4xs, 136, SIGNED)
 #else
 #define ROW_INDICES(fmt) row_##fmt
 #endif
-#define GRID_DECODE(fmt, ternary)                                  \
+#define GRID_DECODE(fmt, ternary, entries)                         \
     static inline void decode_##fmt(const uint8_t *b, wblock *w) { \
         grid_fields f;                                             \
         fields_##fmt(b, &f);                                       \
-        grid_wblock(b, &f, ROW_INDICES(fmt), w, ternary);          \
+        grid_wblock(b, &f, ROW_INDICES(fmt), w, ternary, entries); \
     }
-GRID_DECODE(iq2xxs, 0)
-GRID_DECODE(iq2xs, 0)
-GRID_DECODE(iq2s, 0)
-GRID_DECODE(iq1s, 1)
-GRID_DECODE(iq1m, 1)
+#if defined(DOTK_AVX512)  /* IQ2_XXS's signs and scales as IQ3_XXS's (its words are dwords 1, 3, .., 15 after d) */
+static inline void decode_iq2xxs(const uint8_t *b, wblock *w) {
+    if (!codes_ok) {
+        grid_fields f;
+        fields_iq2xxs(b, &f);
+        grid_wblock(b, &f, ROW_INDICES(iq2xxs), w, 0, 256);
+        return;
+    }
+    const __m512i groups = _mm512_loadu_si512(b + 2);
+    w->dd = _mm512_set1_ps(0.125f * f16_at(b));
+    xxs_words(_mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1), groups)), w);
+    code_magnitudes(lookup16(code2_xxs, 256, indices_iq2xxs(b)), w);
+}
+#else
+GRID_DECODE(iq2xxs, 0, 256)
+#endif
+GRID_DECODE(iq2xs, 0, 512)
+GRID_DECODE(iq2s, 0, 1024)
+GRID_DECODE(iq1s, 1, 2048)
+GRID_DECODE(iq1m, 1, 2048)
 ROWS(rows_iq2xxs, decode_iq2xxs, 66, SIGNED)
 ROWS(rows_iq2xs, decode_iq2xs, 74, SIGNED)
 ROWS(rows_iq2s, decode_iq2s, 82, SIGNED)
