@@ -56,6 +56,10 @@ def models(tmp_path_factory):
                                                               "*_exps*": "Q4_K", "output.weight": "Q8_0"})
     out["blocks-IQ3_S"] = restored(f32, root / "iq3.gguf", {"*_exps*": "IQ3_S", "*attn_q.*": "Q5_0", "*attn_k.*": "Q4_1",
                                                           "*attn_v.*": "IQ4_NL", "*attn_output*": "IQ4_XS"})
+    # llama.cpp's lowest-bit formats, trunk and experts
+    out["blocks-low-bit"] = restored(f32, root / "low.gguf", {"*ffn_down_exps*": "IQ1_M", "*_exps*": "IQ2_XXS",
+                                                              "*attn_q.*": "IQ2_S", "*attn_k.*": "IQ2_XS",
+                                                              "*attn_v.*": "MXFP4", "*attn_output*": "IQ1_S"})
     return out
 
 
@@ -70,7 +74,7 @@ def test_float_weights_give_the_python_paths_logits(models, name):
     assert (native.argmax(1) == python.argmax(1)).all()
 
 
-@pytest.mark.parametrize("name", ["blocks-mixed", "blocks-IQ3_S"])
+@pytest.mark.parametrize("name", ["blocks-mixed", "blocks-IQ3_S", "blocks-low-bit"])
 def test_quantized_weights_give_the_python_paths_tokens(models, name):
     native, python = decode_both(Engine(open_checkpoint(models[name])), RNG_IDS, 9)
     scale = np.abs(python).max()
