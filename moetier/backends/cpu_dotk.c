@@ -82,10 +82,10 @@ enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigne
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static uint64_t grid2_xxs[256], grid2_xs[512], grid2_s[1024];  /* the IQ2 grids: 8 values (bytes) per entry */
 static uint64_t grid1[2048];  /* the IQ1 grid: 8 values g of -1, 0, 1 (int8) per entry */
-/* The same grids as 16-bit codes for in-register lookups (AVX-512): value i of an entry is level (code >> 2i) & 3 of
- * levels2 (the IQ2 grids' three values 8, 25, 43) or of -1, 0, 1 (IQ1); codes_ok: every grid has that form */
+/* The IQ2 grids as 16-bit codes for in-register lookups (AVX-512): value i of an entry is level (code >> 2i) & 3 of
+ * levels2 (their three values 8, 25, 43); codes_ok: every IQ2 grid has that form */
 static uint16_t code2_xxs[256] __attribute__((aligned(64))), code2_xs[512] __attribute__((aligned(64)));
-static uint16_t code2_s[1024] __attribute__((aligned(64))), code1[2048] __attribute__((aligned(64)));
+static uint16_t code2_s[1024] __attribute__((aligned(64)));
 static uint8_t levels2[16] __attribute__((aligned(16)));
 static int codes_ok;
 static int8_t kvalues[16];
@@ -256,10 +256,6 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     memcpy(grid2_s, iq2_s, sizeof grid2_s);
     memcpy(grid1, iq1, sizeof grid1);
     codes_ok = grid_codes(iq2_xxs, 256, code2_xxs) && grid_codes(iq2_xs, 512, code2_xs) && grid_codes(iq2_s, 1024, code2_s);
-    for (int e = 0; e < 2048; e++) {
-        code1[e] = 0;
-        for (int i = 0; i < 8; i++) code1[e] |= (uint16_t)((iq1[8 * e + i] + 1) << 2 * i);
-    }
     for (unsigned i = 0; i < 128; i++) {
         sign_table[i] = sign_pattern(i);
         sign_ones[i] = 0;
@@ -408,7 +404,7 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
  * SIGNED wblock (grid_wblock). */
 typedef struct {
     const uint64_t *grid; /* the format's rows: 8 magnitudes (IQ2) or values -1, 0, 1 (IQ1, int8) each */
-    const uint16_t *codes; /* the same rows as codes (code2_*, code1) */
+    const uint16_t *codes; /* the same rows as codes (code2_*; IQ1: NULL, its 2048 rows are looked up as they are) */
     uint64_t neg[4];      /* bit j of word c: value 64c + j is negative (IQ2), its row's delta is -1 (IQ1) */
     uint64_t scales[2];   /* byte g: the 16 values g's 2s + 1 */
     float d;              /* 0.125 * the block's d */
@@ -487,7 +483,7 @@ static inline void fields_iq2s(const uint8_t *b, grid_fields *f) {
  * and its delta's sign (bit 15) */
 static inline void fields_iq1s(const uint8_t *b, grid_fields *f) {
     f->d = 0.125f * f16_at(b);
-    f->grid = grid1, f->codes = code1;
+    f->grid = grid1, f->codes = NULL;
     for (int c = 0; c < 4; c++)  /* word c: groups 2c, 2c + 1, each all one delta */
         f->neg[c] = (u16_at(b + 34 + 4 * c) >> 15) * 0x00000000ffffffffull | (u16_at(b + 36 + 4 * c) >> 15) * 0xffffffff00000000ull;
     for (int h = 0; h < 2; h++) {
@@ -503,7 +499,7 @@ static inline void fields_iq1m(const uint8_t *b, grid_fields *f) {
     const uint16_t s0 = u16_at(b + 48), s1 = u16_at(b + 50), s2 = u16_at(b + 52), s3 = u16_at(b + 54);
     const uint16_t d = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00f0) | ((s2 >> 4) & 0x0f00) | (s3 & 0xf000));
     f->d = 0.125f * f16_at((const uint8_t *)&d);
-    f->grid = grid1, f->codes = code1;
+    f->grid = grid1, f->codes = NULL;
     for (int h = 0; h < 2; h++) {
         uint64_t sc = 0;
         for (int g = 0; g < 8; g++) sc |= (uint64_t)(2 * ((u16_at(b + 48 + 2 * (2 * h + g / 4)) >> (3 * (g % 4))) & 7) + 1) << 8 * g;
