@@ -41,6 +41,15 @@ from moetier.engine import Engine
 from moetier.model import open_checkpoint
 
 
+def uniform_imatrix(path: Path) -> dict[str, np.ndarray]:
+    """Every weight matrix of the GGUF file at path weighted alike: ones per input column (per expert and column for
+    an expert stack), what quantizing without a matrix minimizes."""
+    import gguf
+
+    return {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
+            for t in gguf.GGUFReader(path).tensors if len(t.shape) >= 2}
+
+
 def quantize_with_imatrix(source: Path, out: Path, ftype: int, imatrix: dict[str, np.ndarray],
                           overrides: dict[str, int] | None = None) -> Path:
     """llama.cpp's quantizer with an importance matrix: GGUF tensor name -> float32 [cols] (or [E * cols]).

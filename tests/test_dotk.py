@@ -27,7 +27,7 @@ import torch
 
 from moetier.backends import activations as A
 from moetier.backends import dot_kernels as D
-from moetier.backends.cpu_kernels import _tables
+from moetier.backends.iq_tables import iq_tables
 from moetier.model.formats import BY_NAME
 from moetier.native import FAST_FLAGS, library
 from tests.quant_blocks import random_rows
@@ -38,7 +38,7 @@ BOUND, PEER_BOUND = 1e-5, 2e-6  # of sum |w||x| over the row
 
 
 def with_tables(lib: ctypes.CDLL, path: Path) -> D.DotKernels:
-    tables = _tables()  # the gguf package's IQ grids, sign patterns and kvalues, as dotk_tables reads them
+    tables = iq_tables()  # the gguf package's IQ grids, sign patterns and kvalues, as dotk_tables reads them
     assert not isinstance(tables, str), tables
     lib.dotk_tables.restype, lib.dotk_tables.argtypes = ctypes.c_int64, [ctypes.c_char_p] * len(tables)
     code = lib.dotk_tables(*tables)

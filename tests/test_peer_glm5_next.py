@@ -158,13 +158,11 @@ def test_low_bit_mixes_against_llama_cpp(mix, ftype, tmp_path):
     """The seed's kind of file: `wide` in llama.cpp's IQ3_XXS mix (experts IQ3_XXS, attn IQ2_S / IQ3_S, the rest Q5_K /
     Q8_0) and its IQ2_XXS one (experts IQ2_XXS, Q2_K / Q4_K beside), quantized with a uniform importance matrix: KL as
     test_quantized_gguf_kl_against_llama_cpp (on a Zen 4 host 3.0e-4 and 2.1e-3, the latter at its floor 2.2e-3)."""
-    from llama_imatrix import quantize_with_imatrix
+    from llama_imatrix import quantize_with_imatrix, uniform_imatrix
 
     overrides, std, _ = MODELS["wide"]
     f32 = write_gguf(save_glm5_next(tmp_path / "hf", BASE | overrides, seed=3, std=std), tmp_path / "f32.gguf", "F32")[0]
-    uniform = {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
-               for t in gguf.GGUFReader(f32).tensors if len(t.shape) >= 2}
-    path = quantize_with_imatrix(f32, tmp_path / f"{mix}.gguf", ftype, uniform)
+    path = quantize_with_imatrix(f32, tmp_path / f"{mix}.gguf", ftype, uniform_imatrix(f32))
     assert mix in {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if t.name.endswith("_exps.weight")}
     ids = np.random.default_rng(7).integers(0, BASE["vocab_size"], POSITIONS).tolist()
     check_kl({f"wide {mix} mix": (llama_logits(path, ids), moetier_logits(path, ids), path)}, ids)
@@ -255,12 +253,10 @@ def test_quantized_gguf_of_a_trained_model_agrees_with_llama_cpp(trained):
 def test_the_seeds_iq3_xxs_mix_of_a_trained_model_agrees_with_llama_cpp(trained):
     """The seed's kind of file on the trained checkpoint: llama.cpp's IQ3_XXS mix (experts IQ3_XXS; attn_q and the
     rest IQ2_S, IQ3_S, Q5_K, Q8_0; a uniform importance matrix) top-1 >= 99% and mean KL <= 1e-3 against llama.cpp."""
-    from llama_imatrix import quantize_with_imatrix
+    from llama_imatrix import quantize_with_imatrix, uniform_imatrix
 
     root, _, f32, ids = trained
-    uniform = {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
-               for t in gguf.GGUFReader(f32).tensors if len(t.shape) >= 2}
-    path = quantize_with_imatrix(f32, root / "model-IQ3_XXS.gguf", 23, uniform)  # LLAMA_FTYPE_MOSTLY_IQ3_XXS
+    path = quantize_with_imatrix(f32, root / "model-IQ3_XXS.gguf", 23, uniform_imatrix(f32))  # LLAMA_FTYPE_MOSTLY_IQ3_XXS
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     kl, top1 = kl_and_top1(llama_logits(path, ids), moetier_logits(path, ids))
     print(f"trained glm5next IQ3_XXS mix ({', '.join(sorted(types))}): mean KL(llama.cpp || moetier) {kl:.3g} nats, top-1 {top1:.1%}")

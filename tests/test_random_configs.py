@@ -203,7 +203,7 @@ def test_a_drawn_qwen3_next_in_iq3_xxs_against_llama_cpp(mix, tmp_path):
     (attn_q in IQ2_S, a stored format dotted with Q8_K activations as llama.cpp does: 2.6e-4 on this draw, 2.0e-2
     when moetier held it as float32 values) and with attn_q IQ3_XXS too (llama-quantize's --tensor-type, 2.4e-4)."""
     import gguf
-    from llama_imatrix import quantize_with_imatrix
+    from llama_imatrix import quantize_with_imatrix, uniform_imatrix
     from test_peer_llama import kl_and_top1, llama_logits
 
     from moetier.model.gguf_write import write_gguf
@@ -211,10 +211,8 @@ def test_a_drawn_qwen3_next_in_iq3_xxs_against_llama_cpp(mix, tmp_path):
     config = for_llama_cpp("qwen3_next", draw_qwen3_next(random.Random(9500))) | dict(hidden_size=256, intermediate_size=256,
                                                                                    moe_intermediate_size=256)
     f32 = write_gguf(save_qwen3_next(tmp_path / "hf", config, seed=0, std=0.05), tmp_path / "f32.gguf", "F32")[0]
-    uniform = {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
-               for t in gguf.GGUFReader(f32).tensors if len(t.shape) >= 2}
     overrides = {r"\.attn_q\.weight$": 18} if mix == "attn_q IQ3_XXS" else None  # GGML_TYPE_IQ3_XXS
-    path = quantize_with_imatrix(f32, tmp_path / "iq3_xxs.gguf", 23, uniform, overrides)  # LLAMA_FTYPE_MOSTLY_IQ3_XXS
+    path = quantize_with_imatrix(f32, tmp_path / "iq3_xxs.gguf", 23, uniform_imatrix(f32), overrides)  # LLAMA_FTYPE_MOSTLY_IQ3_XXS
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ffn_up_exps.weight"] == "IQ3_XXS"
     ids = random_ids(config["vocab_size"], 64, 0).tolist()

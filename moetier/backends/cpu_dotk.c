@@ -39,8 +39,8 @@
  *
  * Tables: the IQ1, IQ2 and IQ3 grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until
  * it is called the IQ formats are not offered (act_type -1). The IQ1 and IQ2 formats' grid rows (8 values) are
- * looked up by scalar loads, a row at a time, on every path (they serve llama.cpp's lowest-bit mixes; no one-token
- * loop of their own). IQ3_XXS's sign patterns follow a rule
+ * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers); they
+ * have no one-token loop of their own. IQ3_XXS's sign patterns follow a rule
  * (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
@@ -189,20 +189,22 @@ static int affine_codes(const uint8_t levels[8], uint8_t code[8], uint64_t matri
     return 1;
 }
 
+/* levels2: the distinct values of an IQ2 grid [entries][8], ascending -> 0 if it has more than 3 */
+static int grid_levels(const uint8_t *grid, int entries) {
+    int count = 0, seen[256] = {0};
+    for (int i = 0; i < 8 * entries; i++) seen[grid[i]] = 1;
+    memset(levels2, 0, sizeof levels2);
+    for (int v = 0; v < 256; v++)
+        if (seen[v]) {
+            if (count == 3) return 0;
+            levels2[count++] = (uint8_t)v;
+        }
+    return 1;
+}
+
 /* an IQ2 grid [entries][8] -> codes (levels2's level of each value, 2 bits each); 0 if a value is not one of
- * levels2's (the first grid's three values, ascending, set here) */
+ * levels2's */
 static int grid_codes(const uint8_t *grid, int entries, uint16_t *codes) {
-    if (grid == NULL) return 0;
-    if (codes == code2_xxs) {  /* the first: its distinct values are the levels */
-        int count = 0, seen[256] = {0};
-        for (int i = 0; i < 8 * entries; i++) seen[grid[i]] = 1;
-        memset(levels2, 0, sizeof levels2);
-        for (int v = 0; v < 256; v++)
-            if (seen[v]) {
-                if (count == 3) return 0;
-                levels2[count++] = (uint8_t)v;
-            }
-    }
     for (int e = 0; e < entries; e++) {
         codes[e] = 0;
         for (int i = 0; i < 8; i++) {
@@ -255,7 +257,8 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     memcpy(grid2_xs, iq2_xs, sizeof grid2_xs);
     memcpy(grid2_s, iq2_s, sizeof grid2_s);
     memcpy(grid1, iq1, sizeof grid1);
-    codes_ok = grid_codes(iq2_xxs, 256, code2_xxs) && grid_codes(iq2_xs, 512, code2_xs) && grid_codes(iq2_s, 1024, code2_s);
+    codes_ok = grid_levels(iq2_xxs, 256) && grid_codes(iq2_xxs, 256, code2_xxs) && grid_codes(iq2_xs, 512, code2_xs)
+               && grid_codes(iq2_s, 1024, code2_s);
     for (unsigned i = 0; i < 128; i++) {
         sign_table[i] = sign_pattern(i);
         sign_ones[i] = 0;
@@ -782,8 +785,6 @@ static inline __m512i indices_iq1m(const uint8_t *b) {
     return _mm512_or_si512(index_low(b), index_high(_mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 32)))), 2, 4, 7));
 }
 
-/* an IQ1 or IQ2 block (b), its fields (grid_fields, above) and its row indices (rows) -> the SIGNED form; ternary
- * (IQ1): the values 8 g + delta, from g's byte (0xff, 0, 1: its low nibble picks) in one of two tables by delta */
 /* 32 uint16 lanes of idx (< entries) -> table[idx] each: a vpermi2w per 64 entries, then blends by the index's
  * bits 6.. (a tree) */
 static inline __attribute__((always_inline)) __m512i lookup16(const uint16_t *table, const int entries, __m512i idx) {
@@ -811,6 +812,8 @@ static inline void code_magnitudes(__m512i codes, wblock *w) {
     }
 }
 
+/* an IQ1 or IQ2 block (b), its fields (grid_fields, above) and its row indices (rows) -> the SIGNED form; ternary
+ * (IQ1): the values 8 g + delta, from g's byte (0xff, 0, 1: its low nibble picks) in one of two tables by delta */
 static inline __attribute__((always_inline)) void grid_wblock(const uint8_t *b, const grid_fields *f, __m512i (*rows)(const uint8_t *),
                                                               wblock *w, const int ternary, const int entries) {
     w->dd = _mm512_set1_ps(f->d);

@@ -10,10 +10,11 @@
  * Blocks are little-endian, as GGML writes them (the host must be too).
  *
  * The IQ lookup tables (grids, sign patterns, kvalues) are not spelled out
- * here: moetier/backends/cpu_kernels.py takes them from the gguf package and
+ * here: moetier/backends/iq_tables.py takes them from the gguf package and
  * hands them over once (format_tables) before any row is read (MXFP4's 16
- * values are: the tests compare every format with the package, bit for bit). Inputs are
- * checked by the Python wrappers; nothing here validates a type or a size.
+ * values are: the tests compare every format with the package, bit for
+ * bit). Inputs are checked by the Python wrappers; nothing here validates a
+ * type or a size.
  * cpu_kernels.c's decode calls dequantize_row through a pointer.
  */
 #include <stdint.h>

@@ -42,6 +42,7 @@ from moetier.backends import activations, cpu_streams, dot_kernels
 from moetier.backends.base import ExpertWork
 from moetier.backends.cpu_mixers import MixerKernels, float_input
 from moetier.backends.cpu_status import status_error
+from moetier.backends.iq_tables import iq_tables
 from moetier.model.checkpoint import ExpertWeights
 from moetier.model.formats import FORMATS, Format, format_of
 from moetier.model.host_memory import host_copy
@@ -325,33 +326,6 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _tables() -> tuple[bytes, ...] | str:
-    """The IQ lookup tables cpu_formats.c and cpu_dotk.c read, from the gguf package (the reference), in their
-    argument order: IQ3_XXS's and IQ3_S's grids as bytes [256, 4] and [512, 4], IQ2_XXS's 128 sign patterns,
-    IQ4_NL's 16 kvalues as int8, then IQ2_XXS's, IQ2_XS's and IQ2_S's grids as bytes [256, 8], [512, 8] and
-    [1024, 8], and IQ1_S's (IQ1_M's too) as int8 [2048, 8]; or why the package's tables do not have that form."""
-    import gguf.quants as q  # the grids' hex is decoded only once a kernel is loaded
-    import numpy as np
-
-    grids = {}
-    for cls, shape in ((q.IQ3_XXS, (256, 4)), (q.IQ3_S, (512, 4)), (q.IQ2_XXS, (256, 8)), (q.IQ2_XS, (512, 8)),
-                       (q.IQ2_S, (1024, 8))):
-        cls.init_grid()
-        grid = np.asarray(cls.grid, dtype=np.float32)
-        if grid.size != shape[0] * shape[1] or not np.array_equal(grid, grid.astype(np.uint8)):
-            return f"gguf's {cls.__name__} grid is not {list(shape)} whole numbers in 0..255 (shape {grid.shape})"
-        grids[cls.__name__] = grid.astype(np.uint8).tobytes()
-    signs, kvalues = bytes(q.IQ2_XXS.ksigns), np.array(q.IQ4_NL.kvalues)
-    if len(signs) != 128 or kvalues.shape != (16,) or not np.array_equal(kvalues, kvalues.astype(np.int8)):
-        return f"gguf's IQ2_XXS signs ({len(signs)} bytes) or IQ4_NL kvalues (shape {kvalues.shape}) are not 128 bytes and 16 int8s"
-    q.IQ1_S.init_grid()
-    iq1 = np.asarray(q.IQ1_S.grid, dtype=np.float32)
-    if iq1.size != 2048 * 8 or not np.isin(iq1, (-1, 0, 1)).all():
-        return f"gguf's IQ1_S grid is not [2048, 8] values in -1..1 (shape {iq1.shape})"
-    return (grids["IQ3_XXS"], grids["IQ3_S"], signs, kvalues.astype(np.int8).tobytes(), grids["IQ2_XXS"], grids["IQ2_XS"],
-            grids["IQ2_S"], iq1.astype(np.int8).tobytes())
-
-
 def _open_formats(formats: ctypes.CDLL) -> str | None:
     """Check cpu_formats.c's block geometry against moetier.model.formats, give it its tables; None, or why not."""
     i64 = ctypes.c_int64
@@ -361,7 +335,7 @@ def _open_formats(formats: ctypes.CDLL) -> str | None:
         if not formats.format_geometry(fmt.id, ctypes.byref(block), ctypes.byref(nbytes)) or (block.value, nbytes.value) != (fmt.block, fmt.block_bytes):
             return (f"cpu_formats.c reads {fmt.name} (type {fmt.id}) as {block.value} values in {nbytes.value} bytes, "
                     f"formats.py as {fmt.block} in {fmt.block_bytes}")
-    tables = _tables()
+    tables = iq_tables()
     if isinstance(tables, str):
         return tables
     formats.format_tables.restype, formats.format_tables.argtypes = None, [ctypes.c_char_p] * len(tables)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from moetier.backends import activations
+from moetier.backends.iq_tables import iq_tables
 from moetier.model.formats import FORMATS, format_of
 from moetier.model.host_memory import host_empty
 from moetier.native import FAST_FLAGS, library
@@ -172,9 +173,7 @@ def _load() -> tuple[DotKernels | None, str]:
             continue
         tables = getattr(lib, f"{name}_tables", None)
         if tables is not None:  # the IQ formats' grids, signs and kvalues, from the gguf package (the reference)
-            from moetier.backends.cpu_kernels import _tables  # imported here: cpu_kernels loads this module
-
-            grids = _tables()
+            grids = iq_tables()
             if isinstance(grids, str):
                 why.append(f"{name}: {grids}")
             else:

@@ -332,6 +332,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 _UNPACK: dict[str, Unpack] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "MXFP4": _mxfp4, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
+    "MXFP4": _mxfp4, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s,
+    "IQ3_XXS": _iq3_xxs, "IQ4_NL": _iq4_nl, "IQ3_S": _iq3_s, "IQ4_XS": _iq4_xs,
     "IQ3_XXS_T": lambda b: _iq3_xxs(b, transposed=True), "IQ3_S_T": lambda b: _iq3_s(b, transposed=True),
 }  # every block format in moetier.model.formats.FORMATS (a test checks the two agree)
