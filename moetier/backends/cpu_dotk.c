@@ -550,11 +550,13 @@ static inline void acc_store(acc_t acc[16], int64_t rr, float *y) {
     _mm512_mask_storeu_ps(y, (__mmask16)((1u << rr) - 1u), sums16(acc));
 }
 
+static inline __m512i iota16(void) {  /* int16 0, 1, .., 31 */
+    return _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014, 0x00130012,
+                            0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008, 0x00070006, 0x00050004,
+                            0x00030002, 0x00010000);
+}
 static inline __m512i lane16(int c) {  /* int16 lanes: which of the 16 groups each lane of vector c belongs to */
-    const __m512i iota = _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014,
-                                          0x00130012, 0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008,
-                                          0x00070006, 0x00050004, 0x00030002, 0x00010000);
-    return _mm512_add_epi16(_mm512_srli_epi16(iota, 3), _mm512_set1_epi16((short)(4 * c)));
+    return _mm512_add_epi16(_mm512_srli_epi16(iota16(), 3), _mm512_set1_epi16((short)(4 * c)));
 }
 
 static inline __m512i iota8(void) {  /* bytes 0, 1, .., 63 */
@@ -1521,10 +1523,14 @@ static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
  * 128 quant bytes are two plain 64-byte loads: the low nibbles of bytes 0..63 are values 0..31 and 64..95 (sub-
  * blocks 0 and 2), their high nibbles 32..63 and 96..127 (1, 3), and bytes 64..127 the same for sub-blocks
  * 4..7. The token's Q8_K quants are copied once per call into that order (x_q4k), with the sum of each sub-
- * block's 32 quants (for the mins) and d. Per block: the six-bit scales and mins unpacked in one xmm, each
- * vector's two scales spread by one zero-masked vpermb, the mins' dot against the sums in an xmm, and d * dx,
- * dmin * dx as floats. Numerics as the loop above (integer sums exact, then d_w * d_x and dmin_w * d_x in
- * float32); the mins' share is gathered in its own 4 lanes: float32 order only. */
+ * block's 32 quants (for the mins) and d. Per block: the six-bit scales and mins unpacked in one xmm, the mins'
+ * dot against the sums in an xmm, and d * dx, dmin * dx as floats. With VNNI each vector's quants go through one
+ * vpdpbusd (4 products a dword, |sum| <= 4 * 15 * 128 < 2^15) and two vectors' sums are packed to int16 (vpackssdw:
+ * no saturation), so one vpdpwssd scales two vectors, their scales spread by one zero-masked vpermb: 6 multiplies
+ * and 2 shuffles a block where vpmaddubsw, vpmaddwd / vpdpwssd and a vpermb a vector took 8 and 4 (C harness,
+ * one Zen 4 core, 3 rounds alternated: 26.5 -> 29.6 GB/s from L3, 25.6 -> 28.5 from DRAM); without VNNI that way.
+ * Numerics as the loop above (integer sums exact, then d_w * d_x and dmin_w * d_x in float32); the mins' share
+ * is gathered in its own 4 lanes: float32 order only. */
 enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = ORDERED_BYTES };
 
 /* the 4 fp16 at p as floats: the conversion from memory, where a load into a register and a conversion from it took
@@ -1559,7 +1565,6 @@ typedef struct { __m512 acc; __m128 mins; } q4k_sum;
 #define Q4K_ZERO ((q4k_sum){_mm512_setzero_ps(), _mm_setzero_ps()})
 static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, const uint8_t *x, q4k_sum *sum) {
     const __m512i m4 = _mm512_set1_epi8(15);
-    const __m512i pick[4] = {bits8(0, 2), bits8(1, 3), bits8(4, 6), bits8(5, 7)};  /* vector c's sub-blocks */
     const __mmask64 even = 0x5555555555555555ull;  /* int16 lanes: the scale byte, a zero above it */
     stream_prefetch(b, 144);
     const __m128i sm = q4k_scales_mins(b);
@@ -1567,6 +1572,21 @@ static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, con
     const __m512i lo = _mm512_loadu_si512(b + 16), hi = _mm512_loadu_si512(b + 80);
     const __m512i q[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
                           _mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
+#if defined(__AVX512VNNI__)
+    /* vectors 2h and 2h + 1 packed: int16 w of 128-bit lane L is int32 L * 4 + w % 4 of vector 2h + (w % 8) / 4,
+     * whose sub-block is that vector's first (L < 2) or second: byte 2w of pick[h] (bits 3 and 5 of 2w) */
+    const __m512i k = iota8();
+    const __m512i base = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(k, 4), _mm512_set1_epi8(2)),
+                                         _mm512_and_si512(_mm512_srli_epi16(k, 3), _mm512_set1_epi8(1)));
+    const __m512i pick[2] = {base, _mm512_add_epi8(base, _mm512_set1_epi8(4))};
+    __m512i s = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * h], _mm512_load_si512(x + XQ4_QS + 128 * h));
+        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * h + 1], _mm512_load_si512(x + XQ4_QS + 128 * h + 64));
+        s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(d0, d1), _mm512_maskz_permutexvar_epi8(even, pick[h], sz));
+    }
+#else
+    const __m512i pick[4] = {bits8(0, 2), bits8(1, 3), bits8(4, 6), bits8(5, 7)};  /* vector c's sub-blocks */
     __m512i p[4], sc[4];
     for (int c = 0; c < 4; c++) {
         p[c] = _mm512_maddubs_epi16(q[c], _mm512_load_si512(x + XQ4_QS + 64 * c));
@@ -1574,6 +1594,7 @@ static inline __attribute__((always_inline)) void q4k_step(const uint8_t *b, con
     }
     const __m512i s = _mm512_add_epi32(dot_pairs(_mm512_madd_epi16(p[0], sc[0]), p[2], sc[2]),
                                        dot_pairs(_mm512_madd_epi16(p[1], sc[1]), p[3], sc[3]));
+#endif
     const __m128i mdot = _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_load_si128((const __m128i *)(x + XQ4_SUMS)));
     const __m128 dd = _mm_mul_ps(f16x4_at(b), _mm_set1_ps(f32_at(x + XQ4_D)));  /* d, dmin (lanes 0, 1) times dx */
     sum->acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(s), sum->acc);
@@ -1587,12 +1608,21 @@ STREAMED(q4k, 4, 144, XQ4_BYTES, q4k_sum, Q4K_ZERO, q4k_step, q4k_finish)
  * nibbles 64..127; the 32 high-bit bytes, broadcast to both halves of a vector, give each value its two bits
  * by one variable shift (by 4 / 2 for the low nibbles' halves, 0 / 2 right for the high ones'). So a vector is
  * 64 values in order, each 128-bit lane one group of 16, whose int16 scale one vpermw spreads; the offset 32's
- * share is taken once a block through the bsums. Numerics as the loop above. (One core, a 110 MB matrix
- * from DRAM: the loop above read 14.6 GB/s where llama.cpp's AVX2 loop read 14.9.) */
+ * share is taken once a block through the bsums. With VNNI, as Q4_K's: a vector's values through one vpdpbusd
+ * (|sum| <= 4 * 63 * 128 < 2^15), a half's two vectors packed to int16 and scaled by one vpdpwssd, one vpermw
+ * (C harness, one Zen 4 core: 32.3 -> 33.8 GB/s from L3, 31.6 -> 32.5 from DRAM). Numerics as the loop above.
+ * (One core, a 110 MB matrix from DRAM: the loop above read 14.6 GB/s where llama.cpp's AVX2 loop read 14.9.) */
 static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m512i low_shift = shifts16(4, 2), high_shift = shifts16(0, 2);
+#if defined(__AVX512VNNI__)
+    /* the half's two vectors packed (vpackssdw): int16 w (of 32) is dword 4 (w / 8) + w % 4 of vector (w % 8) / 4,
+     * so of group 8h + 4 ((w % 8) / 4) + w / 8 (lane16(0): w / 8) */
+    const __m512i group0 = _mm512_add_epi16(lane16(0), _mm512_and_si512(iota16(), _mm512_set1_epi16(4)));
+    const __m512i group[2] = {group0, _mm512_add_epi16(group0, _mm512_set1_epi16(8))};
+#else
     const __m512i group[4] = {lane16(0), lane16(1), lane16(2), lane16(3)};  /* vector c: groups 4c .. 4c + 3 */
+#endif
     stream_prefetch(b, 210);
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
     const __m512i sc = _mm512_castsi256_si512(s16);
@@ -1603,10 +1633,14 @@ static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, con
         const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, low_shift), m30));
         const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                                            _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), m30));
-        const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_loadu_si512(x + 4 + 128 * h));
-        const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + 4 + 128 * h + 64));
-        s = _mm512_dpwssd_epi32(s, pl, _mm512_permutexvar_epi16(group[2 * h], sc));
-        s = _mm512_dpwssd_epi32(s, ph, _mm512_permutexvar_epi16(group[2 * h + 1], sc));
+        const __m512i xl = _mm512_loadu_si512(x + 4 + 128 * h), xh = _mm512_loadu_si512(x + 4 + 128 * h + 64);
+#if defined(__AVX512VNNI__)
+        const __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xh);
+        s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(dl, dh), _mm512_permutexvar_epi16(group[h], sc));
+#else
+        s = dot_pairs(s, _mm512_maddubs_epi16(lo, xl), _mm512_permutexvar_epi16(group[2 * h], sc));
+        s = dot_pairs(s, _mm512_maddubs_epi16(hi, xh), _mm512_permutexvar_epi16(group[2 * h + 1], sc));
+#endif
     }
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), *acc);
 }
@@ -1724,9 +1758,19 @@ static inline __attribute__((always_inline)) __mmask64 mask_at(const uint8_t *p)
     return k;
 }
 
-/* 256 table bytes p[0..3] (64 entries each) looked up by idx's low 8 bits: a vpermb per quarter, each merged over
- * the entries from its quarter on (masks idx >= 64, 128, 192: one instruction each, where two index-bit masks and
- * their or / and took five: C harness from L1, IQ3_S 12.0-12.2 -> 12.6-13.0 GB/s a core) */
+/* 256 table bytes p[0..3] (64 entries each) looked up by idx's low 8 bits. On Intel a vpermb per quarter, each
+ * merged over the entries from its quarter on (masks idx >= 64, 128, 192: one instruction each, where two index-bit
+ * masks and their or / and took five: C harness from L1, IQ3_S 12.0-12.2 -> 12.6-13.0 GB/s a core): a two-table
+ * vpermt2b there is three uops, two on port 5. On AMD's Zen 4 and 5 a vpermt2b costs a vpermb (one a cycle, latency
+ * 5) and a mask write is scarce (one a cycle for every kind): two vpermt2b blended by bit 7, half the shuffles and
+ * one mask (C harness, one Zen 4 core, weights in L3, 3 rounds alternated: IQ3_S_T 12.7-12.9 -> 14.2-14.3 GB/s,
+ * IQ3_XXS_T 14.2-14.3 -> 16.1-16.2; a tree of four independent vpermb and three blends, for latency: no gain). */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)  /* GCC 12 names Zen 4 znver3 */
+static inline __attribute__((always_inline)) __m512i quarters256(const __m512i *p, __m512i idx) {
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), _mm512_permutex2var_epi8(p[0], idx, p[1]),
+                                  _mm512_permutex2var_epi8(p[2], idx, p[3]));
+}
+#else
 static inline __attribute__((always_inline)) __m512i quarters256(const __m512i *p, __m512i idx) {
     const __m512i top2 = _mm512_set1_epi8((char)0xc0);
     const __mmask64 from1 = _mm512_test_epi8_mask(idx, top2), from2 = _mm512_movepi8_mask(idx),
@@ -1736,6 +1780,7 @@ static inline __attribute__((always_inline)) __m512i quarters256(const __m512i *
     r = _mm512_mask_permutexvar_epi8(r, from2, idx, p[2]);
     return _mm512_mask_permutexvar_epi8(r, from3, idx, p[3]);
 }
+#endif
 
 /* the bit indices vpshufbitqmb takes for vector j: byte p of it holds sign bit 4p + j (of a qword lane p / 8) */
 static inline void sign_picks(__m512i pick[4]) {
