@@ -1607,22 +1607,19 @@ STREAMED(q4k, 4, 144, XQ4_BYTES, q4k_sum, Q4K_ZERO, q4k_step, q4k_finish)
  * A half block's 64 low-bit bytes are one load: their low nibbles are values 0..63 of the half, their high
  * nibbles 64..127; the 32 high-bit bytes, broadcast to both halves of a vector, give each value its two bits
  * by one variable shift (by 4 / 2 for the low nibbles' halves, 0 / 2 right for the high ones'). So a vector is
- * 64 values in order, each 128-bit lane one group of 16, whose int16 scale one vpermw spreads; the offset 32's
- * share is taken once a block through the bsums. With VNNI, as Q4_K's: a vector's values through one vpdpbusd
- * (|sum| <= 4 * 63 * 128 < 2^15), a half's two vectors packed to int16 and scaled by one vpdpwssd, one vpermw
- * (C harness, one Zen 4 core: 32.3 -> 33.8 GB/s from L3, 31.6 -> 32.5 from DRAM). Numerics as the loop above.
- * (One core, a 110 MB matrix from DRAM: the loop above read 14.6 GB/s where llama.cpp's AVX2 loop read 14.9.) */
+ * 64 values in order, each 128-bit lane one group of 16; the offset 32's share is taken once a block through the
+ * bsums. As Q4_K's (this loop runs with VNNI only): a vector's values through one vpdpbusd (|sum| <= 4 * 63 * 128
+ * < 2^15), a half's two vectors packed to int16 and scaled by one vpdpwssd, their scales spread by one vpermw,
+ * where a vpmaddubsw, a vpdpwssd and a vpermw a vector took 6 (C harness, one Zen 4 core: 32.3 -> 33.8 GB/s from
+ * L3, 31.6 -> 32.5 from DRAM). Numerics as the loop above. (One core, a 110 MB matrix from DRAM: the loop above
+ * read 14.6 GB/s where llama.cpp's AVX2 loop read 14.9.) */
 static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m512i low_shift = shifts16(4, 2), high_shift = shifts16(0, 2);
-#if defined(__AVX512VNNI__)
     /* the half's two vectors packed (vpackssdw): int16 w (of 32) is dword 4 (w / 8) + w % 4 of vector (w % 8) / 4,
      * so of group 8h + 4 ((w % 8) / 4) + w / 8 (lane16(0): w / 8) */
     const __m512i group0 = _mm512_add_epi16(lane16(0), _mm512_and_si512(iota16(), _mm512_set1_epi16(4)));
     const __m512i group[2] = {group0, _mm512_add_epi16(group0, _mm512_set1_epi16(8))};
-#else
-    const __m512i group[4] = {lane16(0), lane16(1), lane16(2), lane16(3)};  /* vector c: groups 4c .. 4c + 3 */
-#endif
     stream_prefetch(b, 210);
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
     const __m512i sc = _mm512_castsi256_si512(s16);
@@ -1634,13 +1631,8 @@ static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, con
         const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                                            _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), m30));
         const __m512i xl = _mm512_loadu_si512(x + 4 + 128 * h), xh = _mm512_loadu_si512(x + 4 + 128 * h + 64);
-#if defined(__AVX512VNNI__)
         const __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xh);
         s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(dl, dh), _mm512_permutexvar_epi16(group[h], sc));
-#else
-        s = dot_pairs(s, _mm512_maddubs_epi16(lo, xl), _mm512_permutexvar_epi16(group[2 * h], sc));
-        s = dot_pairs(s, _mm512_maddubs_epi16(hi, xh), _mm512_permutexvar_epi16(group[2 * h + 1], sc));
-#endif
     }
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), *acc);
 }
