@@ -16,9 +16,10 @@
  * IQ3_XXS's factor 0.25 and the IQ1 and IQ2 formats' 0.125 are folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory bound):
- * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ3_XXS, IQ3_S
- * and IQ4_XS with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's, IQ4_XS's and the IQ3
- * formats' against the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at T = 1"; IQ4_XS's there takes
+ * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ2_XXS, IQ2_XS,
+ * IQ2_S, IQ3_XXS, IQ3_S and IQ4_XS with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's,
+ * IQ4_XS's and the IQ2 and IQ3 formats' against the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at
+ * T = 1", "IQ2_XXS at T = 1"; IQ4_XS's there takes
  * its kvalues unsigned, + 128, and the offset's share through the sub-block sums). T > 1 (prefill): the activation blocks
  * are first copied so their quants sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line),
  * then 4 rows at a time walk the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in
@@ -39,8 +40,8 @@
  *
  * Tables: the IQ1, IQ2 and IQ3 grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until
  * it is called the IQ formats are not offered (act_type -1). The IQ1 and IQ2 formats' grid rows (8 values) are
- * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers); they
- * have no one-token loop of their own. IQ3_XXS's sign patterns follow a rule
+ * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers), which
+ * with VNNI have one-token loops of their own. IQ3_XXS's sign patterns follow a rule
  * (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
@@ -445,8 +446,8 @@ static inline void odd_scales(const uint8_t *p, uint64_t out[2]) {
  * codes in registers (grid_wblock; IQ2_XXS's signs and scales as IQ3_XXS's), llama.cpp's vec_dot beside (GB/s):
  * IQ2_XXS 2.3 -> 1.7 -> 3.2 (3.5), IQ2_XS 1.2 -> 2.4 -> 3.3-3.7 (4.1), IQ2_S 1.1 -> 3.3 -> 3.5-3.8 (4.5), IQ1_S 1.3
  * -> 1.7 (2.8), IQ1_M 0.9 -> 1.7 (3.1). What is left: the scalar work on the other formats' fields, IQ1's 32 grid
- * lookups and their inserts (vpgatherdq was no faster), and the decoded block's round trip through the wblock form;
- * no one-token loop of their own yet. */
+ * lookups and their inserts (vpgatherdq was no faster), and the decoded block's round trip through the wblock form.
+ * The IQ2 formats have one-token loops of their own with AVX-512 VNNI ("IQ2_XXS at T = 1" below); the IQ1 not. */
 static inline unsigned row_iq2xxs(const uint8_t *b, int k) { return b[2 + 8 * (k / 4) + k % 4]; }
 static inline unsigned row_iq2xs(const uint8_t *b, int k) { return u16_at(b + 2 + 2 * k) & 511u; }
 static inline unsigned row_iq2s(const uint8_t *b, int k) { return b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8; }
@@ -1904,13 +1905,141 @@ static inline __attribute__((always_inline)) void iq3xxst_step(const uint8_t *b,
 STREAMED(iq3xxs, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxs_step, as_is)
 STREAMED(iq3xxst, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxst_step, as_is)
 
-/* the IQ3 formats' one-token loops (x_iq3s's activations), where this build has them -> 1 */
-static int one_token_iq3(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
+/* ---- IQ2_XXS at T = 1 (with the IQ3 loops' instructions): the grid's 16-bit codes expanded where they lie -----
+ * A block's 32 grid rows (8 values each) are looked up as 16-bit codes, 2 bits a value (lookup16: 4 vpermi2w, 3
+ * blends). Vector m holds rows m, 4 + m, .., 28 + m, a row a qword: one vpmultishiftqb takes each value's code from
+ * its row's (bits 16m + 2k of qword q, which holds rows 4q .. 4q + 3), one vpermb its level (levels2 repeated over
+ * 64 entries: the neighbouring codes' bits above are ignored). So in every vector qword q is group q (rows 4q .. 4q
+ * + 3, 32 values) and dwords 2q, 2q + 1 take its scale; the rows' sign patterns (IQ3_XXS's 128) as dwords of 4
+ * bytes, dword q rows 4q .. 4q + 3, give each vector's signs by one vpshufbitqmb. The token's quants are copied once
+ * per call into that order (x_iq2: vector m, qword q = quants 32q + 8m .. + 7, and d_x / 8), the signs put onto
+ * them (a masked subtraction), 4 vpdpbusd sum each dword's 16 products (|sum| <= 16 * 43 * 127 < 2^17), one vpmulld
+ * times the group's 2s + 1. IQ2_XS and IQ2_S the same way, their 16-value scales two vpmulld (vectors 0, 1 are rows
+ * 4q, 4q + 1, vectors 2, 3 rows 4q + 2, 4q + 3: the two halves of group q), IQ2_XS's sign fields picked from their
+ * uint16 by one vpmultishiftqb into the patterns, IQ2_S's sign bytes loaded as they lie. Numerics: each block's
+ * integer sums exact in int32, then times d_w * d_x / 8 in float32 (float32 order only differs from the loop
+ * above). In place of the loop above, which decoded each block into the shared form: one Zen 4 core from DRAM,
+ * 2048 columns, C harness, twice alternated, llama.cpp's vec_dot on the same core beside (GB/s): IQ2_XXS 3.3 -> 7.3
+ * (3.5), IQ2_XS 3.3 -> 6.4-6.5 (3.8-4.2), IQ2_S 3.5 -> 4.6 (4.5-4.6: its 1024-entry lookup is 16 vpermi2w and 15
+ * blends; two vpgatherdd cost as much). */
+enum { X2_QS = 0, X2_D = 256 };  /* in ORDERED_BYTES a block */
+
+static void x_iq2(const uint8_t *x, int64_t blocks, uint8_t *out) {
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *xb = x + Q8K_BYTES * i;
+        uint8_t *o = out + ORDERED_BYTES * i;
+        for (int m = 0; m < 4; m++)
+            for (int q = 0; q < 8; q++) memcpy(o + X2_QS + 64 * m + 8 * q, xb + 4 + 32 * q + 8 * m, 8);
+        const float d8 = 0.125f * f32_at(xb);  /* IQ2's 1/8 folded in (exact) */
+        memcpy(o + X2_D, &d8, 4);
+    }
+}
+
+/* a block's 32 grid rows' codes (lookup16's uint16 lanes) -> the 4 vectors' magnitudes, x_iq2's order */
+static inline __attribute__((always_inline)) void iq2_magnitudes(__m512i codes, __m512i q[4]) {
+    const __m512i level = _mm512_permutexvar_epi32(_mm512_and_si512(_mm512_set1_epi32(0x03020100), _mm512_set1_epi32(0x03030303)),
+                                                   _mm512_castsi128_si512(_mm_load_si128((const __m128i *)levels2)));
+    for (int m = 0; m < 4; m++) {
+        const long long at = 0x0e0c0a0806040200ll + 0x1010101010101010ll * m;  /* bits 16m + 2k, k = 0..7 */
+        q[m] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(at), codes), level);
+    }
+}
+
+/* the 32 rows' signs, a byte a row, rows 4q .. 4q + 3 in bytes 0..3 of qword q -> each vector's negative values */
+static inline __attribute__((always_inline)) void iq2_signs(__m512i rows4, __mmask64 negative[4]) {
+    const __m512i bit = _mm512_and_si512(iota8(), _mm512_set1_epi8(7));
+    for (int m = 0; m < 4; m++) negative[m] = _mm512_bitshuffle_epi64_mask(rows4, _mm512_add_epi8(bit, _mm512_set1_epi8((char)(8 * m))));
+}
+
+/* the 4 vectors' magnitudes dotted with the token's quants (x_iq2's order) carrying the signs, into acc: each dword
+ * times sc[0] (IQ2_XXS: a scale per 32 values), or vectors 0, 1 times sc[0] and 2, 3 times sc[1] (rows 4q, 4q + 1
+ * and 4q + 2, 4q + 3: a scale per 16 values) */
+static inline __attribute__((always_inline)) __m512 iq2_dot(const __m512i q[4], const __mmask64 negative[4], const __m512i sc[2],
+                                                             const int halves, const uint8_t *b, const uint8_t *x, __m512 acc) {
+    __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int m = 0; m < 4; m++) {
+        const __m512i a = _mm512_load_si512(x + X2_QS + 64 * m);
+        s[halves ? m / 2 : 0] = _mm512_dpbusd_epi32(s[halves ? m / 2 : 0], q[m], _mm512_mask_sub_epi8(a, negative[m], _mm512_setzero_si512(), a));
+    }
+    const __m512i t = halves ? _mm512_add_epi32(_mm512_mullo_epi32(s[0], sc[0]), _mm512_mullo_epi32(s[1], sc[1]))
+                             : _mm512_mullo_epi32(s[0], sc[0]);
+    return _mm512_fmadd_ps(head_scale(b, x + X2_D), _mm512_cvtepi32_ps(t), acc);
+}
+
+/* 2s + 1 of dword l of the sum: IQ2_XS's and IQ2_S's 8 scale bytes at p (two nibbles, rows 4q, 4q + 1 and 4q + 2,
+ * 4q + 3 of byte q = l / 2) */
+static inline __attribute__((always_inline)) void iq2_nibble_scales(const uint8_t *p, __m512i sc[2]) {
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)p), pairs));
+    const __m512i m = _mm512_set1_epi32(0x1e), one = _mm512_set1_epi32(1);
+    sc[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 1), m, one, 0xea);  /* a & b | c */
+    sc[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 3), m, one, 0xea);
+}
+
+/* IQ2_XXS: 8 groups of 4 index bytes and a sign and scale word (dwords 1, 3, .., 15 of the 64 bytes after d) */
+static inline __attribute__((always_inline)) void iq2xxs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    const __m512i index_at = _mm512_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                             0, 0, 59, 58, 57, 56, 51, 50, 49, 48, 43, 42, 41, 40, 35, 34, 33, 32, 27, 26, 25, 24, 19,
+                                             18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    stream_prefetch(b, 66);
+    const __m512i groups = _mm512_loadu_si512(b + 2);
+    __m512i q[4];
+    iq2_magnitudes(lookup16(code2_xxs, 256, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(_mm512_permutexvar_epi8(index_at, groups)))), q);
+    /* the words' 32 seven-bit fields (vpmultishiftqb) through IQ3_XXS's 128 patterns */
+    const __m512i words = _mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1), groups);
+    const __m256i fields = _mm256_multishift_epi64_epi8(_mm256_set1_epi64x(0x352e2720150e0700ll), _mm512_castsi512_si256(words));
+    const __m512i patterns = _mm512_permutex2var_epi8(_mm512_load_si512(sign_table), _mm512_castsi256_si512(fields),
+                                                      _mm512_load_si512(sign_table + 64));
+    __mmask64 negative[4];
+    iq2_signs(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(patterns)), negative);
+    const __m512i pairs = _mm512_set_epi32(15, 15, 13, 13, 11, 11, 9, 9, 7, 7, 5, 5, 3, 3, 1, 1);  /* dword l: group l / 2's word */
+    const __m512i sc[2] = {_mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, groups), 27),
+                                                     _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea), _mm512_setzero_si512()};
+    *acc = iq2_dot(q, negative, sc, 0, b, x, *acc);
+}
+
+/* IQ2_XS: 32 uint16 (a 9-bit grid index, a 7-bit sign pattern index), 8 scale bytes */
+static inline __attribute__((always_inline)) void iq2xs_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    stream_prefetch(b, 74);
+    const __m512i rows = _mm512_loadu_si512(b + 2);
+    __m512i q[4];
+    iq2_magnitudes(lookup16(code2_xs, 512, _mm512_and_si512(rows, _mm512_set1_epi16(511))), q);
+    /* bytes 0..3 of qword q: the fields of rows 4q .. 4q + 3 (bits 9.. of each uint16), through the patterns */
+    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x3929190939291909ll), rows);
+    __mmask64 negative[4];
+    iq2_signs(_mm512_permutex2var_epi8(_mm512_load_si512(sign_table), fields, _mm512_load_si512(sign_table + 64)), negative);
+    __m512i sc[2];
+    iq2_nibble_scales(b + 66, sc);
+    *acc = iq2_dot(q, negative, sc, 1, b, x, *acc);
+}
+
+/* IQ2_S: 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 8 scale bytes */
+static inline __attribute__((always_inline)) void iq2s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    stream_prefetch(b, 82);
+    __m512i q[4];
+    iq2_magnitudes(lookup16(code2_s, 1024, indices_iq2s(b)), q);
+    __mmask64 negative[4];
+    iq2_signs(_mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(b + 34))), negative);
+    __m512i sc[2];
+    iq2_nibble_scales(b + 74, sc);
+    *acc = iq2_dot(q, negative, sc, 1, b, x, *acc);
+}
+
+STREAMED(iq2xxs, 1, 66, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xxs_step, as_is)
+STREAMED(iq2xs, 1, 74, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xs_step, as_is)
+STREAMED(iq2s, 1, 82, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2s_step, as_is)
+
+/* the IQ2 and IQ3 formats' one-token loops where this build has them: 1 (their activations' order, loops), else 0 */
+static int one_token_grids(int64_t wtype, order_fn *order, four_rows_fn *four, one_row_fn *one) {
+    *order = x_iq3s;
     switch (wtype) {
     case IQ3_S: if (!odd_levels_s) return 0; *four = iq3s_four, *one = iq3s_one; return 1;
     case IQ3_S_T: if (!odd_levels_s) return 0; *four = iq3st_four, *one = iq3st_one; return 1;
     case IQ3_XXS: if (!affine_xxs_ok) return 0; *four = iq3xxs_four, *one = iq3xxs_one; return 1;
     case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *four = iq3xxst_four, *one = iq3xxst_one; return 1;
+    case IQ2_XXS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xxs_four, *one = iq2xxs_one; return 1;
+    case IQ2_XS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xs_four, *one = iq2xs_one; return 1;
+    case IQ2_S: if (!codes_ok) return 0; *order = x_iq2, *four = iq2s_four, *one = iq2s_one; return 1;
     default: return 0;
     }
 }
@@ -2537,10 +2666,11 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     if (loop != NULL && wtype == Q4_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q4k, q4k_four, q4k_one))
         return;
 #if defined(IQ3_GEMV)
+    order_fn order;
     four_rows_fn four;
     one_row_fn one;
-    if (loop != NULL && T == 1 && one_token_iq3(wtype, &four, &one)
-        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq3s, four, one))
+    if (loop != NULL && T == 1 && one_token_grids(wtype, &order, &four, &one)
+        && ordered_one_token(n, wb, row_bytes, rows, x, y, order, four, one))
         return;
 #endif
 #if defined(__AVX512VNNI__)
@@ -2586,10 +2716,11 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
  * and IQ3_S where the one-token AVX-512 loops run (cpu_iq3_t.h), else the format itself. */
 int64_t dotk_resident_type(int64_t wtype) {
 #if defined(IQ3_GEMV)
+    order_fn order;
     four_rows_fn four;
     one_row_fn one;
     const int64_t held = wtype == IQ3_XXS ? IQ3_XXS_T : wtype == IQ3_S ? IQ3_S_T : wtype;
-    if (held != wtype && tables_ready && one_token_iq3(held, &four, &one)) return held;
+    if (held != wtype && tables_ready && one_token_grids(held, &order, &four, &one)) return held;
 #endif
     return wtype;
 }
