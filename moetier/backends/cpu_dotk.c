@@ -16,10 +16,10 @@
  * IQ3_XXS's factor 0.25 and the IQ1 and IQ2 formats' 0.125 are folded into d (exact).
  *
  * Loops: each weight block is decoded once and applied to all T activation rows. T = 1 (decode's gemv, memory bound):
- * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, IQ2_XXS, IQ2_XS,
- * IQ2_S, IQ3_XXS, IQ3_S and IQ4_XS with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's,
- * IQ4_XS's and the IQ2 and IQ3 formats' against the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at
- * T = 1", "IQ2_XXS at T = 1"; IQ4_XS's there takes
+ * row by row, block by block, streamed (cpu_stream.h), 16 rows' sums folded at once; Q4_K, Q6_K, the IQ1, IQ2 and
+ * IQ3 formats and IQ4_XS with AVX-512 have their own gemvs, which read the quant bytes as they lie (Q4_K's,
+ * IQ4_XS's and the IQ formats' against the activations reordered to match: see "Q4_K at T = 1", "IQ3_S at T = 1",
+ * "IQ2_XXS at T = 1", "IQ1_S and IQ1_M at T = 1"; IQ4_XS's there takes
  * its kvalues unsigned, + 128, and the offset's share through the sub-block sums). T > 1 (prefill): the activation blocks
  * are first copied so their quants sit on 64-byte lines (a Q8_K block is 292 bytes: every load would split a line),
  * then 4 rows at a time walk the blocks, so one block column of activations (T x 320 bytes, T <= 64 per pass) stays in
@@ -40,8 +40,8 @@
  *
  * Tables: the IQ1, IQ2 and IQ3 grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until
  * it is called the IQ formats are not offered (act_type -1). The IQ1 and IQ2 formats' grid rows (8 values) are
- * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers), which
- * with VNNI have one-token loops of their own. IQ3_XXS's sign patterns follow a rule
+ * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers); with
+ * VNNI they have one-token loops of their own (IQ1's rows gathered). IQ3_XXS's sign patterns follow a rule
  * (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
@@ -83,6 +83,8 @@ enum { OFFSET_XXS = 64, OFFSET_S = 16 };  /* IQ3_XXS and IQ3_S values as unsigne
 static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static uint64_t grid2_xxs[256], grid2_xs[512], grid2_s[1024];  /* the IQ2 grids: 8 values (bytes) per entry */
 static uint64_t grid1[2048];  /* the IQ1 grid: 8 values g of -1, 0, 1 (int8) per entry */
+static uint64_t grid1_up[2048] __attribute__((aligned(64)));  /* g + 1 (0, 1, 2) for the one-token gathers */
+static int32_t coef1[16] __attribute__((aligned(64)));  /* IQ1 scale and delta bits -> their int16 pair (below) */
 /* The IQ2 grids as 16-bit codes for in-register lookups (AVX-512): value i of an entry is level (code >> 2i) & 3 of
  * levels2 (their three values 8, 25, 43); codes_ok: every IQ2 grid has that form */
 static uint16_t code2_xxs[256] __attribute__((aligned(64))), code2_xs[512] __attribute__((aligned(64)));
@@ -258,6 +260,14 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     memcpy(grid2_xs, iq2_xs, sizeof grid2_xs);
     memcpy(grid2_s, iq2_s, sizeof grid2_s);
     memcpy(grid1, iq1, sizeof grid1);
+    for (int e = 0; e < 2048; e++) {
+        grid1_up[e] = 0;
+        for (int j = 0; j < 8; j++) grid1_up[e] |= (uint64_t)(uint8_t)((int8_t)(grid1[e] >> 8 * j) + 1) << 8 * j;
+    }
+    for (int i = 0; i < 16; i++) {  /* bits 0..2: the scale s, bit 3: the delta's sign; -> 8 (2s + 1), -(2s + 1)(7 or 9) */
+        const int sc = 2 * (i & 7) + 1;
+        coef1[i] = (int32_t)((uint32_t)(uint16_t)(8 * sc) | (uint32_t)(uint16_t)(-sc * (i & 8 ? 9 : 7)) << 16);
+    }
     codes_ok = grid_levels(iq2_xxs, 256) && grid_codes(iq2_xxs, 256, code2_xxs) && grid_codes(iq2_xs, 512, code2_xs)
                && grid_codes(iq2_s, 1024, code2_s);
     for (unsigned i = 0; i < 128; i++) {
@@ -447,7 +457,8 @@ static inline void odd_scales(const uint8_t *p, uint64_t out[2]) {
  * IQ2_XXS 2.3 -> 1.7 -> 3.2 (3.5), IQ2_XS 1.2 -> 2.4 -> 3.3-3.7 (4.1), IQ2_S 1.1 -> 3.3 -> 3.5-3.8 (4.5), IQ1_S 1.3
  * -> 1.7 (2.8), IQ1_M 0.9 -> 1.7 (3.1). What is left: the scalar work on the other formats' fields, IQ1's 32 grid
  * lookups and their inserts (vpgatherdq was no faster), and the decoded block's round trip through the wblock form.
- * The IQ2 formats have one-token loops of their own with AVX-512 VNNI ("IQ2_XXS at T = 1" below); the IQ1 not. */
+ * The IQ1 and IQ2 formats have one-token loops of their own with AVX-512 VNNI ("IQ2_XXS at T = 1", "IQ1_S and
+ * IQ1_M at T = 1" below). */
 static inline unsigned row_iq2xxs(const uint8_t *b, int k) { return b[2 + 8 * (k / 4) + k % 4]; }
 static inline unsigned row_iq2xs(const uint8_t *b, int k) { return u16_at(b + 2 + 2 * k) & 511u; }
 static inline unsigned row_iq2s(const uint8_t *b, int k) { return b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8; }
@@ -556,6 +567,7 @@ static inline __m512i iota16(void) {  /* int16 0, 1, .., 31 */
                             0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008, 0x00070006, 0x00050004,
                             0x00030002, 0x00010000);
 }
+static inline __m512i iota32(void) { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 static inline __m512i lane16(int c) {  /* int16 lanes: which of the 16 groups each lane of vector c belongs to */
     return _mm512_add_epi16(_mm512_srli_epi16(iota16(), 3), _mm512_set1_epi16((short)(4 * c)));
 }
@@ -2029,6 +2041,95 @@ STREAMED(iq2xxs, 1, 66, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xxs_step,
 STREAMED(iq2xs, 1, 74, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xs_step, as_is)
 STREAMED(iq2s, 1, 82, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2s_step, as_is)
 
+/* ---- IQ1_S and IQ1_M at T = 1 (with the IQ3 loops' instructions): the rows gathered, their deltas through sums ---
+ * A row's values are 8g + delta (g of -1, 0, 1, delta 1 or -1 with d / 8, as the loop above takes them), so a row
+ * dots as 8 (g + 1) . x - (8 - delta) (its quants' sum): the first part one vpdpbusd on the grid's g + 1 (0, 1, 2,
+ * grid1_up; never a sign), the second through sums of 4 quants the activations carry. Vector m holds rows m, 4 + m,
+ * .., 28 + m in x_iq2's order, its 8 rows gathered as qwords (vpgatherdq: the 2048-entry grid is too big for
+ * registers, and 32 lookups and 31 blends of 16-bit codes were slower); each dword's 4-product sum D (|D| <= 4 * 2
+ * * 127) and its 4 quants' sum X (|X| <= 4 * 127) are an int16 pair (vpermw puts X above D), dotted by one vpdpwssd
+ * with the pair (8 (2s + 1), -(2s + 1)(8 - delta)) of its row's scale and delta (coef1, by vpermd on their 4 bits).
+ * Numerics: each block's integer sums exact in int32, then times d_w * d_x / 8 in float32. One Zen 4 core from DRAM,
+ * 2048 columns, C harness, llama.cpp's vec_dot on the same core beside (GB/s): IQ1_S 1.7 -> 2.8-2.9 (2.7), IQ1_M 1.7
+ * -> 3.0-3.1 (3.2): bound by the gathers (4 a block, ~38 cycles; two rows at a time gained nothing). */
+enum { X1_SUMS = 256, X1_D = 384 };  /* in ORDERED_BYTES a block: the quants as x_iq2's, the sums, d_x / 8 */
+
+static void x_iq1(const uint8_t *x, int64_t blocks, uint8_t *out) {
+    x_iq2(x, blocks, out);  /* its quants and d_x / 8 at X2_D: moved to X1_D below */
+    for (int64_t i = 0; i < blocks; i++) {
+        uint8_t *o = out + ORDERED_BYTES * i;
+        int16_t sums[64];  /* vector m, dword l: its 4 quants' sum */
+        for (int m = 0; m < 4; m++)
+            for (int l = 0; l < 16; l++) {
+                const int8_t *q = (const int8_t *)(o + X2_QS + 64 * m + 4 * l);
+                sums[16 * m + l] = (int16_t)(q[0] + q[1] + q[2] + q[3]);
+            }
+        memcpy(o + X1_D, o + X2_D, 4);
+        memcpy(o + X1_SUMS, sums, sizeof sums);
+    }
+}
+
+/* vector m's rows (8 grid indices as dwords) dotted: each dword's (D, X) pair times its coefficient pair into s */
+static inline __attribute__((always_inline)) __m512i iq1_rows(__m512i s, __m256i rows, const uint8_t *x, int m, __m512i coef) {
+    const __m512i g = _mm512_i32gather_epi64(rows, (const void *)grid1_up, 8);
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g, _mm512_load_si512(x + X2_QS + 64 * m));
+    /* odd int16 2l + 1 <- X of vector m, dword l: int16 16 (m % 2) + l of the sums of vectors m - m % 2, m - m % 2 + 1 */
+    const __m512i at = _mm512_add_epi16(_mm512_srli_epi16(iota16(), 1), _mm512_set1_epi16((short)(16 * (m % 2))));
+    const __m512i dx = _mm512_mask_permutexvar_epi16(d, 0xaaaaaaaa, at, _mm512_load_si512(x + X1_SUMS + 64 * (m / 2)));
+    return _mm512_dpwssd_epi32(s, dx, coef);
+}
+
+/* IQ1_S: 32 index bytes, then 8 uint16 (group q: three high index bits per row, its scale at bits 12..14, its delta's
+ * sign at 15) */
+static inline __attribute__((always_inline)) void iq1s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    stream_prefetch(b, 50);
+    const __m256i low = _mm256_loadu_si256((const __m256i *)(b + 2));  /* dword q: rows 4q .. 4q + 3's low bytes */
+    const __m512i qh = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 34))));
+    const __m256i high = _mm512_castsi512_si256(qh);  /* dword q: group q's uint16 */
+    const __m512i pairs = _mm512_srli_epi32(iota32(), 1);  /* dword l: group l / 2 */
+    const __m512i coef = _mm512_permutexvar_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, qh), 12), _mm512_load_si512(coef1));
+    __m512i s = _mm512_setzero_si512();
+    for (int m = 0; m < 4; m++) {
+        const __m256i rows = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 8 * m), _mm256_set1_epi32(255)),
+                                             _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(high, 3 * m), 8), _mm256_set1_epi32(0x700)));
+        s = iq1_rows(s, rows, x, m, coef);
+    }
+    *acc = _mm512_fmadd_ps(head_scale(b, x + X1_D), _mm512_cvtepi32_ps(s), *acc);
+}
+
+/* byte 0 of dword l (group q = l / 2) <- IQ1_M's scale word's bits 16 (q / 2) + 6 (q % 2) + 3h..: the scale of the
+ * group's rows 4q, 4q + 1 (h = 0) or 4q + 2, 4q + 3 (h = 1), by vpmultishiftqb (qword q: dwords 2q, 2q + 1) */
+static inline __m512i iq1m_scale_at(int h) {
+    const long long r = 0x0101010101010101ll;
+    return _mm512_set_epi64((54 + 3 * h) * r, (48 + 3 * h) * r, (38 + 3 * h) * r, (32 + 3 * h) * r, (22 + 3 * h) * r,
+                            (16 + 3 * h) * r, (6 + 3 * h) * r, (3 * h) * r);
+}
+
+/* IQ1_M: 32 index bytes; 16 bytes, a nibble per row (three high index bits, the delta's sign); 4 uint16 of 4 three-
+ * bit scales each (a scale per 16 values: group q's two at bits 16 (q / 2) + 6 (q % 2) and 3 more), whose top
+ * nibbles are the block's float16 d */
+static inline __attribute__((always_inline)) void iq1m_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
+    stream_prefetch(b, 56);
+    const __m256i low = _mm256_loadu_si256((const __m256i *)b);
+    const __m512i qh = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 32))));
+    const __m256i high = _mm512_castsi512_si256(qh);  /* dword q: rows 4q .. 4q + 3's nibbles */
+    const __m512i pairs = _mm512_srli_epi32(iota32(), 1), nibbles = _mm512_permutexvar_epi32(pairs, qh);
+    const uint64_t sc = u64_at(b + 48);
+    const uint16_t d16 = (uint16_t)((sc >> 12 & 0x000f) | (sc >> 24 & 0x00f0) | (sc >> 36 & 0x0f00) | (sc >> 48 & 0xf000));
+    __m512i s = _mm512_setzero_si512();
+    for (int m = 0; m < 4; m++) {
+        const __m256i rows = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 8 * m), _mm256_set1_epi32(255)),
+                                             _mm256_and_si256(_mm256_srli_epi32(_mm256_slli_epi32(high, 8), 4 * m), _mm256_set1_epi32(0x700)));
+        const __m512i scale = _mm512_multishift_epi64_epi8(iq1m_scale_at(m / 2), _mm512_set1_epi64((long long)sc));
+        const __m512i index = _mm512_ternarylogic_epi32(scale, _mm512_srli_epi32(nibbles, 4 * m), _mm512_set1_epi32(7), 0xe4);
+        s = iq1_rows(s, rows, x, m, _mm512_permutexvar_epi32(index, _mm512_load_si512(coef1)));
+    }
+    const float dd = f16_at((const uint8_t *)&d16) * f32_at(x + X1_D);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), *acc);
+}
+STREAMED(iq1s, 1, 50, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq1s_step, as_is)
+STREAMED(iq1m, 1, 56, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq1m_step, as_is)
+
 /* the IQ2 and IQ3 formats' one-token loops where this build has them: 1 (their activations' order, loops), else 0 */
 static int one_token_grids(int64_t wtype, order_fn *order, four_rows_fn *four, one_row_fn *one) {
     *order = x_iq3s;
@@ -2040,6 +2141,8 @@ static int one_token_grids(int64_t wtype, order_fn *order, four_rows_fn *four, o
     case IQ2_XXS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xxs_four, *one = iq2xxs_one; return 1;
     case IQ2_XS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xs_four, *one = iq2xs_one; return 1;
     case IQ2_S: if (!codes_ok) return 0; *order = x_iq2, *four = iq2s_four, *one = iq2s_one; return 1;
+    case IQ1_S: *order = x_iq1, *four = iq1s_four, *one = iq1s_one; return 1;
+    case IQ1_M: *order = x_iq1, *four = iq1m_four, *one = iq1m_one; return 1;
     default: return 0;
     }
 }
