@@ -2065,13 +2065,13 @@ STREAMED(iq2s, 1, 82, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2s_step, as_
  * A row's values are 8g + delta (g of -1, 0, 1, delta 1 or -1 with d / 8, as the loop above takes them), so a row
  * dots as 8 (g + 1) . x - (8 - delta) (its quants' sum): the first part one vpdpbusd on the grid's g + 1 (0, 1, 2,
  * grid1_up; never a sign), the second through sums of 4 quants the activations carry. Vector m holds rows m, 4 + m,
- * .., 28 + m in x_iq2's order, its 8 rows gathered as qwords (vpgatherdq: the 2048-entry grid is too big for
- * registers, and 32 lookups and 31 blends of 16-bit codes were slower); each dword's 4-product sum D (|D| <= 4 * 2
+ * .., 28 + m in x_iq2's order, its 8 rows loaded as qwords (the 2048-entry grid is too big for registers, and 32
+ * lookups and 31 blends of 16-bit codes were slower); each dword's 4-product sum D (|D| <= 4 * 2
  * * 127) and its 4 quants' sum X (|X| <= 4 * 127) are an int16 pair (vpermw puts X above D), dotted by one vpdpwssd
  * with the pair (8 (2s + 1), -(2s + 1)(8 - delta)) of its row's scale and delta (coef1, by vpermd on their 4 bits).
  * Numerics: each block's integer sums exact in int32, then times d_w * d_x / 8 in float32. One Zen 4 core from DRAM,
- * 2048 columns, C harness, llama.cpp's vec_dot on the same core beside (GB/s): IQ1_S 1.7 -> 2.8-2.9 (2.7), IQ1_M 1.7
- * -> 3.0-3.1 (3.2): bound by the gathers (4 a block, ~38 cycles; two rows at a time gained nothing). */
+ * 2048 columns, C harness, llama.cpp's vec_dot on the same core beside (GB/s): IQ1_S 1.7 -> 3.1 (2.7-2.8), IQ1_M
+ * 1.7 -> 3.2-3.3 (3.2): bound by the 32 row loads a block (two rows at a time gained nothing). */
 enum { X1_SUMS = 256, X1_D = 384 };  /* in ORDERED_BYTES a block: the quants as x_iq2's, the sums, d_x / 8 */
 
 static void x_iq1(const uint8_t *x, int64_t blocks, uint8_t *out) {
@@ -2089,9 +2089,15 @@ static void x_iq1(const uint8_t *x, int64_t blocks, uint8_t *out) {
     }
 }
 
-/* vector m's rows (8 grid indices as dwords) dotted: each dword's (D, X) pair times its coefficient pair into s */
+/* vector m's rows (8 grid indices as dwords) dotted: each dword's (D, X) pair times its coefficient pair into s.
+ * The rows' qwords by scalar loads from one store of their indices (vpgatherdq: IQ1_S 2.8-2.9 GB/s a Zen 4 core,
+ * IQ1_M 2.9-3.0; these 3.1 and 3.2-3.3) */
 static inline __attribute__((always_inline)) __m512i iq1_rows(__m512i s, __m256i rows, const uint8_t *x, int m, __m512i coef) {
-    const __m512i g = _mm512_i32gather_epi64(rows, (const void *)grid1_up, 8);
+    uint32_t r[8] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)r, rows);
+    const uint64_t *t = grid1_up;
+    const __m512i g = _mm512_set_epi64((long long)t[r[7]], (long long)t[r[6]], (long long)t[r[5]], (long long)t[r[4]],
+                                       (long long)t[r[3]], (long long)t[r[2]], (long long)t[r[1]], (long long)t[r[0]]);
     const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g, _mm512_load_si512(x + X2_QS + 64 * m));
     /* odd int16 2l + 1 <- X of vector m, dword l: int16 16 (m % 2) + l of the sums of vectors m - m % 2, m - m % 2 + 1 */
     const __m512i at = _mm512_add_epi16(_mm512_srli_epi16(iota16(), 1), _mm512_set1_epi16((short)(16 * (m % 2))));
