@@ -189,9 +189,9 @@ def test_many_tokens_cross_the_activation_tile(kernels):
     assert np.all(np.abs(y - exact) <= BOUND * scale)
 
 
-@pytest.mark.parametrize("name", ("Q4_K", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"))
+@pytest.mark.parametrize("name", ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"))
 def test_one_token_on_rows_longer_than_the_stack_copy(kernels, name):
-    """T = 1, 65 blocks a row: the AVX-512 gemvs with activations in an order of their own (Q4_K, Q5_K, the IQ formats)
+    """T = 1, 65 blocks a row: the AVX-512 gemvs with activations in an order of their own (Q2_K..Q5_K, the IQ formats)
     copy them to the heap past 64 blocks."""
     n, fmt = 65 * 256, BY_NAME[name]
     w, x = case(name, 1, n, seed=11, rows=3)
