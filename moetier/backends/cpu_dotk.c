@@ -406,6 +406,16 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
                                      _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  /* a0 >> 2, a1 >> 2: bits 4, 5 */
     return _mm_or_si128(lo, hi);
 }
+
+/* Q3_K: the 16 scales - 32 as int16 (scales_q3k in registers: its stores read back as a vector stalled on store
+ * forwarding), from the 12 bytes at b + 96 (read as the 16 at b + 92: inside the block) */
+static inline __m256i q3k_scales16(const uint8_t *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 92));  /* dwords: quant bytes, a0, a1, h */
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 1)), h = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 3, 3, 3));
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 4, 4)), _mm_set1_epi8(15));
+    const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3)), 4);
+    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32)));
+}
 #endif
 
 /* ---- the IQ2 and IQ1 formats: 32 grid rows of 8 values a block, 16 scales ------------------------------------
@@ -646,9 +656,7 @@ static inline void decode_q2k(const uint8_t *b, wblock *w) {
 }
 
 static inline void decode_q3k(const uint8_t *b, wblock *w) {
-    uint8_t s[16];
-    scales_q3k(b + 96, s);
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)s), _mm_set1_epi8(32)));
+    const __m256i s16 = q3k_scales16(b);
     w->dd = _mm512_set1_ps(f16_at(b + 108));
     spread_scales(w, s16);
     w->negoff = neg_off(s16, 4);
@@ -991,9 +999,7 @@ static inline void decode_q2k(const uint8_t *b, wblock *w) {
 }
 
 static inline void decode_q3k(const uint8_t *b, wblock *w) {
-    uint8_t s[16];
-    scales_q3k(b + 96, s);
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)s), _mm_set1_epi8(32)));
+    const __m256i s16 = q3k_scales16(b);
     w->d = f16_at(b + 108);
     spread_scales(w, s16);
     w->off = _mm256_slli_epi16(s16, 2);
@@ -1686,14 +1692,6 @@ static inline __attribute__((always_inline)) void q23k_fields(const uint8_t *p, 
     for (int j = 0; j < 4; j++) u[j] = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * j), m3);
 }
 
-/* Q3_K: the 16 scales - 32 as int16, from the 12 bytes at b + 96 (read as the 16 at b + 92: inside the block) */
-static inline __m256i q3k_scales16(const uint8_t *b) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 92));  /* dwords: quant bytes, a0, a1, h */
-    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 1)), h = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 3, 3, 3));
-    const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 4, 4)), _mm_set1_epi8(15));
-    const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3)), 4);
-    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32)));
-}
 
 static inline __attribute__((always_inline)) void q3k_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     stream_prefetch(b, 110);
