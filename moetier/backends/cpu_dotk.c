@@ -1552,6 +1552,18 @@ static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i v) {
  * is gathered in its own 4 lanes: float32 order only. */
 enum { XQ4_QS = 0, XQ4_SUMS = 256, XQ4_D = 272, XQ4_BYTES = ORDERED_BYTES };
 
+#if defined(__AVX512VNNI__)
+/* two vectors of unsigned values u0, u1 (< 64) dotted with the 128 quant bytes at x (64 each) into s: each through
+ * one vpdpbusd (4 products a dword: |sum| <= 4 * 63 * 128 < 2^15), the two packed to int16 (vpackssdw: nothing
+ * saturates) and scaled by one vpdpwssd; sc: int16 w's scale, where w (of 32) holds dword 4 (w / 8) + w % 4 of u0
+ * (w % 8 < 4) or of u1 (the K-quants' one-token steps: Q2_K .. Q6_K) */
+static inline __attribute__((always_inline)) __m512i packed_pair(__m512i s, __m512i u0, __m512i u1, const uint8_t *x, __m512i sc) {
+    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512(x));
+    const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_loadu_si512(x + 64));
+    return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(d0, d1), sc);
+}
+#endif
+
 /* the 4 fp16 at p as floats: the conversion from memory, where a load into a register and a conversion from it took
  * one more uop on Intel's port 5 (asm: the compiler loads the 8 bytes into a register first) */
 static inline __attribute__((always_inline)) __m128 f16x4_at(const uint8_t *p) {
@@ -1609,11 +1621,8 @@ static inline __attribute__((always_inline)) void q45k_step(const uint8_t *b, co
                                          _mm512_and_si512(_mm512_srli_epi16(k, 3), _mm512_set1_epi8(1)));
     const __m512i pick[2] = {base, _mm512_add_epi8(base, _mm512_set1_epi8(4))};
     __m512i s = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {
-        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * h], _mm512_load_si512(x + XQ4_QS + 128 * h));
-        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * h + 1], _mm512_load_si512(x + XQ4_QS + 128 * h + 64));
-        s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(d0, d1), _mm512_maskz_permutexvar_epi8(even, pick[h], sz));
-    }
+    for (int h = 0; h < 2; h++)
+        s = packed_pair(s, q[2 * h], q[2 * h + 1], x + XQ4_QS + 128 * h, _mm512_maskz_permutexvar_epi8(even, pick[h], sz));
 #else
     const __m512i pick[4] = {bits8(0, 2), bits8(1, 3), bits8(4, 6), bits8(5, 7)};  /* vector c's sub-blocks */
     __m512i p[4], sc[4];
@@ -1641,6 +1650,7 @@ STREAMED(q4k, 4, 144, XQ4_BYTES, q4k_sum, Q4K_ZERO, q4k_step, q4k_finish)
 STREAMED(q5k, 4, 176, XQ4_BYTES, q4k_sum, Q4K_ZERO, q5k_step, q4k_finish)
 #endif
 
+#if defined(__AVX512VNNI__)  /* the one-token loops of Q2_K, Q3_K and Q6_K below: with VNNI only */
 /* ---- Q2_K and Q3_K at T = 1 with AVX-512 VNNI: the 2-bit fields where they lie -------------------------------
  * A block's 64 quant bytes are one load: byte p holds the 2-bit fields j = 0..3 of values 128 (p / 32) + 32j + p
  * % 32, so vector j (the fields j, shifted down and masked) is values 32j .. 32j + 31 and 128 + 32j .. + 31, each
@@ -1678,10 +1688,8 @@ static inline __attribute__((always_inline)) __m512i q23k_dots(__m512i s, const 
                                                             _mm512_and_si512(_mm512_srli_epi16(w, 1), _mm512_set1_epi16(2))),
                                            _mm512_and_si512(_mm512_srli_epi16(w, 3), _mm512_set1_epi16(1)));
     for (int h = 0; h < 2; h++) {
-        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h], _mm512_load_si512(x + XQ23_QS + 128 * h));
-        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h + 1], _mm512_load_si512(x + XQ23_QS + 128 * h + 64));
         const __m512i pick = _mm512_add_epi16(group, _mm512_set1_epi16((short)(4 * h)));
-        s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(d0, d1), _mm512_permutexvar_epi16(pick, _mm512_castsi256_si512(s16)));
+        s = packed_pair(s, u[2 * h], u[2 * h + 1], x + XQ23_QS + 128 * h, _mm512_permutexvar_epi16(pick, _mm512_castsi256_si512(s16)));
     }
     return s;
 }
@@ -1753,13 +1761,12 @@ static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, con
         const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, low_shift), m30));
         const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                                            _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), m30));
-        const __m512i xl = _mm512_loadu_si512(x + 4 + 128 * h), xh = _mm512_loadu_si512(x + 4 + 128 * h + 64);
-        const __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xh);
-        s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(dl, dh), _mm512_permutexvar_epi16(group[h], sc));
+        s = packed_pair(s, lo, hi, x + 4 + 128 * h, _mm512_permutexvar_epi16(group[h], sc));
     }
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(b + 208) * f32_at(x)), _mm512_cvtepi32_ps(s), *acc);
 }
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
+#endif
 
 /* ---- IQ4_XS at T = 1 with AVX-512 VNNI: the weights' bytes as they lie, the activations reordered -----------
  * As Q4_K's (x_iq4xs once per call): a block's 128 quant bytes are two
