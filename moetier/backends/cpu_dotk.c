@@ -40,8 +40,8 @@
  *
  * Tables: the IQ1, IQ2 and IQ3 grids and IQ4_NL's kvalues come from the gguf package through dotk_tables; until
  * it is called the IQ formats are not offered (act_type -1). The IQ1 and IQ2 formats' grid rows (8 values) are
- * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers); with
- * VNNI they have one-token loops of their own (IQ1's rows gathered). IQ3_XXS's sign patterns follow a rule
+ * looked up by scalar loads, a row at a time, but for the IQ2 grids with AVX-512 (16-bit codes in registers); their
+ * one-token loops (AVX-512 VNNI, AVX2) are their own. IQ3_XXS's sign patterns follow a rule
  * (7 bits and a parity bit), which dotk_tables checks against the package's table.
  */
 #include <stdint.h>
@@ -468,7 +468,8 @@ static inline void odd_scales(const uint8_t *p, uint64_t out[2]) {
  * -> 1.7 (2.8), IQ1_M 0.9 -> 1.7 (3.1). What is left: the scalar work on the other formats' fields, IQ1's 32 grid
  * lookups and their inserts (vpgatherdq was no faster), and the decoded block's round trip through the wblock form.
  * The IQ1 and IQ2 formats have one-token loops of their own with AVX-512 VNNI ("IQ2_XXS at T = 1", "IQ1_S and
- * IQ1_M at T = 1" below). */
+ * IQ1_M at T = 1" below) and, but IQ2_XS, with AVX2 ("The IQ1 and IQ2 formats at T = 1 with AVX2"): this form is
+ * their T > 1 tiles' and the other paths'. */
 static inline unsigned row_iq2xxs(const uint8_t *b, int k) { return b[2 + 8 * (k / 4) + k % 4]; }
 static inline unsigned row_iq2xs(const uint8_t *b, int k) { return u16_at(b + 2 + 2 * k) & 511u; }
 static inline unsigned row_iq2s(const uint8_t *b, int k) { return b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8; }
@@ -2168,7 +2169,7 @@ STREAMED(iq2xxs, 1, 66, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xxs_step,
 STREAMED(iq2xs, 1, 74, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xs_step, as_is)
 STREAMED(iq2s, 1, 82, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2s_step, as_is)
 
-/* ---- IQ1_S and IQ1_M at T = 1 (with the IQ3 loops' instructions): the rows gathered, their deltas through sums ---
+/* ---- IQ1_S and IQ1_M at T = 1 (with the IQ3 loops' instructions): the rows loaded, their deltas through sums ----
  * A row's values are 8g + delta (g of -1, 0, 1, delta 1 or -1 with d / 8, as the loop above takes them), so a row
  * dots as 8 (g + 1) . x - (8 - delta) (its quants' sum): the first part one vpdpbusd on the grid's g + 1 (0, 1, 2,
  * grid1_up; never a sign), the second through sums of 4 quants the activations carry. Vector m holds rows m, 4 + m,
