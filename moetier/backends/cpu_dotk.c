@@ -505,6 +505,13 @@ static inline void fields_iq2s(const uint8_t *b, grid_fields *f) {
     odd_scales(b + 74, f->scales);
 }
 
+/* IQ1_M's float16 d, whose 4 nibbles are the tops of its 4 scale words (at 48) */
+static inline float iq1m_d(const uint8_t *b) {
+    const uint64_t sc = u64_at(b + 48);
+    const uint16_t d = (uint16_t)((sc >> 12 & 0x000f) | (sc >> 24 & 0x00f0) | (sc >> 36 & 0x0f00) | (sc >> 48 & 0xf000));
+    return f16_at((const uint8_t *)&d);
+}
+
 /* 8 groups of 32: 32 index bytes, then 8 uint16: three high index bits per row, the group's scale (bits 12..14)
  * and its delta's sign (bit 15) */
 static inline void fields_iq1s(const uint8_t *b, grid_fields *f) {
@@ -522,9 +529,7 @@ static inline void fields_iq1s(const uint8_t *b, grid_fields *f) {
 /* 32 index bytes; 16 bytes, a nibble per row: three high index bits and the row's delta's sign; 4 uint16 of 4 three-
  * bit scales each (per 16 values), whose top nibbles are the block's float16 d */
 static inline void fields_iq1m(const uint8_t *b, grid_fields *f) {
-    const uint16_t s0 = u16_at(b + 48), s1 = u16_at(b + 50), s2 = u16_at(b + 52), s3 = u16_at(b + 54);
-    const uint16_t d = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00f0) | ((s2 >> 4) & 0x0f00) | (s3 & 0xf000));
-    f->d = 0.125f * f16_at((const uint8_t *)&d);
+    f->d = 0.125f * iq1m_d(b);
     f->grid = grid1, f->codes = NULL;
     for (int h = 0; h < 2; h++) {
         uint64_t sc = 0;
@@ -1701,7 +1706,6 @@ static inline __attribute__((always_inline)) void q23k_fields(const uint8_t *p, 
     for (int j = 0; j < 4; j++) u[j] = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * j), m3);
 }
 
-
 static inline __attribute__((always_inline)) void q3k_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
     stream_prefetch(b, 110);
     __m512i u[4];
@@ -2052,7 +2056,7 @@ STREAMED(iq3xxst, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxst_step, as
  * 2048 columns, C harness, twice alternated, llama.cpp's vec_dot on the same core beside (GB/s): IQ2_XXS 3.3 -> 7.3
  * (3.5), IQ2_XS 3.3 -> 6.4-6.5 (3.8-4.2), IQ2_S 3.5 -> 5.2 (4.5-4.6: its 1024 rows by scalar loads, where 16
  * vpermi2w and 15 blends of their codes read 4.3-4.6 and two vpgatherdd cost as much). */
-enum { X2_QS = 0, X2_D = 256 };  /* in ORDERED_BYTES a block */
+enum { X2_QS = 0, X2_D = 384 };  /* in ORDERED_BYTES a block (x_iq1 puts its sums between) */
 
 static void x_iq2(const uint8_t *x, int64_t blocks, uint8_t *out) {
     for (int64_t i = 0; i < blocks; i++) {
@@ -2180,10 +2184,10 @@ STREAMED(iq2s, 1, 82, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2s_step, as_
  * Numerics: each block's integer sums exact in int32, then times d_w * d_x / 8 in float32. One Zen 4 core from DRAM,
  * 2048 columns, C harness, llama.cpp's vec_dot on the same core beside (GB/s): IQ1_S 1.7 -> 3.1 (2.7-2.8), IQ1_M
  * 1.7 -> 3.2-3.3 (3.2): bound by the 32 row loads a block (two rows at a time gained nothing). */
-enum { X1_SUMS = 256, X1_D = 384 };  /* in ORDERED_BYTES a block: the quants as x_iq2's, the sums, d_x / 8 */
+enum { X1_SUMS = 256 };  /* in ORDERED_BYTES a block: the quants and d_x / 8 as x_iq2's, the sums between */
 
 static void x_iq1(const uint8_t *x, int64_t blocks, uint8_t *out) {
-    x_iq2(x, blocks, out);  /* its quants and d_x / 8 at X2_D: moved to X1_D below */
+    x_iq2(x, blocks, out);
     for (int64_t i = 0; i < blocks; i++) {
         uint8_t *o = out + ORDERED_BYTES * i;
         int16_t sums[64];  /* vector m, dword l: its 4 quants' sum */
@@ -2192,7 +2196,6 @@ static void x_iq1(const uint8_t *x, int64_t blocks, uint8_t *out) {
                 const int8_t *q = (const int8_t *)(o + X2_QS + 64 * m + 4 * l);
                 sums[16 * m + l] = (int16_t)(q[0] + q[1] + q[2] + q[3]);
             }
-        memcpy(o + X1_D, o + X2_D, 4);
         memcpy(o + X1_SUMS, sums, sizeof sums);
     }
 }
@@ -2226,7 +2229,7 @@ static inline __attribute__((always_inline)) void iq1s_step(const uint8_t *b, co
                                              _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(high, 3 * m), 8), _mm256_set1_epi32(0x700)));
         s = iq1_rows(s, rows, x, m, coef);
     }
-    *acc = _mm512_fmadd_ps(head_scale(b, x + X1_D), _mm512_cvtepi32_ps(s), *acc);
+    *acc = _mm512_fmadd_ps(head_scale(b, x + X2_D), _mm512_cvtepi32_ps(s), *acc);
 }
 
 /* byte 0 of dword l (group q = l / 2) <- IQ1_M's scale word's bits 16 (q / 2) + 6 (q % 2) + 3h..: the scale of the
@@ -2247,7 +2250,6 @@ static inline __attribute__((always_inline)) void iq1m_step(const uint8_t *b, co
     const __m256i high = _mm512_castsi512_si256(qh);  /* dword q: rows 4q .. 4q + 3's nibbles */
     const __m512i pairs = _mm512_srli_epi32(iota32(), 1), nibbles = _mm512_permutexvar_epi32(pairs, qh);
     const uint64_t sc = u64_at(b + 48);
-    const uint16_t d16 = (uint16_t)((sc >> 12 & 0x000f) | (sc >> 24 & 0x00f0) | (sc >> 36 & 0x0f00) | (sc >> 48 & 0xf000));
     __m512i s = _mm512_setzero_si512();
     for (int m = 0; m < 4; m++) {
         const __m256i rows = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 8 * m), _mm256_set1_epi32(255)),
@@ -2256,30 +2258,39 @@ static inline __attribute__((always_inline)) void iq1m_step(const uint8_t *b, co
         const __m512i index = _mm512_ternarylogic_epi32(scale, _mm512_srli_epi32(nibbles, 4 * m), _mm512_set1_epi32(7), 0xe4);
         s = iq1_rows(s, rows, x, m, _mm512_permutexvar_epi32(index, _mm512_load_si512(coef1)));
     }
-    const float dd = f16_at((const uint8_t *)&d16) * f32_at(x + X1_D);
+    const float dd = iq1m_d(b) * f32_at(x + X2_D);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), *acc);
 }
 STREAMED(iq1s, 1, 50, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq1s_step, as_is)
 STREAMED(iq1m, 1, 56, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq1m_step, as_is)
 
-/* the IQ2 and IQ3 formats' one-token loops where this build has them: 1 (their activations' order, loops), else 0 */
-static int one_token_grids(int64_t wtype, order_fn *order, four_rows_fn *four, one_row_fn *one) {
-    *order = x_iq3s;
+#endif
+
+/* the one-token loops that read the token's quants in an order of their own, where this build has them: 1 (that
+ * order and the loops), else 0 (Q6_K's reads them as they lie; every other format takes the row loop) */
+static int one_token_ordered(int64_t wtype, order_fn *order, four_rows_fn *four, one_row_fn *one) {
     switch (wtype) {
-    case IQ3_S: if (!odd_levels_s) return 0; *four = iq3s_four, *one = iq3s_one; return 1;
-    case IQ3_S_T: if (!odd_levels_s) return 0; *four = iq3st_four, *one = iq3st_one; return 1;
-    case IQ3_XXS: if (!affine_xxs_ok) return 0; *four = iq3xxs_four, *one = iq3xxs_one; return 1;
-    case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *four = iq3xxst_four, *one = iq3xxst_one; return 1;
+    case Q4_K: *order = x_q4k, *four = q4k_four, *one = q4k_one; return 1;
+#if defined(__AVX512VNNI__)
+    case Q5_K: *order = x_q4k, *four = q5k_four, *one = q5k_one; return 1;
+    case Q3_K: *order = x_q23k, *four = q3k_four, *one = q3k_one; return 1;
+    case Q2_K: *order = x_q23k, *four = q2k_four, *one = q2k_one; return 1;
+    case IQ4_XS: *order = x_iq4xs, *four = iq4xs_four, *one = iq4xs_one; return 1;
+#endif
+#if defined(IQ3_GEMV)
+    case IQ3_S: if (!odd_levels_s) return 0; *order = x_iq3s, *four = iq3s_four, *one = iq3s_one; return 1;
+    case IQ3_S_T: if (!odd_levels_s) return 0; *order = x_iq3s, *four = iq3st_four, *one = iq3st_one; return 1;
+    case IQ3_XXS: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxs_four, *one = iq3xxs_one; return 1;
+    case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxst_four, *one = iq3xxst_one; return 1;
     case IQ2_XXS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xxs_four, *one = iq2xxs_one; return 1;
     case IQ2_XS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xs_four, *one = iq2xs_one; return 1;
     case IQ2_S: if (!codes_ok) return 0; *order = x_iq2, *four = iq2s_four, *one = iq2s_one; return 1;
     case IQ1_S: *order = x_iq1, *four = iq1s_four, *one = iq1s_one; return 1;
     case IQ1_M: *order = x_iq1, *four = iq1m_four, *one = iq1m_one; return 1;
+#endif
     default: return 0;
     }
 }
-
-#endif
 #endif
 
 #if defined(DOTK_AVX2)
@@ -2508,7 +2519,6 @@ static inline __attribute__((always_inline)) void iq1s_block(const uint8_t *b, c
 }
 static inline __attribute__((always_inline)) void iq1m_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
     const uint64_t sc = u64_at(b + 48);
-    const uint16_t d16 = (uint16_t)((sc >> 12 & 0x000f) | (sc >> 24 & 0x00f0) | (sc >> 36 & 0x0f00) | (sc >> 48 & 0xf000));
     __m256i s = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++) {
         const uint8_t *q = b + 4 * g;
@@ -2522,7 +2532,7 @@ static inline __attribute__((always_inline)) void iq1m_block(const uint8_t *b, c
         const __m256i coef = _mm256_mullo_epi16(sc16, _mm256_sub_epi16(_mm256_set1_epi16(7), _mm256_add_epi16(minus, minus)));
         s = iq1_group(s, v, load256(xb + 4 + 32 * g), _mm256_slli_epi16(sc16, 3), coef);
     }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at((const uint8_t *)&d16) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1m_d(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
 }
 
 /* IQ2: the group's magnitudes (v) against x carrying the rows' signs (sgn: +1 / -1 bytes), each pair times sc */
@@ -2984,28 +2994,13 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
 #endif
 #if defined(DOTK_AVX512)
-    if (loop != NULL && wtype == Q4_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q4k, q4k_four, q4k_one))
-        return;
-#if defined(__AVX512VNNI__)
-    if (loop != NULL && wtype == Q5_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q4k, q5k_four, q5k_one))
-        return;
-    if (loop != NULL && wtype == Q3_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q23k, q3k_four, q3k_one))
-        return;
-    if (loop != NULL && wtype == Q2_K && T == 1 && ordered_one_token(n, wb, row_bytes, rows, x, y, x_q23k, q2k_four, q2k_one))
-        return;
-#endif
-#if defined(IQ3_GEMV)
     order_fn order;
     four_rows_fn four;
     one_row_fn one;
-    if (loop != NULL && T == 1 && one_token_grids(wtype, &order, &four, &one)
+    if (loop != NULL && T == 1 && one_token_ordered(wtype, &order, &four, &one)
         && ordered_one_token(n, wb, row_bytes, rows, x, y, order, four, one))
         return;
-#endif
 #if defined(__AVX512VNNI__)
-    if (loop != NULL && wtype == IQ4_XS && T == 1
-        && ordered_one_token(n, wb, row_bytes, rows, x, y, x_iq4xs, iq4xs_four, iq4xs_one))
-        return;
     if (loop != NULL && wtype == Q6_K && T == 1) {
         four_streams(n, wb, row_bytes, rows, x, y, q6k_four, q6k_one);
         return;
@@ -3049,7 +3044,7 @@ int64_t dotk_resident_type(int64_t wtype) {
     four_rows_fn four;
     one_row_fn one;
     const int64_t held = wtype == IQ3_XXS ? IQ3_XXS_T : wtype == IQ3_S ? IQ3_S_T : wtype;
-    if (held != wtype && tables_ready && one_token_grids(held, &order, &four, &one)) return held;
+    if (held != wtype && tables_ready && one_token_ordered(held, &order, &four, &one)) return held;
 #endif
     return wtype;
 }
