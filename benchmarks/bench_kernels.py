@@ -43,11 +43,12 @@ from quant_blocks import F16_FIELDS, NOT_STORED, random_rows  # noqa: E402
 
 from moetier import native  # noqa: E402
 from moetier.backends import activations as A  # noqa: E402
-from moetier.backends import dot_kernels  # noqa: E402
+from moetier.backends import dot_kernels, torch_dequant  # noqa: E402
 from moetier.calibrate import read_probes  # noqa: E402
 from moetier.model.formats import BY_NAME  # noqa: E402
 
 DEFAULT_FORMATS = "Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,IQ1_M,IQ1_S"
+NAME_OF = {fmt.id: name for name, fmt in BY_NAME.items()}  # type id -> name (the layout a matrix is held in)
 
 
 class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu
@@ -114,16 +115,12 @@ def measure(name: str, args, kernels, traits, rows_loop, read) -> dict:
             best[engine] = max(best[engine], w.numel() / timed(fn) / 1e9)
         best["read"] = max(best["read"], (1 << 30) / timed(read) / 1e9)
     scale = torch.from_numpy(np.abs(np.asarray(A.dequantize(act, xq.numpy(), args.cols)))).reshape(-1)
-    from moetier.backends import torch_dequant
-
     sums = torch_dequant.dequantize(w[:64], fmt.id, args.cols).abs() @ scale  # sum |w||x| of the first 64 rows
     worst = float(((ours[:64] - theirs[:64]).abs() / sums.clamp_min(1e-30)).max())
-    return {"rows": rows, "cols": args.cols, "mb": round(w.numel() / 1e6, 1), "held_as": BY_NAME_BY_ID[held],
+    return {"rows": rows, "cols": args.cols, "mb": round(w.numel() / 1e6, 1), "held_as": NAME_OF[held],
             "moetier_gb_per_s": best["moetier"], "llama_cpp_gb_per_s": best["llama.cpp"], "read_gb_per_s": best["read"],
             "vs_llama_cpp": best["moetier"] / best["llama.cpp"], "max_diff_over_sum_abs": worst}
 
-
-BY_NAME_BY_ID = {fmt.id: name for name, fmt in BY_NAME.items()}
 
 
 def main() -> None:
