@@ -56,13 +56,18 @@ class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu
                 ("nrows", ctypes.c_int64)]
 
 
-def llama_vec_dots():
-    """-> (type id -> (vec_dot pointer, its vec_dot_type)), the C row loop, llama-cpp-python's version; or exit."""
+def llama_vec_dots(cpu_lib: str | None):
+    """-> (type id -> (vec_dot pointer, its vec_dot_type)), the C row loop, llama-cpp-python's version; or exit.
+    cpu_lib: another build of the same version's libggml-cpu.so (e.g. one for AVX2 only), else llama-cpp-python's."""
     try:
         import llama_cpp
     except ImportError:
         raise SystemExit("bench_kernels: llama-cpp-python is not installed (make .venv/.moetier-peer)") from None
-    cpu = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    path = cpu_lib or os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so")
+    try:
+        cpu = ctypes.CDLL(path)
+    except OSError as e:
+        raise SystemExit(f"bench_kernels: --llama-cpu-lib {path}: cannot load it ({e})") from None
     cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
     cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
     cpu.ggml_cpu_init()  # its float16 table: vec_dot reads scales through it
@@ -130,6 +135,9 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=2048, help="values a row (whole 256-value blocks)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cpu", type=int, default=None, help="the CPU to pin to (default: the first this process may use)")
+    parser.add_argument("--llama-cpu-lib", default=None, metavar="PATH",
+                        help="another build of llama.cpp's libggml-cpu.so (the same version; e.g. built for AVX2 only) "
+                             "in place of llama-cpp-python's")
     args = parser.parse_args()
     blocks = [name for name in F16_FIELDS if name not in NOT_STORED]
     for name in args.formats.split(","):
@@ -143,15 +151,16 @@ def main() -> None:
     cpu = args.cpu if args.cpu is not None else min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
-    traits, rows_loop, llama_version = llama_vec_dots()
+    traits, rows_loop, llama_version = llama_vec_dots(args.llama_cpu_lib)
     probes = read_probes(1)
     read = max(probes.values(), key=lambda probe: 1 / timed(probe))  # the fastest reader on this host
     report = {"bench": "kernels", "cpu": cpu, "status": dot_kernels.status(), "llama_cpp_python": llama_version,
+              "llama_cpu_lib": args.llama_cpu_lib or "llama-cpp-python's",
               "machine": {"cpu": _cpu_name(), "git_commit": _git("rev-parse", "HEAD"),
                           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "formats": {}}
     print(f"one core (CPU {cpu}), one token, [rows, {args.cols}] matrices of {args.mb} MB from DRAM, best of {args.runs} "
           f"alternated passes; {report['machine']['cpu']}, git {report['machine']['git_commit'][:10]}, "
-          f"llama-cpp-python {llama_version}")
+          f"llama-cpp-python {llama_version}" + (f" ({args.llama_cpu_lib})" if args.llama_cpu_lib else ""))
     print(f"{'format':<8} {'held as':<10} {'moetier GB/s':>13} {'llama.cpp GB/s':>15} {'ratio':>7} {'read GB/s':>10} {'max diff':>9}")
     for name in args.formats.split(","):
         r = measure(name, args, kernels, traits, rows_loop, read)

@@ -84,7 +84,7 @@ static uint32_t grid_xxs[256], grid_s[512];  /* 4 values (bytes) per entry */
 static uint64_t grid2_xxs[256], grid2_xs[512], grid2_s[1024];  /* the IQ2 grids: 8 values (bytes) per entry */
 static uint64_t grid1[2048];  /* the IQ1 grid: 8 values g of -1, 0, 1 (int8) per entry */
 static uint64_t grid1_up[2048] __attribute__((aligned(64)));  /* g + 1 (0, 1, 2) for the one-token loops */
-static int32_t coef1[16] __attribute__((aligned(64)));  /* IQ1 scale and delta bits -> their int16 pair (below) */
+
 /* The IQ2 grids as 16-bit codes for in-register lookups (AVX-512): value i of an entry is level (code >> 2i) & 3 of
  * levels2 (their three values 8, 25, 43); codes_ok: every IQ2 grid has that form */
 static uint16_t code2_xxs[256] __attribute__((aligned(64))), code2_xs[512] __attribute__((aligned(64)));
@@ -263,10 +263,6 @@ int64_t dotk_tables(const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t 
     for (int e = 0; e < 2048; e++) {
         grid1_up[e] = 0;
         for (int j = 0; j < 8; j++) grid1_up[e] |= (uint64_t)(uint8_t)((int8_t)(grid1[e] >> 8 * j) + 1) << 8 * j;
-    }
-    for (int i = 0; i < 16; i++) {  /* bits 0..2: the scale s, bit 3: the delta's sign; -> 8 (2s + 1), -(2s + 1)(7 or 9) */
-        const int sc = 2 * (i & 7) + 1;
-        coef1[i] = (int32_t)((uint32_t)(uint16_t)(8 * sc) | (uint32_t)(uint16_t)(-sc * (i & 8 ? 9 : 7)) << 16);
     }
     codes_ok = grid_levels(iq2_xxs, 256) && grid_codes(iq2_xxs, 256, code2_xxs) && grid_codes(iq2_xs, 512, code2_xs)
                && grid_codes(iq2_s, 1024, code2_s);
@@ -2048,15 +2044,15 @@ STREAMED(iq3xxst, 2, 98, XS_BYTES, __m512, _mm512_setzero_ps(), iq3xxst_step, as
  * bytes, dword q rows 4q .. 4q + 3, give each vector's signs by one vpshufbitqmb. The token's quants are copied once
  * per call into that order (x_iq2: vector m, qword q = quants 32q + 8m .. + 7, and d_x / 8), the signs put onto
  * them (a masked subtraction), 4 vpdpbusd sum each dword's 16 products (|sum| <= 16 * 43 * 127 < 2^17), one vpmulld
- * times the group's 2s + 1. IQ2_XS and IQ2_S the same way, their 16-value scales two vpmulld (vectors 0, 1 are rows
- * 4q, 4q + 1, vectors 2, 3 rows 4q + 2, 4q + 3: the two halves of group q), IQ2_XS's sign fields picked from their
- * uint16 by one vpmultishiftqb into the patterns, IQ2_S's sign bytes loaded as they lie. Numerics: each block's
- * integer sums exact in int32, then times d_w * d_x / 8 in float32 (float32 order only differs from the loop
- * above). In place of the loop above, which decoded each block into the shared form: one Zen 4 core from DRAM,
- * 2048 columns, C harness, twice alternated, llama.cpp's vec_dot on the same core beside (GB/s): IQ2_XXS 3.3 -> 7.3
- * (3.5), IQ2_XS 3.3 -> 6.4-6.5 (3.8-4.2), IQ2_S 3.5 -> 5.2 (4.5-4.6: its 1024 rows by scalar loads, where 16
- * vpermi2w and 15 blends of their codes read 4.3-4.6 and two vpgatherdd cost as much). */
-enum { X2_QS = 0, X2_D = 384 };  /* in ORDERED_BYTES a block (x_iq1 puts its sums between) */
+ * times the group's 2s + 1. IQ2_XS the same way, its 16-value scales two vpmulld (vectors 0, 1 are rows 4q, 4q + 1,
+ * vectors 2, 3 rows 4q + 2, 4q + 3: the two halves of group q), its sign fields picked from their uint16 by one
+ * vpmultishiftqb into the patterns. Numerics: each block's integer sums exact in int32, then times d_w * d_x / 8 in
+ * float32 (float32 order only differs from the loop above). In place of the loop above, which decoded each block
+ * into the shared form: one Zen 4 core from DRAM, 2048 columns, C harness, twice alternated, llama.cpp's vec_dot on
+ * the same core beside (GB/s): IQ2_XXS 3.3 -> 7.3 (3.5), IQ2_XS 3.3 -> 6.4-6.5 (3.8-4.2). IQ2_S's 1024 rows are too
+ * many to look up in registers at a gain (16 vpermi2w and 15 blends of their codes: 4.3-4.6): its loop (below,
+ * with the IQ1 formats') loads them. */
+enum { X2_QS = 0, X2_D = 384 };  /* in ORDERED_BYTES a block */
 
 static void x_iq2(const uint8_t *x, int64_t blocks, uint8_t *out) {
     for (int64_t i = 0; i < blocks; i++) {
@@ -2068,14 +2064,6 @@ static void x_iq2(const uint8_t *x, int64_t blocks, uint8_t *out) {
         memcpy(o + X2_D, &d8, 4);
     }
 }
-
-/* the 8 table rows t[i[0]], t[i[s]], .., t[i[7s]] (uint64_t) as one vector, by scalar loads, whatever i's integer type
- * (where a grid is too big to look up in registers at a gain: IQ1's 2048 rows, IQ2_S's 1024; uint16 indices read
- * IQ2_S 4% faster than the same widened, uint32 IQ1 6% faster than uint16 halves) */
-#define ROWS8(t, i, s)                                                                                               \
-    _mm512_set_epi64((long long)(t)[(i)[7 * (s)]], (long long)(t)[(i)[6 * (s)]], (long long)(t)[(i)[5 * (s)]],      \
-                     (long long)(t)[(i)[4 * (s)]], (long long)(t)[(i)[3 * (s)]], (long long)(t)[(i)[2 * (s)]],      \
-                     (long long)(t)[(i)[s]], (long long)(t)[(i)[0]])
 
 /* a block's 32 grid rows' codes (lookup16's uint16 lanes) -> the 4 vectors' magnitudes, x_iq2's order */
 static inline __attribute__((always_inline)) void iq2_magnitudes(__m512i codes, __m512i q[4]) {
@@ -2108,8 +2096,8 @@ static inline __attribute__((always_inline)) __m512 iq2_dot(const __m512i q[4], 
     return _mm512_fmadd_ps(head_scale(b, x + X2_D), _mm512_cvtepi32_ps(t), acc);
 }
 
-/* 2s + 1 of dword l of the sum: IQ2_XS's and IQ2_S's 8 scale bytes at p (two nibbles, rows 4q, 4q + 1 and 4q + 2,
- * 4q + 3 of byte q = l / 2) */
+/* 2s + 1 of dword l of the sum: IQ2_XS's 8 scale bytes at p (two nibbles, rows 4q, 4q + 1 and 4q + 2, 4q + 3 of
+ * byte q = l / 2) */
 static inline __attribute__((always_inline)) void iq2_nibble_scales(const uint8_t *p, __m512i sc[2]) {
     const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)p), pairs));
@@ -2155,114 +2143,9 @@ static inline __attribute__((always_inline)) void iq2xs_step(const uint8_t *b, c
     *acc = iq2_dot(q, negative, sc, 1, b, x, *acc);
 }
 
-/* IQ2_S: 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 8 scale bytes */
-static inline __attribute__((always_inline)) void iq2s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
-    stream_prefetch(b, 82);
-    uint16_t rows[32] __attribute__((aligned(64)));  /* its 1024 rows loaded (C harness, one Zen 4 core: 4.3 GB/s as
-                                                     * 16 vpermi2w and 15 blends of codes, 5.2 so; IQ2_XS's 512 lose) */
-    _mm512_store_si512((__m512i *)rows, indices_iq2s(b));
-    const __m512i q[4] = {ROWS8(grid2_s, rows, 4), ROWS8(grid2_s, rows + 1, 4), ROWS8(grid2_s, rows + 2, 4), ROWS8(grid2_s, rows + 3, 4)};
-    __mmask64 negative[4];
-    iq2_signs(_mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(b + 34))), negative);
-    __m512i sc[2];
-    iq2_nibble_scales(b + 74, sc);
-    *acc = iq2_dot(q, negative, sc, 1, b, x, *acc);
-}
-
 STREAMED(iq2xxs, 1, 66, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xxs_step, as_is)
 STREAMED(iq2xs, 1, 74, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xs_step, as_is)
-STREAMED(iq2s, 1, 82, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2s_step, as_is)
 
-/* ---- IQ1_S and IQ1_M at T = 1 (with the IQ3 loops' instructions): the rows loaded, their deltas through sums ----
- * A row's values are 8g + delta (g of -1, 0, 1, delta 1 or -1 with d / 8, as the loop above takes them), so a row
- * dots as 8 (g + 1) . x - (8 - delta) (its quants' sum): the first part one vpdpbusd on the grid's g + 1 (0, 1, 2,
- * grid1_up; never a sign), the second through sums of 4 quants the activations carry. Vector m holds rows m, 4 + m,
- * .., 28 + m in x_iq2's order, its 8 rows loaded as qwords (the 2048-entry grid is too big for registers, and 32
- * lookups and 31 blends of 16-bit codes were slower); each dword's 4-product sum D (|D| <= 4 * 2
- * * 127) and its 4 quants' sum X (|X| <= 4 * 127) are an int16 pair (vpermw puts X above D), dotted by one vpdpwssd
- * with the pair (8 (2s + 1), -(2s + 1)(8 - delta)) of its row's scale and delta (coef1, by vpermd on their 4 bits).
- * Numerics: each block's integer sums exact in int32, then times d_w * d_x / 8 in float32. One Zen 4 core from DRAM,
- * 2048 columns, C harness, llama.cpp's vec_dot on the same core beside (GB/s): IQ1_S 1.7 -> 3.1 (2.7-2.8), IQ1_M
- * 1.7 -> 3.2-3.3 (3.2): bound by the 32 row loads a block (two rows at a time gained nothing). */
-enum { X1_SUMS = 256 };  /* in ORDERED_BYTES a block: the quants and d_x / 8 as x_iq2's, the sums between */
-
-static void x_iq1(const uint8_t *x, int64_t blocks, uint8_t *out) {
-    x_iq2(x, blocks, out);
-    for (int64_t i = 0; i < blocks; i++) {
-        uint8_t *o = out + ORDERED_BYTES * i;
-        int16_t sums[64];  /* vector m, dword l: its 4 quants' sum */
-        for (int m = 0; m < 4; m++)
-            for (int l = 0; l < 16; l++) {
-                const int8_t *q = (const int8_t *)(o + X2_QS + 64 * m + 4 * l);
-                sums[16 * m + l] = (int16_t)(q[0] + q[1] + q[2] + q[3]);
-            }
-        memcpy(o + X1_SUMS, sums, sizeof sums);
-    }
-}
-
-/* vector m's rows (8 grid indices as dwords) dotted: each dword's (D, X) pair times its coefficient pair into s.
- * The rows' qwords by scalar loads from one store of their indices (vpgatherdq: IQ1_S 2.8-2.9 GB/s a Zen 4 core,
- * IQ1_M 2.9-3.0; these 3.1 and 3.2-3.3) */
-static inline __attribute__((always_inline)) __m512i iq1_rows(__m512i s, __m256i rows, const uint8_t *x, int m, __m512i coef) {
-    uint32_t r[8] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)r, rows);
-    const __m512i g = ROWS8(grid1_up, r, 1);
-    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g, _mm512_load_si512(x + X2_QS + 64 * m));
-    /* odd int16 2l + 1 <- X of vector m, dword l: int16 16 (m % 2) + l of the sums of vectors m - m % 2, m - m % 2 + 1 */
-    const __m512i at = _mm512_add_epi16(_mm512_srli_epi16(iota16(), 1), _mm512_set1_epi16((short)(16 * (m % 2))));
-    const __m512i dx = _mm512_mask_permutexvar_epi16(d, 0xaaaaaaaa, at, _mm512_load_si512(x + X1_SUMS + 64 * (m / 2)));
-    return _mm512_dpwssd_epi32(s, dx, coef);
-}
-
-/* IQ1_S: 32 index bytes, then 8 uint16 (group q: three high index bits per row, its scale at bits 12..14, its delta's
- * sign at 15) */
-static inline __attribute__((always_inline)) void iq1s_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
-    stream_prefetch(b, 50);
-    const __m256i low = _mm256_loadu_si256((const __m256i *)(b + 2));  /* dword q: rows 4q .. 4q + 3's low bytes */
-    const __m512i qh = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 34))));
-    const __m256i high = _mm512_castsi512_si256(qh);  /* dword q: group q's uint16 */
-    const __m512i pairs = _mm512_srli_epi32(iota32(), 1);  /* dword l: group l / 2 */
-    const __m512i coef = _mm512_permutexvar_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(pairs, qh), 12), _mm512_load_si512(coef1));
-    __m512i s = _mm512_setzero_si512();
-    for (int m = 0; m < 4; m++) {
-        const __m256i rows = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 8 * m), _mm256_set1_epi32(255)),
-                                             _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(high, 3 * m), 8), _mm256_set1_epi32(0x700)));
-        s = iq1_rows(s, rows, x, m, coef);
-    }
-    *acc = _mm512_fmadd_ps(head_scale(b, x + X2_D), _mm512_cvtepi32_ps(s), *acc);
-}
-
-/* byte 0 of dword l (group q = l / 2) <- IQ1_M's scale word's bits 16 (q / 2) + 6 (q % 2) + 3h..: the scale of the
- * group's rows 4q, 4q + 1 (h = 0) or 4q + 2, 4q + 3 (h = 1), by vpmultishiftqb (qword q: dwords 2q, 2q + 1) */
-static inline __m512i iq1m_scale_at(int h) {
-    const long long r = 0x0101010101010101ll;
-    return _mm512_set_epi64((54 + 3 * h) * r, (48 + 3 * h) * r, (38 + 3 * h) * r, (32 + 3 * h) * r, (22 + 3 * h) * r,
-                            (16 + 3 * h) * r, (6 + 3 * h) * r, (3 * h) * r);
-}
-
-/* IQ1_M: 32 index bytes; 16 bytes, a nibble per row (three high index bits, the delta's sign); 4 uint16 of 4 three-
- * bit scales each (a scale per 16 values: group q's two at bits 16 (q / 2) + 6 (q % 2) and 3 more), whose top
- * nibbles are the block's float16 d */
-static inline __attribute__((always_inline)) void iq1m_step(const uint8_t *b, const uint8_t *x, __m512 *acc) {
-    stream_prefetch(b, 56);
-    const __m256i low = _mm256_loadu_si256((const __m256i *)b);
-    const __m512i qh = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 32))));
-    const __m256i high = _mm512_castsi512_si256(qh);  /* dword q: rows 4q .. 4q + 3's nibbles */
-    const __m512i pairs = _mm512_srli_epi32(iota32(), 1), nibbles = _mm512_permutexvar_epi32(pairs, qh);
-    const uint64_t sc = u64_at(b + 48);
-    __m512i s = _mm512_setzero_si512();
-    for (int m = 0; m < 4; m++) {
-        const __m256i rows = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 8 * m), _mm256_set1_epi32(255)),
-                                             _mm256_and_si256(_mm256_srli_epi32(_mm256_slli_epi32(high, 8), 4 * m), _mm256_set1_epi32(0x700)));
-        const __m512i scale = _mm512_multishift_epi64_epi8(iq1m_scale_at(m / 2), _mm512_set1_epi64((long long)sc));
-        const __m512i index = _mm512_ternarylogic_epi32(scale, _mm512_srli_epi32(nibbles, 4 * m), _mm512_set1_epi32(7), 0xe4);
-        s = iq1_rows(s, rows, x, m, _mm512_permutexvar_epi32(index, _mm512_load_si512(coef1)));
-    }
-    const float dd = iq1m_d(b) * f32_at(x + X2_D);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), *acc);
-}
-STREAMED(iq1s, 1, 50, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq1s_step, as_is)
-STREAMED(iq1m, 1, 56, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq1m_step, as_is)
 
 #endif
 
@@ -2284,10 +2167,216 @@ static int one_token_ordered(int64_t wtype, order_fn *order, four_rows_fn *four,
     case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxst_four, *one = iq3xxst_one; return 1;
     case IQ2_XXS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xxs_four, *one = iq2xxs_one; return 1;
     case IQ2_XS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xs_four, *one = iq2xs_one; return 1;
-    case IQ2_S: if (!codes_ok) return 0; *order = x_iq2, *four = iq2s_four, *one = iq2s_one; return 1;
-    case IQ1_S: *order = x_iq1, *four = iq1s_four, *one = iq1s_one; return 1;
-    case IQ1_M: *order = x_iq1, *four = iq1m_four, *one = iq1m_one; return 1;
 #endif
+    default: return 0;
+    }
+}
+#endif
+
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+/* ---- IQ1_S, IQ1_M and the IQ2 formats at T = 1 with AVX2 (IQ1, IQ2_S with AVX-512 too): a vector a group ----
+ * A 32-value group (4 grid rows of 8 values) a vector, in value order, against the token's Q8_K quants as they lie;
+ * the group's rows by scalar loads (the grids of 1024 and 2048 rows are too big to look up in registers at a gain),
+ * their indices formed four to a 64-bit word by two pdep where BMI2 has a fast one (not Zen 1 / 2); one vpmaddubsw
+ * a group of magnitudes against the quants, one vpmaddwd by its scale(s), each block's scales unpacked once and
+ * picked for a group by a shuffle. IQ2's signs go onto the quants (vpsignb by IQ2_XXS / IQ2_XS's +-1 patterns,
+ * sign_ones; IQ2_S's sign bits as a mask with AVX-512, as bytes by a shuffle and a compare with AVX2). IQ1's values
+ * g + delta (g of -1, 0, 1, delta +-1/8) are w (8 (g + 1) + c - k) / 8, k = 7 or 9 by the delta's sign, c a
+ * constant: the rows' bytes 8 (g + 1) + c - k are unsigned, and c (2s + 1) times the quants' sum comes off once a
+ * block through the Q8_K bsums (one vpmaddwd). IQ1_S: c = k (its delta is a group's), rows 8 (g + 1) (grid1_up, g +
+ * 1, shifted by the row's index: a table of 8 (g + 1) would double the L1 footprint for one shift), the bsums'
+ * coefficient (2s + 1) k; IQ1_M: c = 9 (its delta is a row's), rows 8 (g + 1) + 9 - k (0..18), coefficient 9 (2s
+ * + 1). Numerics: each block's integer sum exact in int32 (|pair| <= 2 * 43 * 128, times 2s + 1 <= 31), then times
+ * d_w d_x / 8 in float32 (float32 order only differs from the decoded-block loop). In place of loops that formed
+ * the indices a row at a time, put IQ1's deltas through a second vpmaddubsw a group and broadcast each group's
+ * scale from a general register, and, with AVX-512, of x_iq2-ordered loops for IQ1 and IQ2_S (their rows by
+ * scalar loads from a store of their indices) -- one Zen 4 core from DRAM, 128 MB matrices, GB/s
+ * (benchmarks/bench_kernels.py; llama.cpp's vec_dot, built for AVX2 only, beside): AVX2 build IQ1_S 2.3 -> 4.6
+ * (2.9), IQ1_M 1.9 -> 3.7-3.9 (3.1), IQ2_S 3.7 -> 5.8 (4.6), IQ2_XS 3.1 -> 4.5 (4.2; it had kept the decoded-block
+ * loop), IQ2_XXS unchanged 3.9 (3.5); AVX-512 build IQ1_S 3.2 -> 4.7, IQ1_M 3.3 -> 3.6, IQ2_S 5.0 -> 6.4. Without
+ * the pdep (AVX2, -mno-bmi2) IQ1_S 3.2, IQ1_M 3.3. IQ2_XXS and IQ2_XS keep their AVX-512 loops (in-register
+ * lookups: 7.4 and 6.3 there, these 3.8 and 4.2). */
+static inline __m256i rows4(const uint64_t *t, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    return _mm256_set_epi64x((long long)t[r3], (long long)t[r2], (long long)t[r1], (long long)t[r0]);
+}
+#if defined(__BMI2__) && !defined(__znver1__) && !defined(__znver2__)  /* pdep is microcoded on Zen 1 / 2 */
+#define IQ1_PDEP 1
+#endif
+/* a group's 4 rows: the low index bytes q[0..3], the high 3 bits of row l at bits `span` l .. + 2 of h (IQ1_S: span
+ * 3, h's bits 12.. ignored; IQ1_M: span 4, h's delta bits 3 + 4l cleared by the caller) */
+static inline __attribute__((always_inline)) __m256i iq1_rows4(const uint8_t *q, unsigned h, int span) {
+#if defined(IQ1_PDEP)
+    const uint64_t ix = _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull)
+                      | _pdep_u64(h, span == 3 ? 0x0700070007000700ull : 0x0f000f000f000f00ull);
+    return rows4(grid1_up, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+#else
+    return rows4(grid1_up, q[0] | (h << 8 & 0x700), q[1] | (h << (8 - span) & 0x700), q[2] | (h << (8 - 2 * span) & 0x700),
+                 q[3] | (h >> (3 * span - 8) & 0x700));
+#endif
+}
+static inline __m256i load256_(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* IQ1_S: 32 index bytes, then 8 uint16 (group g: three high index bits per row, its scale at bits 12..14, its
+ * delta's sign at 15) */
+static inline __attribute__((always_inline)) void iq1s_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(b + 34));
+    const __m128i sc = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
+    const __m128i k = _mm_add_epi16(_mm_set1_epi16(7), _mm_and_si128(_mm_srli_epi16(h, 14), _mm_set1_epi16(2)));
+    const __m128i coef = _mm_mullo_epi16(sc, k);  /* (2s + 1) k of group g, for its two bsums */
+    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256_(xb + 260),
+                                 _mm256_set_m128i(_mm_unpackhi_epi16(coef, coef), _mm_unpacklo_epi16(coef, coef))));
+    const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_slli_epi16(sc, 3));  /* 8 (2s + 1), int16 g */
+    __m256i pick = _mm256_set1_epi16(0x0100);
+    for (int g = 0; g < 8; g++) {
+        const __m256i v = iq1_rows4(b + 2 + 4 * g, u16_at(b + 34 + 2 * g), 3);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, load256_(xb + 4 + 32 * g)), _mm256_shuffle_epi8(sc8, pick)));
+        pick = _mm256_add_epi16(pick, _mm256_set1_epi16(0x0202));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
+}
+
+/* IQ1_M: 32 index bytes; 16 bytes, a nibble per row (three high index bits, the delta's sign); 4 uint16 of 4 three-
+ * bit scales each (a scale per 16 values: word w's field j is half 4w + j), whose top nibbles are the block's d */
+static inline __attribute__((always_inline)) void iq1m_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    const __m256i words = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)u64_at(b + 48)),
+                                              _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
+    const __m256i field = _mm256_srli_epi16(_mm256_mullo_epi16(words, _mm256_setr_epi16(8192, 1024, 128, 16, 8192, 1024, 128, 16, 8192,
+                                                                                         1024, 128, 16, 8192, 1024, 128, 16)), 13);
+    const __m256i sc = _mm256_or_si256(_mm256_add_epi16(field, field), _mm256_set1_epi16(1));  /* 2s + 1, int16 = half */
+    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256_(xb + 260), _mm256_add_epi16(_mm256_slli_epi16(sc, 3), sc)));
+    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    const __m256i bit = _mm256_set_epi64x(0x8000800080008000ll, 0x0800080008000800ll, 0x0080008000800080ll, 0x0008000800080008ll);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const unsigned h = u16_at(b + 32 + 2 * g);
+        const __m256i v = iq1_rows4(b + 4 * g, h & 0x7777, 4);
+        /* 9 - k: 2 by the rows whose delta bit is clear, 0 by the others */
+        const __m256i c = _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)h), bit), bit), _mm256_set1_epi8(2));
+        /* the scales of halves 2g (low lane) and 2g + 1 (high lane): int16 4 (g % 4) and 4 (g % 4) + 1 of lo or hi */
+        const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+                                             _mm256_set1_epi8((char)(4 * (g % 4))));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_add_epi8(_mm256_slli_epi16(v, 3), c), load256_(xb + 4 + 32 * g));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_shuffle_epi8(g < 4 ? lo : hi, pick)));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1m_d(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
+}
+static inline __attribute__((always_inline)) void iq1s_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 50);
+    iq1s_group_block(b, x, acc);
+}
+static inline __attribute__((always_inline)) void iq1m_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 56);
+    iq1m_group_block(b, x, acc);
+}
+#if defined(DOTK_AVX512)
+static inline acc_t widened(__m256 a) { return _mm512_zextps256_ps512(a); }
+#else
+#define widened as_is
+#endif
+ONE_ROW(iq1s_group, 50, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq1s_group_step, widened)
+ONE_ROW(iq1m_group, 56, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq1m_group_step, widened)
+
+/* x with its bytes negated where `bits` has a one (bit j of byte k: byte 8k + j) */
+static inline __attribute__((always_inline)) __m256i negated_where(__m256i x, uint32_t bits) {
+#if defined(DOTK_AVX512)
+    return _mm256_mask_sub_epi8(x, (__mmask32)bits, _mm256_setzero_si256(), x);
+#else
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit), bit);
+    return _mm256_sign_epi8(x, _mm256_or_si256(neg, _mm256_set1_epi8(1)));
+#endif
+}
+
+/* a block's 16 scales 2s + 1 (int16, half h of 16 values at h) from 8 bytes of two nibbles (half 2g low) */
+static inline __m256i nibble_scales16(const uint8_t *p) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)p), m4 = _mm_set1_epi8(15);
+    const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
+    return _mm256_or_si256(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
+}
+
+/* group g's two 16-value scales across a vector's int16 (half 2g in the low lane, 2g + 1 in the high), from sc's
+ * lanes spread (lo: its low lane twice, hi: its high) */
+static inline __attribute__((always_inline)) __m256i group_scales(__m256i lo, __m256i hi, int g) {
+    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+                                         _mm256_set1_epi8((char)(4 * (g % 4))));
+    return _mm256_shuffle_epi8(g < 4 ? lo : hi, pick);
+}
+
+/* IQ2_S: 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 8 scale bytes */
+static inline __attribute__((always_inline)) void iq2s_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    const __m256i sc = nibble_scales16(b + 74);
+    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *q = b + 2 + 4 * g;
+        const unsigned h = b[66 + g];
+#if defined(IQ1_PDEP)
+        const uint64_t ix = _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull) | _pdep_u64(h, 0x0300030003000300ull);
+        const __m256i v = rows4(grid2_s, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+#else
+        const __m256i v = rows4(grid2_s, q[0] | (h << 8 & 0x300), q[1] | (h << 6 & 0x300), q[2] | (h << 4 & 0x300), q[3] | (h << 2 & 0x300));
+#endif
+        const __m256i x = negated_where(load256_(xb + 4 + 32 * g), u32_at(b + 34 + 4 * g));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(lo, hi, g)));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
+}
+static inline __attribute__((always_inline)) void iq2s_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 82);
+    iq2s_group_block(b, x, acc);
+}
+ONE_ROW(iq2s_group, 82, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2s_group_step, widened)
+
+/* IQ2_XXS: 8 groups of 4 index bytes and a word (4 seven-bit sign fields, the scale in bits 28..31) */
+static inline __attribute__((always_inline)) void iq2xxs_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    __m256i s = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *q = b + 2 + 8 * g;
+        const uint32_t aux = u32_at(q + 4);
+        const __m256i sgn = rows4(sign_ones, aux & 127, aux >> 7 & 127, aux >> 14 & 127, aux >> 21 & 127);
+        const __m256i x = _mm256_sign_epi8(load256_(xb + 4 + 32 * g), sgn);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(rows4(grid2_xxs, q[0], q[1], q[2], q[3]), x),
+                                                  _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
+}
+
+/* IQ2_XS: 32 uint16 (a 9-bit grid index, a 7-bit sign field), 8 scale bytes */
+static inline __attribute__((always_inline)) void iq2xs_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
+    const __m256i sc = nibble_scales16(b + 66);
+    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const uint64_t w = u64_at(b + 2 + 8 * g), ix = w & 0x01ff01ff01ff01ffull;
+        const __m256i v = rows4(grid2_xs, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+        const __m256i sgn = rows4(sign_ones, (unsigned)(w >> 9 & 127), (unsigned)(w >> 25 & 127), (unsigned)(w >> 41 & 127), (unsigned)(w >> 57));
+        const __m256i x = _mm256_sign_epi8(load256_(xb + 4 + 32 * g), sgn);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(lo, hi, g)));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
+}
+static inline __attribute__((always_inline)) void iq2xxs_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 66);
+    iq2xxs_group_block(b, x, acc);
+}
+static inline __attribute__((always_inline)) void iq2xs_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 74);
+    iq2xs_group_block(b, x, acc);
+}
+ONE_ROW(iq2xxs_group, 66, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2xxs_group_step, widened)
+ONE_ROW(iq2xs_group, 74, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2xs_group_step, widened)
+
+/* the one-token loops that read the token's Q8_K quants as they lie, where this build has them: 1, else 0 */
+static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
+    switch (wtype) {
+    case IQ1_S: *four = NULL, *one = iq1s_group_one; return 1;
+    case IQ1_M: *four = NULL, *one = iq1m_group_one; return 1;
+    case IQ2_XXS: *four = NULL, *one = iq2xxs_group_one; return 1;
+    case IQ2_XS: *four = NULL, *one = iq2xs_group_one; return 1;
+    case IQ2_S: *four = NULL, *one = iq2s_group_one; return 1;
     default: return 0;
     }
 }
@@ -2489,86 +2578,7 @@ static inline __attribute__((always_inline)) void iq3xxst_block(const uint8_t *b
 BLOCK_STEP(iq3xxst, 98)
 BLOCK_STEP(iq4xs, 136)
 
-/* The IQ1 and IQ2 formats at T = 1 with AVX2: a 32-value group (4 grid rows) a vector, in value order, its rows by
- * scalar loads (IQ1: g + 1 from grid1_up, as the AVX-512 loop) against the token's quants as they lie, each row's
- * signs onto the quants (vpsignb) or, for IQ1, the deltas through a second vpmaddubsw of the quants by ones; every
- * pair sum times its scale by vpmaddwd (|pair| <= 2 * 43 * 127; IQ1: 8 (2s + 1) and (2s + 1)(8 - delta)), then
- * times d_w d_x / 8 in float32 (the same bits as the decoded-block loop above). In place of that loop (one Zen 4
- * core, the AVX2 build, from DRAM, GB/s; llama.cpp's vec_dot, built there for AVX-512, beside): IQ1_S 1.2-1.3 -> 2.3
- * (2.8), IQ1_M 1.3 -> 1.9 (3.2), IQ2_XXS 2.9-3.0 -> 3.8 (3.6), IQ2_S 2.6 -> 3.7 (4.6). IQ2_XS keeps that loop: one
- * like these read 3.0-3.1 against its 3.0 (llama.cpp 4.2, its signs by shuffles from the sign fields' parity). */
-static inline __m256i groups16(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo)); }
-static inline __m256i rows4(const uint64_t *t, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
-    return _mm256_set_epi64x((long long)t[r3], (long long)t[r2], (long long)t[r1], (long long)t[r0]);
-}
 
-/* IQ1: the group's rows g + 1 (v) against x: 8 (2s + 1) per row pair (scale8) less (2s + 1)(8 - delta) per row (coef) */
-static inline __attribute__((always_inline)) __m256i iq1_group(__m256i s, __m256i v, __m256i x, __m256i scale8, __m256i coef) {
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), scale8));
-    return _mm256_sub_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), coef));
-}
-static inline __attribute__((always_inline)) void iq1s_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
-    __m256i s = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) {
-        const uint8_t *q = b + 2 + 4 * g;
-        const unsigned h = u16_at(b + 34 + 2 * g), sc = 2 * (h >> 12 & 7) + 1, k = h & 0x8000 ? 9 : 7;
-        const __m256i v = rows4(grid1_up, q[0] | (h << 8 & 0x700), q[1] | (h << 5 & 0x700), q[2] | (h << 2 & 0x700), q[3] | (h >> 1 & 0x700));
-        s = iq1_group(s, v, load256(xb + 4 + 32 * g), _mm256_set1_epi16((short)(8 * sc)), _mm256_set1_epi16((short)(sc * k)));
-    }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
-}
-static inline __attribute__((always_inline)) void iq1m_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
-    const uint64_t sc = u64_at(b + 48);
-    __m256i s = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) {
-        const uint8_t *q = b + 4 * g;
-        const unsigned h = u16_at(b + 32 + 2 * g), at = 16 * (g / 2) + 6 * (g % 2);  /* rows 4g..4g+3's nibbles */
-        const unsigned s0 = 2 * (unsigned)(sc >> at & 7) + 1, s1 = 2 * (unsigned)(sc >> (at + 3) & 7) + 1;
-        const __m256i v = rows4(grid1_up, q[0] | (h << 8 & 0x700), q[1] | (h << 4 & 0x700), q[2] | (h & 0x700), q[3] | (h >> 4 & 0x700));
-        /* (2s + 1)(8 - delta) per row's 4 int16 pairs: 7 or 9 by its delta bit (3 + 4l of h) */
-        const __m256i bit = _mm256_set_epi64x(0x8000800080008000ll, 0x0800080008000800ll, 0x0080008000800080ll, 0x0008000800080008ll);
-        const __m256i minus = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)h), bit), bit);
-        const __m256i sc16 = groups16((int)s0, (int)s1);
-        const __m256i coef = _mm256_mullo_epi16(sc16, _mm256_sub_epi16(_mm256_set1_epi16(7), _mm256_add_epi16(minus, minus)));
-        s = iq1_group(s, v, load256(xb + 4 + 32 * g), _mm256_slli_epi16(sc16, 3), coef);
-    }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1m_d(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
-}
-
-/* IQ2: the group's magnitudes (v) against x carrying the rows' signs (sgn: +1 / -1 bytes), each pair times sc */
-static inline __attribute__((always_inline)) __m256i iq2_group(__m256i s, __m256i v, __m256i x, __m256i sgn, __m256i sc) {
-    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_sign_epi8(x, sgn)), sc));
-}
-static inline __m256i sign_ones4(unsigned f0, unsigned f1, unsigned f2, unsigned f3) { return rows4(sign_ones, f0, f1, f2, f3); }
-static inline __attribute__((always_inline)) void iq2xxs_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
-    __m256i s = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) {
-        const uint8_t *q = b + 2 + 8 * g;
-        const uint32_t aux = u32_at(q + 4);
-        const __m256i sgn = sign_ones4(aux & 127, aux >> 7 & 127, aux >> 14 & 127, aux >> 21 & 127);
-        s = iq2_group(s, rows4(grid2_xxs, q[0], q[1], q[2], q[3]), load256(xb + 4 + 32 * g), sgn, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1)));
-    }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
-}
-static inline __attribute__((always_inline)) void iq2s_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
-    __m256i s = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) {
-        const uint8_t *q = b + 2 + 4 * g;
-        const unsigned h = b[66 + g], sc = b[74 + g];
-        const __m256i v = rows4(grid2_s, q[0] | (h << 8 & 0x300), q[1] | (h << 6 & 0x300), q[2] | (h << 4 & 0x300), q[3] | (h << 2 & 0x300));
-        const __m256i sgn = _mm256_or_si256(sign_bytes(u32_at(b + 34 + 4 * g)), _mm256_set1_epi8(1));  /* -1 or +1 */
-        s = iq2_group(s, v, load256(xb + 4 + 32 * g), sgn, groups16((int)(2 * (sc & 15) + 1), (int)(2 * (sc >> 4) + 1)));
-    }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
-}
-BLOCK_STEP(iq1s, 50)
-BLOCK_STEP(iq1m, 56)
-BLOCK_STEP(iq2xxs, 66)
-BLOCK_STEP(iq2s, 82)
-ONE_ROW(iq1s, 50, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq1s_step, as_is)
-ONE_ROW(iq1m, 56, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq1m_step, as_is)
-ONE_ROW(iq2xxs, 66, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2xxs_step, as_is)
-ONE_ROW(iq2s, 82, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2s_step, as_is)
 STREAMED(q4k, 4, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
 STREAMED(q5k, 4, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
@@ -2589,10 +2599,6 @@ static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
     case IQ3_XXS_T: *four = NULL, *one = iq3xxst_one; return 1;
     case IQ4_XS: *four = iq4xs_four, *one = iq4xs_one; return 1;
-    case IQ1_S: *four = NULL, *one = iq1s_one; return 1;
-    case IQ1_M: *four = NULL, *one = iq1m_one; return 1;
-    case IQ2_XXS: *four = NULL, *one = iq2xxs_one; return 1;
-    case IQ2_S: *four = NULL, *one = iq2s_one; return 1;
     default: return 0;
     }
 }
@@ -3000,6 +3006,10 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     if (loop != NULL && T == 1 && one_token_ordered(wtype, &order, &four, &one)
         && ordered_one_token(n, wb, row_bytes, rows, x, y, order, four, one))
         return;
+    if (loop != NULL && T == 1 && one_token_as_is(wtype, &four, &one)) {
+        four_streams(n, wb, row_bytes, rows, x, y, four, one);
+        return;
+    }
 #if defined(__AVX512VNNI__)
     if (loop != NULL && wtype == Q6_K && T == 1) {
         four_streams(n, wb, row_bytes, rows, x, y, q6k_four, q6k_one);
@@ -3023,7 +3033,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
     four_rows_fn four;
     one_row_fn one;
-    if (loop != NULL && T == 1 && one_token_avx2(wtype, &four, &one)) {
+    if (loop != NULL && T == 1 && (one_token_avx2(wtype, &four, &one) || one_token_as_is(wtype, &four, &one))) {
         four_streams(n, wb, row_bytes, rows, x, y, four, one);
         return;
     }
