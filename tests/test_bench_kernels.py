@@ -33,3 +33,12 @@ def test_bench_kernels_refuses_a_format_it_cannot_store(repo_root):
     run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_kernels.py"), "--formats", "Q4_K,F32"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "--formats: 'F32' is not a stored block format" in run.stderr
+
+
+def test_bench_kernels_refuses_a_library_it_cannot_load(repo_root, tmp_path):
+    not_a_library = tmp_path / "libggml-cpu.so"
+    not_a_library.write_text("not ELF")
+    run = subprocess.run([sys.executable, str(repo_root / "benchmarks" / "bench_kernels.py"), "--formats", "Q4_K",
+                          "--llama-cpu-lib", str(not_a_library)], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and f"--llama-cpu-lib {not_a_library}: cannot load it" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
