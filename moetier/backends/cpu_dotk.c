@@ -2383,7 +2383,7 @@ static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
 #endif
 
 #if defined(DOTK_AVX2)
-/* ---- Q4_K, Q5_K and Q6_K at T = 1 with AVX2: 32 values at a time, no decoded block ---------------------
+/* ---- Q2_K .. Q6_K at T = 1 with AVX2: 32 values at a time, no decoded block --------------------------------
  * The loop above decodes a whole block (8 vectors of quants, 8 of scales, the offsets) before it dots it: more
  * than AVX2's 16 registers, so each block goes through the stack twice, and the scales are spread by two lane
  * permutes and eight shuffles. Here each 32 quant bytes are unpacked, dotted with the Q8_K block's quants as it
@@ -2439,10 +2439,8 @@ static inline __attribute__((always_inline)) void q6k_block(const uint8_t *b, co
                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
         for (int k = 0; k < 4; k++) {  /* vector c = 4h + k: group 2c in its low lane, 2c + 1 in its high lane */
             const int c = 4 * h + k;
-            const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-            const __m256i sc = _mm256_shuffle_epi8(c < 4 ? lo : hi, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * (c % 4)))));
             const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c)));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, sc));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, group_scales(lo, hi, c)));
         }
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b + 208) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
@@ -2579,6 +2577,49 @@ BLOCK_STEP(iq3xxst, 98)
 BLOCK_STEP(iq4xs, 136)
 
 
+/* Q3_K and Q2_K: one block into acc, 32 values (two 16-value groups: the low lane's and the high lane's) a vector,
+ * their 2-bit fields where they lie (vector 4j + k: bits 2k of bytes 32j..), Q3_K's third bit c of each hmask byte
+ * moved to bit 2 (values q + 4 h - 4: unsigned q + 4 h, the 4 (s - 32) times each group's sum taken off through the
+ * bsums first), Q2_K's mins through the bsums (one vpmaddwd) into the same lanes times -dmin. Each vector one
+ * vpmaddubsw (|pair| <= 2 * 7 * 128), one vpmaddwd by its groups' scales (picked from the block's 16 by a shuffle).
+ * Numerics: each block's integer sums exact in int32, then times d_w d_x (and dmin d_x) in float32: float32 order
+ * only differs from the decoded-block loop above. In place of that loop (one Zen 4 core from DRAM, 128 MB matrices,
+ * benchmarks/bench_kernels.py, llama.cpp's vec_dot built for AVX2 beside): Q3_K 10.8 -> 13.2 GB/s (10.7), Q2_K
+ * 13.0 -> 13.6 (10.4); two rows together in place of four: within the noise. */
+static inline __attribute__((always_inline)) void q23k_block(const uint8_t *b, const uint8_t *xb, const int three, __m256 *acc) {
+    const uint8_t *qs = b + (three ? 32 : 16);
+    __m256i sc, s;
+    if (three) {
+        sc = q3k_scales16(b);  /* s - 32, int16 group g at g */
+        s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256(xb + 260), _mm256_slli_epi16(sc, 2)));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b);
+        sc = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(15)));
+        const __m256i mins = _mm256_madd_epi16(load256(xb + 260), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15))));
+        *acc = _mm256_fnmadd_ps(_mm256_set1_ps(f16_at(b + 82) * f32_at(xb)), _mm256_cvtepi32_ps(mins), *acc);
+        s = _mm256_setzero_si256();
+    }
+    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    const __m256i m3 = _mm256_set1_epi8(3), hm = three ? load256(b) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const __m256i bits = load256(qs + 32 * (c / 4));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (c % 4)), m3);
+        if (three) q = _mm256_or_si256(q, _mm256_and_si256(c >= 2 ? _mm256_srli_epi16(hm, c - 2) : _mm256_slli_epi16(hm, 2 - c), _mm256_set1_epi8(4)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(xb + 4 + 32 * c)), group_scales(lo, hi, c)));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b + (three ? 108 : 80)) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
+}
+static inline __attribute__((always_inline)) void q3k_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 110);
+    q23k_block(b, x, 1, acc);
+}
+static inline __attribute__((always_inline)) void q2k_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 84);
+    q23k_block(b, x, 0, acc);
+}
+STREAMED(q3k, 4, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), q3k_step, as_is)
+STREAMED(q2k, 4, 84, Q8K_BYTES, __m256, _mm256_setzero_ps(), q2k_step, as_is)
 STREAMED(q4k, 4, 144, Q8K_BYTES, q45k_sum, Q45K_ZERO, q4k_step, q45k_finish)
 STREAMED(q5k, 4, 176, Q8K_BYTES, q45k_sum, Q45K_ZERO, q5k_step, q45k_finish)
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m256, _mm256_setzero_ps(), q6k_step, as_is)
@@ -2594,6 +2635,8 @@ static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case Q4_K: *four = q4k_four, *one = q4k_one; return 1;
     case Q5_K: *four = q5k_four, *one = q5k_one; return 1;
     case Q6_K: *four = q6k_four, *one = q6k_one; return 1;
+    case Q3_K: *four = q3k_four, *one = q3k_one; return 1;
+    case Q2_K: *four = q2k_four, *one = q2k_one; return 1;
     case IQ3_S: *four = NULL, *one = iq3s_one; return 1;  /* its table loads: four rows lost (7.1 -> 5.9 GB/s), two (6.9 -> 6.5) */
     case IQ3_S_T: *four = NULL, *one = iq3st_one; return 1;
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
