@@ -4,6 +4,7 @@
 # Pair it with moetier's AVX2 build on the same host:
 #   lib=$(bash scripts/llama_cpp_avx2.sh)
 #   MOETIER_ARCH=-march=x86-64-v3 LLAMA_CPP_LIB_PATH=$lib .venv/bin/python benchmarks/bench_decode.py --preset wide
+#   MOETIER_ARCH=-march=x86-64-v3 .venv/bin/python benchmarks/bench_kernels.py --llama-cpu-lib $lib/libggml-cpu.so
 # Prints the folder of the libraries (llama-cpp-python loads them from LLAMA_CPP_LIB_PATH). ~5 minutes on 2
 # cores once; the build is kept under $MOETIER_HOME (default ~/.cache/moetier)/llama-cpp-avx2.
 set -euo pipefail
