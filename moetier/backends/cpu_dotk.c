@@ -403,6 +403,14 @@ static inline __m128i q4k_scales_mins(const uint8_t *b) {
     return _mm_or_si128(lo, hi);
 }
 
+/* group g's two 16-value scales across a vector's int16 (group 2g's in the low lane, 2g + 1's in the high) from a
+ * block's 16 (int16 h: group h) */
+static inline __attribute__((always_inline)) __m256i group_scales(__m256i sc, int g) {
+    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+                                         _mm256_set1_epi8((char)(4 * (g % 4))));
+    return _mm256_shuffle_epi8(g < 4 ? _mm256_permute2x128_si256(sc, sc, 0x00) : _mm256_permute2x128_si256(sc, sc, 0x11), pick);
+}
+
 /* Q3_K: the 16 scales - 32 as int16 (scales_q3k in registers: its stores read back as a vector stalled on store
  * forwarding), from the 12 bytes at b + 96 (read as the 16 at b + 92: inside the block) */
 static inline __m256i q3k_scales16(const uint8_t *b) {
@@ -921,14 +929,7 @@ static inline void acc_store(acc_t acc[16], int64_t rr, float *y) { for (int64_t
 
 static inline void spread_scales(wblock *w, __m256i s16) {
     w->s16 = s16;
-    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
-    for (int c = 0; c < 8; c++) {  /* int16 2c (c mod 4 of its half) across the low lane, 2c + 1 across the high */
-        const int k = 4 * (c % 4);
-        const __m256i pick = _mm256_setr_epi8(k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1, k, k + 1,
-                                              k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3, k + 2, k + 3,
-                                              k + 2, k + 3, k + 2, k + 3);
-        w->sc[c] = _mm256_shuffle_epi8(c < 4 ? lo : hi, pick);
-    }
+    for (int c = 0; c < 8; c++) w->sc[c] = group_scales(s16, c);  /* group 2c across the low lane, 2c + 1 the high */
 }
 
 static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -2199,6 +2200,10 @@ static int one_token_ordered(int64_t wtype, order_fn *order, four_rows_fn *four,
 static inline __m256i rows4(const uint64_t *t, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
     return _mm256_set_epi64x((long long)t[r3], (long long)t[r2], (long long)t[r1], (long long)t[r0]);
 }
+/* the table rows of 4 indices packed as 16-bit fields of ix */
+static inline __m256i rows4_packed(const uint64_t *t, uint64_t ix) {
+    return rows4(t, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+}
 #if defined(__BMI2__) && !defined(__znver1__) && !defined(__znver2__)  /* pdep is microcoded on Zen 1 / 2 */
 #define IQ1_PDEP 1
 #endif
@@ -2208,13 +2213,21 @@ static inline __attribute__((always_inline)) __m256i iq1_rows4(const uint8_t *q,
 #if defined(IQ1_PDEP)
     const uint64_t ix = _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull)
                       | _pdep_u64(h, span == 3 ? 0x0700070007000700ull : 0x0f000f000f000f00ull);
-    return rows4(grid1_up, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+    return rows4_packed(grid1_up, ix);
 #else
     return rows4(grid1_up, q[0] | (h << 8 & 0x700), q[1] | (h << (8 - span) & 0x700), q[2] | (h << (8 - 2 * span) & 0x700),
                  q[3] | (h >> (3 * span - 8) & 0x700));
 #endif
 }
-static inline __m256i load256_(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#if defined(DOTK_AVX512)  /* AVX2's decoders above have it */
+static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#endif
+#define BLOCK_STEP(name, bytes)                                                                                    \
+    static inline __attribute__((always_inline)) void name##_step(const uint8_t *b, const uint8_t *x, __m256 *acc) { \
+        stream_prefetch(b, (bytes));                                                                             \
+        name##_block(b, x, acc);                                                                                 \
+    }
+
 
 /* IQ1_S: 32 index bytes, then 8 uint16 (group g: three high index bits per row, its scale at bits 12..14, its
  * delta's sign at 15) */
@@ -2223,13 +2236,13 @@ static inline __attribute__((always_inline)) void iq1s_group_block(const uint8_t
     const __m128i sc = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
     const __m128i k = _mm_add_epi16(_mm_set1_epi16(7), _mm_and_si128(_mm_srli_epi16(h, 14), _mm_set1_epi16(2)));
     const __m128i coef = _mm_mullo_epi16(sc, k);  /* (2s + 1) k of group g, for its two bsums */
-    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256_(xb + 260),
+    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256(xb + 260),
                                  _mm256_set_m128i(_mm_unpackhi_epi16(coef, coef), _mm_unpacklo_epi16(coef, coef))));
     const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_slli_epi16(sc, 3));  /* 8 (2s + 1), int16 g */
     __m256i pick = _mm256_set1_epi16(0x0100);
     for (int g = 0; g < 8; g++) {
         const __m256i v = iq1_rows4(b + 2 + 4 * g, u16_at(b + 34 + 2 * g), 3);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, load256_(xb + 4 + 32 * g)), _mm256_shuffle_epi8(sc8, pick)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, load256(xb + 4 + 32 * g)), _mm256_shuffle_epi8(sc8, pick)));
         pick = _mm256_add_epi16(pick, _mm256_set1_epi16(0x0202));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
@@ -2243,8 +2256,7 @@ static inline __attribute__((always_inline)) void iq1m_group_block(const uint8_t
     const __m256i field = _mm256_srli_epi16(_mm256_mullo_epi16(words, _mm256_setr_epi16(8192, 1024, 128, 16, 8192, 1024, 128, 16, 8192,
                                                                                          1024, 128, 16, 8192, 1024, 128, 16)), 13);
     const __m256i sc = _mm256_or_si256(_mm256_add_epi16(field, field), _mm256_set1_epi16(1));  /* 2s + 1, int16 = half */
-    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256_(xb + 260), _mm256_add_epi16(_mm256_slli_epi16(sc, 3), sc)));
-    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load256(xb + 260), _mm256_add_epi16(_mm256_slli_epi16(sc, 3), sc)));
     const __m256i bit = _mm256_set_epi64x(0x8000800080008000ll, 0x0800080008000800ll, 0x0080008000800080ll, 0x0008000800080008ll);
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
@@ -2252,22 +2264,13 @@ static inline __attribute__((always_inline)) void iq1m_group_block(const uint8_t
         const __m256i v = iq1_rows4(b + 4 * g, h & 0x7777, 4);
         /* 9 - k: 2 by the rows whose delta bit is clear, 0 by the others */
         const __m256i c = _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)h), bit), bit), _mm256_set1_epi8(2));
-        /* the scales of halves 2g (low lane) and 2g + 1 (high lane): int16 4 (g % 4) and 4 (g % 4) + 1 of lo or hi */
-        const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
-                                             _mm256_set1_epi8((char)(4 * (g % 4))));
-        const __m256i p = _mm256_maddubs_epi16(_mm256_add_epi8(_mm256_slli_epi16(v, 3), c), load256_(xb + 4 + 32 * g));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_shuffle_epi8(g < 4 ? lo : hi, pick)));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_add_epi8(_mm256_slli_epi16(v, 3), c), load256(xb + 4 + 32 * g));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, group_scales(sc, g)));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1m_d(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
 }
-static inline __attribute__((always_inline)) void iq1s_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 50);
-    iq1s_group_block(b, x, acc);
-}
-static inline __attribute__((always_inline)) void iq1m_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 56);
-    iq1m_group_block(b, x, acc);
-}
+BLOCK_STEP(iq1s_group, 50)
+BLOCK_STEP(iq1m_group, 56)
 #if defined(DOTK_AVX512)
 static inline acc_t widened(__m256 a) { return _mm512_zextps256_ps512(a); }
 #else
@@ -2295,18 +2298,10 @@ static inline __m256i nibble_scales16(const uint8_t *p) {
     return _mm256_or_si256(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
 }
 
-/* group g's two 16-value scales across a vector's int16 (half 2g in the low lane, 2g + 1 in the high), from sc's
- * lanes spread (lo: its low lane twice, hi: its high) */
-static inline __attribute__((always_inline)) __m256i group_scales(__m256i lo, __m256i hi, int g) {
-    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
-                                         _mm256_set1_epi8((char)(4 * (g % 4))));
-    return _mm256_shuffle_epi8(g < 4 ? lo : hi, pick);
-}
 
 /* IQ2_S: 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 8 scale bytes */
 static inline __attribute__((always_inline)) void iq2s_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
     const __m256i sc = nibble_scales16(b + 74);
-    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
     __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
@@ -2314,19 +2309,16 @@ static inline __attribute__((always_inline)) void iq2s_group_block(const uint8_t
         const unsigned h = b[66 + g];
 #if defined(IQ1_PDEP)
         const uint64_t ix = _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull) | _pdep_u64(h, 0x0300030003000300ull);
-        const __m256i v = rows4(grid2_s, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+        const __m256i v = rows4_packed(grid2_s, ix);
 #else
         const __m256i v = rows4(grid2_s, q[0] | (h << 8 & 0x300), q[1] | (h << 6 & 0x300), q[2] | (h << 4 & 0x300), q[3] | (h << 2 & 0x300));
 #endif
-        const __m256i x = negated_where(load256_(xb + 4 + 32 * g), u32_at(b + 34 + 4 * g));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(lo, hi, g)));
+        const __m256i x = negated_where(load256(xb + 4 + 32 * g), u32_at(b + 34 + 4 * g));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(sc, g)));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
 }
-static inline __attribute__((always_inline)) void iq2s_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 82);
-    iq2s_group_block(b, x, acc);
-}
+BLOCK_STEP(iq2s_group, 82)
 ONE_ROW(iq2s_group, 82, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2s_group_step, widened)
 
 /* IQ2_XXS: 8 groups of 4 index bytes and a word (4 seven-bit sign fields, the scale in bits 28..31) */
@@ -2336,7 +2328,7 @@ static inline __attribute__((always_inline)) void iq2xxs_group_block(const uint8
         const uint8_t *q = b + 2 + 8 * g;
         const uint32_t aux = u32_at(q + 4);
         const __m256i sgn = rows4(sign_ones, aux & 127, aux >> 7 & 127, aux >> 14 & 127, aux >> 21 & 127);
-        const __m256i x = _mm256_sign_epi8(load256_(xb + 4 + 32 * g), sgn);
+        const __m256i x = _mm256_sign_epi8(load256(xb + 4 + 32 * g), sgn);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(rows4(grid2_xxs, q[0], q[1], q[2], q[3]), x),
                                                   _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
     }
@@ -2346,40 +2338,22 @@ static inline __attribute__((always_inline)) void iq2xxs_group_block(const uint8
 /* IQ2_XS: 32 uint16 (a 9-bit grid index, a 7-bit sign field), 8 scale bytes */
 static inline __attribute__((always_inline)) void iq2xs_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
     const __m256i sc = nibble_scales16(b + 66);
-    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
     __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
         const uint64_t w = u64_at(b + 2 + 8 * g), ix = w & 0x01ff01ff01ff01ffull;
-        const __m256i v = rows4(grid2_xs, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
+        const __m256i v = rows4_packed(grid2_xs, ix);
         const __m256i sgn = rows4(sign_ones, (unsigned)(w >> 9 & 127), (unsigned)(w >> 25 & 127), (unsigned)(w >> 41 & 127), (unsigned)(w >> 57));
-        const __m256i x = _mm256_sign_epi8(load256_(xb + 4 + 32 * g), sgn);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(lo, hi, g)));
+        const __m256i x = _mm256_sign_epi8(load256(xb + 4 + 32 * g), sgn);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(sc, g)));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * (0.125f * f32_at(xb))), _mm256_cvtepi32_ps(s), *acc);
 }
-static inline __attribute__((always_inline)) void iq2xxs_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 66);
-    iq2xxs_group_block(b, x, acc);
-}
-static inline __attribute__((always_inline)) void iq2xs_group_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
-    stream_prefetch(b, 74);
-    iq2xs_group_block(b, x, acc);
-}
+BLOCK_STEP(iq2xxs_group, 66)
+BLOCK_STEP(iq2xs_group, 74)
 ONE_ROW(iq2xxs_group, 66, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2xxs_group_step, widened)
 ONE_ROW(iq2xs_group, 74, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq2xs_group_step, widened)
 
-/* the one-token loops that read the token's Q8_K quants as they lie, where this build has them: 1, else 0 */
-static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
-    switch (wtype) {
-    case IQ1_S: *four = NULL, *one = iq1s_group_one; return 1;
-    case IQ1_M: *four = NULL, *one = iq1m_group_one; return 1;
-    case IQ2_XXS: *four = NULL, *one = iq2xxs_group_one; return 1;
-    case IQ2_XS: *four = NULL, *one = iq2xs_group_one; return 1;
-    case IQ2_S: *four = NULL, *one = iq2s_group_one; return 1;
-    default: return 0;
-    }
-}
 #endif
 
 #if defined(DOTK_AVX2)
@@ -2424,7 +2398,6 @@ static inline __attribute__((always_inline)) void q45k_block(const uint8_t *b, c
 /* Q6_K: one block into acc */
 static inline __attribute__((always_inline)) void q6k_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));  /* 16 group scales */
-    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     /* the offset's share, 32 * scale * bsum per group, first (every product below is u8 x s8) */
     __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)),
@@ -2440,7 +2413,7 @@ static inline __attribute__((always_inline)) void q6k_block(const uint8_t *b, co
         for (int k = 0; k < 4; k++) {  /* vector c = 4h + k: group 2c in its low lane, 2c + 1 in its high lane */
             const int c = 4 * h + k;
             const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c)));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, group_scales(lo, hi, c)));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, group_scales(s16, c)));
         }
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b + 208) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
@@ -2554,11 +2527,6 @@ static inline __attribute__((always_inline)) void q5k_step(const uint8_t *b, con
     stream_prefetch(b, 176);
     q45k_block(b, x, 1, &sum->acc, &sum->mins);
 }
-#define BLOCK_STEP(name, bytes)                                                                                    \
-    static inline __attribute__((always_inline)) void name##_step(const uint8_t *b, const uint8_t *x, __m256 *acc) { \
-        stream_prefetch(b, (bytes));                                                                             \
-        name##_block(b, x, acc);                                                                                 \
-    }
 BLOCK_STEP(q6k, 210)
 BLOCK_STEP(iq3s, 110)
 static inline __attribute__((always_inline)) void iq3st_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
@@ -2599,14 +2567,13 @@ static inline __attribute__((always_inline)) void q23k_block(const uint8_t *b, c
         *acc = _mm256_fnmadd_ps(_mm256_set1_ps(f16_at(b + 82) * f32_at(xb)), _mm256_cvtepi32_ps(mins), *acc);
         s = _mm256_setzero_si256();
     }
-    const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
     const __m256i m3 = _mm256_set1_epi8(3), hm = three ? load256(b) : _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; c++) {
         const __m256i bits = load256(qs + 32 * (c / 4));
         __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (c % 4)), m3);
         if (three) q = _mm256_or_si256(q, _mm256_and_si256(c >= 2 ? _mm256_srli_epi16(hm, c - 2) : _mm256_slli_epi16(hm, 2 - c), _mm256_set1_epi8(4)));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(xb + 4 + 32 * c)), group_scales(lo, hi, c)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(xb + 4 + 32 * c)), group_scales(sc, c)));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b + (three ? 108 : 80)) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
 }
@@ -2629,9 +2596,19 @@ ONE_ROW(iq3xxs, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxs_step, as_is)
 ONE_ROW(iq3xxst, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxst_step, as_is)
 STREAMED(iq4xs, 4, 136, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq4xs_step, as_is)
 
-/* the one-token loop of wtype: 1 (its four, or NULL, and one in *four, *one), or 0 (the loop above) */
-static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
+#endif
+
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+/* the one-token loops that read the token's Q8_K quants as they lie, where this build has them: 1 (its four, or
+ * NULL, and one in *four, *one), or 0 (AVX-512: the ordered loops, else the row loop) */
+static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     switch (wtype) {
+    case IQ1_S: *four = NULL, *one = iq1s_group_one; return 1;
+    case IQ1_M: *four = NULL, *one = iq1m_group_one; return 1;
+    case IQ2_XXS: *four = NULL, *one = iq2xxs_group_one; return 1;
+    case IQ2_XS: *four = NULL, *one = iq2xs_group_one; return 1;
+    case IQ2_S: *four = NULL, *one = iq2s_group_one; return 1;
+#if defined(DOTK_AVX2)
     case Q4_K: *four = q4k_four, *one = q4k_one; return 1;
     case Q5_K: *four = q5k_four, *one = q5k_one; return 1;
     case Q6_K: *four = q6k_four, *one = q6k_one; return 1;
@@ -2642,6 +2619,7 @@ static int one_token_avx2(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
     case IQ3_XXS_T: *four = NULL, *one = iq3xxst_one; return 1;
     case IQ4_XS: *four = iq4xs_four, *one = iq4xs_one; return 1;
+#endif
     default: return 0;
     }
 }
@@ -3076,7 +3054,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
     }
     four_rows_fn four;
     one_row_fn one;
-    if (loop != NULL && T == 1 && (one_token_avx2(wtype, &four, &one) || one_token_as_is(wtype, &four, &one))) {
+    if (loop != NULL && T == 1 && one_token_as_is(wtype, &four, &one)) {
         four_streams(n, wb, row_bytes, rows, x, y, four, one);
         return;
     }
