@@ -1510,7 +1510,7 @@ ROWS(rows_iq2s, decode_iq2s, 82, SIGNED)
 ROWS(rows_iq1s, decode_iq1s, 50, SIGNED)
 ROWS(rows_iq1m, decode_iq1m, 56, SIGNED)
 
-#if defined(DOTK_AVX512)
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
 /* The one-token gemvs below that read the token's quants in an order of their own: order(x, blocks, out) writes
  * ORDERED_BYTES a block, on the stack up to ORDERED_ON_STACK blocks, else on the heap. -> 0 if out of memory (the
  * caller takes another loop). */
@@ -1527,7 +1527,9 @@ static int ordered_one_token(int64_t n, const uint8_t *w, int64_t row_bytes, int
     if (xp != stack) free(xp);
     return 1;
 }
+#endif
 
+#if defined(DOTK_AVX512)
 #define GF_HIGH_NIBBLE 0x1020408000000000ll  /* vgf2p8affineqb's matrix: bits 4-7 of a byte to bits 0-3 */
 /* each byte's high nibble, as a byte: one affine map over GF(2) per 8 bytes where GFNI is (a shift and a mask
  * took two: 12.0-12.2 -> 12.4-12.5 GB/s) */
@@ -1770,6 +1772,7 @@ static inline __attribute__((always_inline)) void q6k_step(const uint8_t *b, con
 STREAMED(q6k, 4, 210, Q8K_BYTES, __m512, _mm512_setzero_ps(), q6k_step, as_is)
 #endif
 
+#if defined(__AVX512VNNI__)
 /* ---- IQ4_XS at T = 1 with AVX-512 VNNI: the weights' bytes as they lie, the activations reordered -----------
  * As Q4_K's (x_iq4xs once per call): a block's 128 quant bytes are two
  * 64-byte loads, each byte's low nibble value j of its sub-block and high nibble value 16 + j, so each 128-bit
@@ -1833,6 +1836,7 @@ static inline __attribute__((always_inline)) void iq4xs_step(const uint8_t *b, c
     *acc = _mm512_fmadd_ps(head_scale(b, x + XI4_D), _mm512_cvtepi32_ps(s), *acc);
 }
 STREAMED(iq4xs, 4, 136, XI4_BYTES, __m512, _mm512_setzero_ps(), iq4xs_step, as_is)
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BITALG__) && defined(__GFNI__) && !defined(DOTK_IQ3_GENERIC)
 #define IQ3_GEMV 1
@@ -2150,28 +2154,6 @@ STREAMED(iq2xs, 1, 74, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xs_step, a
 
 #endif
 
-/* the one-token loops that read the token's quants in an order of their own, where this build has them: 1 (that
- * order and the loops), else 0 (Q6_K's reads them as they lie; every other format takes the row loop) */
-static int one_token_ordered(int64_t wtype, order_fn *order, four_rows_fn *four, one_row_fn *one) {
-    switch (wtype) {
-    case Q4_K: *order = x_q4k, *four = q4k_four, *one = q4k_one; return 1;
-#if defined(__AVX512VNNI__)
-    case Q5_K: *order = x_q4k, *four = q5k_four, *one = q5k_one; return 1;
-    case Q3_K: *order = x_q23k, *four = q3k_four, *one = q3k_one; return 1;
-    case Q2_K: *order = x_q23k, *four = q2k_four, *one = q2k_one; return 1;
-    case IQ4_XS: *order = x_iq4xs, *four = iq4xs_four, *one = iq4xs_one; return 1;
-#endif
-#if defined(IQ3_GEMV)
-    case IQ3_S: if (!odd_levels_s) return 0; *order = x_iq3s, *four = iq3s_four, *one = iq3s_one; return 1;
-    case IQ3_S_T: if (!odd_levels_s) return 0; *order = x_iq3s, *four = iq3st_four, *one = iq3st_one; return 1;
-    case IQ3_XXS: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxs_four, *one = iq3xxs_one; return 1;
-    case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxst_four, *one = iq3xxst_one; return 1;
-    case IQ2_XXS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xxs_four, *one = iq2xxs_one; return 1;
-    case IQ2_XS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xs_four, *one = iq2xs_one; return 1;
-#endif
-    default: return 0;
-    }
-}
 #endif
 
 #if defined(DOTK_AVX512) || defined(DOTK_AVX2)
@@ -2184,10 +2166,10 @@ static int one_token_ordered(int64_t wtype, order_fn *order, four_rows_fn *four,
  * sign_ones; IQ2_S's sign bits as a mask with AVX-512, as bytes by a shuffle and a compare with AVX2). IQ1's values
  * g + delta (g of -1, 0, 1, delta +-1/8) are w (8 (g + 1) + c - k) / 8, k = 7 or 9 by the delta's sign, c a
  * constant: the rows' bytes 8 (g + 1) + c - k are unsigned, and c (2s + 1) times the quants' sum comes off once a
- * block through the Q8_K bsums (one vpmaddwd). IQ1_S: c = k (its delta is a group's), rows 8 (g + 1) (grid1_up, g +
- * 1, shifted by the row's index: a table of 8 (g + 1) would double the L1 footprint for one shift), the bsums'
- * coefficient (2s + 1) k; IQ1_M: c = 9 (its delta is a row's), rows 8 (g + 1) + 9 - k (0..18), coefficient 9 (2s
- * + 1). Numerics: each block's integer sum exact in int32 (|pair| <= 2 * 43 * 128, times 2s + 1 <= 31), then times
+ * block through the Q8_K bsums (one vpmaddwd). IQ1_S: c = k (its delta is a group's): the rows g + 1 as grid1_up
+ * holds them, the 8 in the group's scale 8 (2s + 1), the bsums' coefficient (2s + 1) k; IQ1_M: c = 9 (its delta is
+ * a row's): the rows 8 (g + 1) + 9 - k (0..18: g + 1 shifted, 2 added where the delta bit is clear), coefficient
+ * 9 (2s + 1). Numerics: each block's integer sum exact in int32 (|pair| <= 2 * 43 * 128, times 2s + 1 <= 31), then times
  * d_w d_x / 8 in float32 (float32 order only differs from the decoded-block loop). In place of loops that formed
  * the indices a row at a time, put IQ1's deltas through a second vpmaddubsw a group and broadcast each group's
  * scale from a general register, and, with AVX-512, of x_iq2-ordered loops for IQ1 and IQ2_S (their rows by
@@ -2205,18 +2187,17 @@ static inline __m256i rows4_packed(const uint64_t *t, uint64_t ix) {
     return rows4(t, (unsigned)(ix & 0xffff), (unsigned)(ix >> 16 & 0xffff), (unsigned)(ix >> 32 & 0xffff), (unsigned)(ix >> 48));
 }
 #if defined(__BMI2__) && !defined(__znver1__) && !defined(__znver2__)  /* pdep is microcoded on Zen 1 / 2 */
-#define IQ1_PDEP 1
+#define FAST_PDEP 1
 #endif
-/* a group's 4 rows: the low index bytes q[0..3], the high 3 bits of row l at bits `span` l .. + 2 of h (IQ1_S: span
- * 3, h's bits 12.. ignored; IQ1_M: span 4, h's delta bits 3 + 4l cleared by the caller) */
-static inline __attribute__((always_inline)) __m256i iq1_rows4(const uint8_t *q, unsigned h, int span) {
-#if defined(IQ1_PDEP)
-    const uint64_t ix = _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull)
-                      | _pdep_u64(h, span == 3 ? 0x0700070007000700ull : 0x0f000f000f000f00ull);
-    return rows4_packed(grid1_up, ix);
+/* a group's 4 rows of table t: row l's index q[l] | the `span` bits at span * l of h above it (IQ1_S: span 3, h's
+ * bits 12.. ignored; IQ1_M: span 4, its delta bits 3 + 4l cleared by the caller; IQ2_S: span 2) */
+static inline __attribute__((always_inline)) __m256i grid_rows4(const uint64_t *t, const uint8_t *q, unsigned h, int span) {
+    const unsigned field = (1u << span) - 1;
+#if defined(FAST_PDEP)
+    return rows4_packed(t, _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull) | _pdep_u64(h, field * 0x0100010001000100ull));
 #else
-    return rows4(grid1_up, q[0] | (h << 8 & 0x700), q[1] | (h << (8 - span) & 0x700), q[2] | (h << (8 - 2 * span) & 0x700),
-                 q[3] | (h >> (3 * span - 8) & 0x700));
+    return rows4(t, q[0] | (h & field) << 8, q[1] | (h >> span & field) << 8, q[2] | (h >> 2 * span & field) << 8,
+                 q[3] | (h >> 3 * span & field) << 8);
 #endif
 }
 #if defined(DOTK_AVX512)  /* AVX2's decoders above have it */
@@ -2241,7 +2222,7 @@ static inline __attribute__((always_inline)) void iq1s_group_block(const uint8_t
     const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_slli_epi16(sc, 3));  /* 8 (2s + 1), int16 g */
     __m256i pick = _mm256_set1_epi16(0x0100);
     for (int g = 0; g < 8; g++) {
-        const __m256i v = iq1_rows4(b + 2 + 4 * g, u16_at(b + 34 + 2 * g), 3);
+        const __m256i v = grid_rows4(grid1_up, b + 2 + 4 * g, u16_at(b + 34 + 2 * g), 3);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, load256(xb + 4 + 32 * g)), _mm256_shuffle_epi8(sc8, pick)));
         pick = _mm256_add_epi16(pick, _mm256_set1_epi16(0x0202));
     }
@@ -2261,7 +2242,7 @@ static inline __attribute__((always_inline)) void iq1m_group_block(const uint8_t
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
         const unsigned h = u16_at(b + 32 + 2 * g);
-        const __m256i v = iq1_rows4(b + 4 * g, h & 0x7777, 4);
+        const __m256i v = grid_rows4(grid1_up, b + 4 * g, h & 0x7777, 4);
         /* 9 - k: 2 by the rows whose delta bit is clear, 0 by the others */
         const __m256i c = _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)h), bit), bit), _mm256_set1_epi8(2));
         const __m256i p = _mm256_maddubs_epi16(_mm256_add_epi8(_mm256_slli_epi16(v, 3), c), load256(xb + 4 + 32 * g));
@@ -2305,14 +2286,7 @@ static inline __attribute__((always_inline)) void iq2s_group_block(const uint8_t
     __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
-        const uint8_t *q = b + 2 + 4 * g;
-        const unsigned h = b[66 + g];
-#if defined(IQ1_PDEP)
-        const uint64_t ix = _pdep_u64(u32_at(q), 0x00ff00ff00ff00ffull) | _pdep_u64(h, 0x0300030003000300ull);
-        const __m256i v = rows4_packed(grid2_s, ix);
-#else
-        const __m256i v = rows4(grid2_s, q[0] | (h << 8 & 0x300), q[1] | (h << 6 & 0x300), q[2] | (h << 4 & 0x300), q[3] | (h << 2 & 0x300));
-#endif
+        const __m256i v = grid_rows4(grid2_s, b + 2 + 4 * g, b[66 + g], 2);
         const __m256i x = negated_where(load256(xb + 4 + 32 * g), u32_at(b + 34 + 4 * g));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), group_scales(sc, g)));
     }
@@ -2544,6 +2518,46 @@ static inline __attribute__((always_inline)) void iq3xxst_block(const uint8_t *b
 BLOCK_STEP(iq3xxst, 98)
 BLOCK_STEP(iq4xs, 136)
 
+/* IQ4_XS with the token's quants reordered once per call (x_iq4xs_pairs): for sub-blocks 2p, 2p + 1 the 32 bytes
+ * [x(2p) 0..15, x(2p + 1) 0..15], then [x(2p) 16..31, x(2p + 1) 16..31], so that two sub-blocks' 32 weight bytes are
+ * one load whose low nibbles and high nibbles are one vector each, and the two sub-blocks' scales one shuffle
+ * (group_scales). In place of the loop above (a sub-block a vector: 16 bytes widened by vinserti128, each scale
+ * broadcast): one Zen 4 core from DRAM, AVX2 build, GB/s, twice alternated, 12.9-13.3 -> 15.4-15.8 (llama.cpp's
+ * AVX2 vec_dot 12.1-12.3). Numerics as the loop above (float32 order only). */
+enum { X4P_D = 256 };
+static void x_iq4xs_pairs(const uint8_t *x, int64_t blocks, uint8_t *out) {
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *xb = x + Q8K_BYTES * i + 4;
+        uint8_t *o = out + ORDERED_BYTES * i;
+        for (int p = 0; p < 4; p++)
+            for (int h = 0; h < 2; h++) {
+                memcpy(o + 64 * p + 32 * h, xb + 64 * p + 16 * h, 16);
+                memcpy(o + 64 * p + 32 * h + 16, xb + 64 * p + 32 + 16 * h, 16);
+            }
+        memcpy(o + X4P_D, x + Q8K_BYTES * i, 4);
+    }
+}
+static inline __attribute__((always_inline)) void iq4xs_pairs_step(const uint8_t *b, const uint8_t *x, __m256 *acc) {
+    stream_prefetch(b, 136);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues)), m4 = _mm256_set1_epi8(15);
+    const uint64_t sc8 = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
+    /* int16 c: sub-block c's scale - 32 (group_scales(sc, p): 2p across the low lane, 2p + 1 the high) */
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)sc8), _mm_set1_epi8(32)));
+    __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = load256(b + 8 + 32 * p);
+        const __m256i scale = group_scales(sc, p);
+        for (int h = 0; h < 2; h++) {
+            const __m256i k = _mm256_shuffle_epi8(kv, _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4));
+            const __m256i xs = _mm256_sign_epi8(load256(x + 64 * p + 32 * h), k);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(k), xs), scale));
+        }
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * f32_at(x + X4P_D)), _mm256_cvtepi32_ps(s), *acc);
+}
+STREAMED(iq4xs_pairs, 4, 136, ORDERED_BYTES, __m256, _mm256_setzero_ps(), iq4xs_pairs_step, as_is)
+
 
 /* Q3_K and Q2_K: one block into acc, 32 values (two 16-value groups: the low lane's and the high lane's) a vector,
  * their 2-bit fields where they lie (vector 4j + k: bits 2k of bytes 32j..), Q3_K's third bit c of each hmask byte
@@ -2608,6 +2622,9 @@ static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case IQ2_XXS: *four = NULL, *one = iq2xxs_group_one; return 1;
     case IQ2_XS: *four = NULL, *one = iq2xs_group_one; return 1;
     case IQ2_S: *four = NULL, *one = iq2s_group_one; return 1;
+#if defined(DOTK_AVX512) && defined(__AVX512VNNI__)
+    case Q6_K: *four = q6k_four, *one = q6k_one; return 1;  /* as they lie: its loop has no order of its own */
+#endif
 #if defined(DOTK_AVX2)
     case Q4_K: *four = q4k_four, *one = q4k_one; return 1;
     case Q5_K: *four = q5k_four, *one = q5k_one; return 1;
@@ -2619,6 +2636,33 @@ static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
     case IQ3_XXS_T: *four = NULL, *one = iq3xxst_one; return 1;
     case IQ4_XS: *four = iq4xs_four, *one = iq4xs_one; return 1;
+#endif
+    default: return 0;
+    }
+}
+
+/* the one-token loops that read the token's quants in an order of their own, where this build has them: 1 (that
+ * order and the loops), else 0 */
+static int one_token_ordered(int64_t wtype, order_fn *order, four_rows_fn *four, one_row_fn *one) {
+    switch (wtype) {
+#if defined(DOTK_AVX2)
+    case IQ4_XS: *order = x_iq4xs_pairs, *four = iq4xs_pairs_four, *one = iq4xs_pairs_one; return 1;
+#else
+    case Q4_K: *order = x_q4k, *four = q4k_four, *one = q4k_one; return 1;
+#endif
+#if defined(__AVX512VNNI__)
+    case Q5_K: *order = x_q4k, *four = q5k_four, *one = q5k_one; return 1;
+    case Q3_K: *order = x_q23k, *four = q3k_four, *one = q3k_one; return 1;
+    case Q2_K: *order = x_q23k, *four = q2k_four, *one = q2k_one; return 1;
+    case IQ4_XS: *order = x_iq4xs, *four = iq4xs_four, *one = iq4xs_one; return 1;
+#endif
+#if defined(IQ3_GEMV)
+    case IQ3_S: if (!odd_levels_s) return 0; *order = x_iq3s, *four = iq3s_four, *one = iq3s_one; return 1;
+    case IQ3_S_T: if (!odd_levels_s) return 0; *order = x_iq3s, *four = iq3st_four, *one = iq3st_one; return 1;
+    case IQ3_XXS: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxs_four, *one = iq3xxs_one; return 1;
+    case IQ3_XXS_T: if (!affine_xxs_ok) return 0; *order = x_iq3s, *four = iq3xxst_four, *one = iq3xxst_one; return 1;
+    case IQ2_XXS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xxs_four, *one = iq2xxs_one; return 1;
+    case IQ2_XS: if (!codes_ok) return 0; *order = x_iq2, *four = iq2xs_four, *one = iq2xs_one; return 1;
 #endif
     default: return 0;
     }
@@ -3020,24 +3064,7 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
         return;
     }
 #endif
-#if defined(DOTK_AVX512)
-    order_fn order;
-    four_rows_fn four;
-    one_row_fn one;
-    if (loop != NULL && T == 1 && one_token_ordered(wtype, &order, &four, &one)
-        && ordered_one_token(n, wb, row_bytes, rows, x, y, order, four, one))
-        return;
-    if (loop != NULL && T == 1 && one_token_as_is(wtype, &four, &one)) {
-        four_streams(n, wb, row_bytes, rows, x, y, four, one);
-        return;
-    }
-#if defined(__AVX512VNNI__)
-    if (loop != NULL && wtype == Q6_K && T == 1) {
-        four_streams(n, wb, row_bytes, rows, x, y, q6k_four, q6k_one);
-        return;
-    }
-#endif
-#elif defined(DOTK_AVX2)
+#if defined(DOTK_AVX2)
     if (loop != NULL && T >= tile2_from(wtype)) {
         typedef void (*tile2_loop)(int64_t, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t,
                                    uint8_t *, __m256 *);
@@ -3052,8 +3079,14 @@ void dotk_dot(int64_t wtype, int64_t act_type, int64_t n, const void *w, int64_t
             return;
         }
     }
+#endif
+#if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+    order_fn order;
     four_rows_fn four;
     one_row_fn one;
+    if (loop != NULL && T == 1 && one_token_ordered(wtype, &order, &four, &one)
+        && ordered_one_token(n, wb, row_bytes, rows, x, y, order, four, one))
+        return;
     if (loop != NULL && T == 1 && one_token_as_is(wtype, &four, &one)) {
         four_streams(n, wb, row_bytes, rows, x, y, four, one);
         return;
