@@ -2210,7 +2210,6 @@ static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((con
         name##_block(b, x, acc);                                                                                 \
     }
 
-
 /* IQ1_S: 32 index bytes, then 8 uint16 (group g: three high index bits per row, its scale at bits 12..14, its
  * delta's sign at 15) */
 static inline __attribute__((always_inline)) void iq1s_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
@@ -2279,7 +2278,6 @@ static inline __m256i nibble_scales16(const uint8_t *p) {
     const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
     return _mm256_or_si256(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
 }
-
 
 /* IQ2_S: 32 index bytes, 32 sign bytes, 8 bytes of the indices' two high bits, 8 scale bytes */
 static inline __attribute__((always_inline)) void iq2s_group_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
