@@ -383,6 +383,8 @@ static inline uint64_t crumbs8(uint16_t v) {
 }
 
 #if defined(DOTK_AVX512) || defined(DOTK_AVX2)
+static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
 static inline __m256i dup8_16(__m128i v8, int mins) {  /* 8 bytes (at byte 8 * mins) -> 16 uint16, each twice */
     const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8((char)(8 * mins)));
     return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v8, pick));
@@ -471,9 +473,8 @@ static inline void odd_scales(const uint8_t *p, uint64_t out[2]) {
  * IQ2_XXS 2.3 -> 1.7 -> 3.2 (3.5), IQ2_XS 1.2 -> 2.4 -> 3.3-3.7 (4.1), IQ2_S 1.1 -> 3.3 -> 3.5-3.8 (4.5), IQ1_S 1.3
  * -> 1.7 (2.8), IQ1_M 0.9 -> 1.7 (3.1). What is left: the scalar work on the other formats' fields, IQ1's 32 grid
  * lookups and their inserts (vpgatherdq was no faster), and the decoded block's round trip through the wblock form.
- * The IQ1 and IQ2 formats have one-token loops of their own with AVX-512 VNNI ("IQ2_XXS at T = 1", "IQ1_S and
- * IQ1_M at T = 1" below) and, but IQ2_XS, with AVX2 ("The IQ1 and IQ2 formats at T = 1 with AVX2"): this form is
- * their T > 1 tiles' and the other paths'. */
+ * The IQ1 and IQ2 formats have one-token loops of their own ("IQ2_XXS at T = 1" with AVX-512 VNNI, "IQ1_S, IQ1_M
+ * and the IQ2 formats at T = 1" with AVX2 and AVX-512): this form is their T > 1 tiles' and the other paths'. */
 static inline unsigned row_iq2xxs(const uint8_t *b, int k) { return b[2 + 8 * (k / 4) + k % 4]; }
 static inline unsigned row_iq2xs(const uint8_t *b, int k) { return u16_at(b + 2 + 2 * k) & 511u; }
 static inline unsigned row_iq2s(const uint8_t *b, int k) { return b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3u) << 8; }
@@ -932,7 +933,6 @@ static inline void spread_scales(wblock *w, __m256i s16) {
     for (int c = 0; c < 8; c++) w->sc[c] = group_scales(s16, c);  /* group 2c across the low lane, 2c + 1 the high */
 }
 
-static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 /* bit `from` of each byte moved to bit `to` (all other bits cleared) */
 static inline __m256i move_bit(__m256i v, int from, int to) {
@@ -2150,8 +2150,6 @@ static inline __attribute__((always_inline)) void iq2xs_step(const uint8_t *b, c
 
 STREAMED(iq2xxs, 1, 66, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xxs_step, as_is)
 STREAMED(iq2xs, 1, 74, ORDERED_BYTES, __m512, _mm512_setzero_ps(), iq2xs_step, as_is)
-
-
 #endif
 
 #endif
@@ -2201,9 +2199,6 @@ static inline __attribute__((always_inline)) __m256i grid_rows4(const uint64_t *
                  q[3] | (h >> 3 * span & field) << 8);
 #endif
 }
-#if defined(DOTK_AVX512)  /* AVX2's decoders above have it */
-static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-#endif
 #define BLOCK_STEP(name, bytes)                                                                                    \
     static inline __attribute__((always_inline)) void name##_step(const uint8_t *b, const uint8_t *x, __m256 *acc) { \
         stream_prefetch(b, (bytes));                                                                             \
@@ -2265,10 +2260,7 @@ static inline __attribute__((always_inline)) __m256i negated_where(__m256i x, ui
 #if defined(DOTK_AVX512)
     return _mm256_mask_sub_epi8(x, (__mmask32)bits, _mm256_setzero_si256(), x);
 #else
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit), bit);
-    return _mm256_sign_epi8(x, _mm256_or_si256(neg, _mm256_set1_epi8(1)));
+    return _mm256_sign_epi8(x, _mm256_or_si256(sign_bytes(bits), _mm256_set1_epi8(1)));  /* -1 or 1 */
 #endif
 }
 
@@ -2377,7 +2369,6 @@ static inline __attribute__((always_inline)) void q45k_block(const uint8_t *b, c
     *mins = _mm_fmadd_ps(_mm_permute_ps(dd, 0x55), _mm_cvtepi32_ps(mdot), *mins);
 }
 
-
 /* the 8 table entries t[i[0..7]] (uint32_t) as one vector: 8 broadcast loads (load ports only) merged by 7
  * vpblendd (any vector ALU), where vmovd and 7 vpinsrd put 7 uops on the shuffle port (Intel's port 5). One Zen 4
  * core from DRAM, AVX2 build, alternated twice: IQ3_S 4.2 -> 4.4 GB/s, IQ3_XXS 4.2-4.3 -> 4.2; on Intel's client
@@ -2478,32 +2469,11 @@ static inline __attribute__((always_inline)) void iq3xxs_block(const uint8_t *b,
         const uint8_t *i = q + 8 * c;
         const uint32_t aux = u32_at(q + 64 + 4 * c);
         const __m256i gv = ENTRIES8(grid_xxs, i);
-        const __m256i sign = _mm256_set_epi64x((long long)sign_ones[(aux >> 21) & 127], (long long)sign_ones[(aux >> 14) & 127],
-                                               (long long)sign_ones[(aux >> 7) & 127], (long long)sign_ones[aux & 127]);
+        const __m256i sign = rows4(sign_ones, aux & 127, aux >> 7 & 127, aux >> 14 & 127, aux >> 21 & 127);
         const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c)), sign);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(gv, x), _mm256_set1_epi16(ls[c])));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(0.25f * f16_at(b) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
-}
-
-/* IQ4_XS: one block into acc, 32 values (a sub-block) at a time: 16 bytes' low and high nibbles through the
- * kvalues (vpshufb), |kvalue| times the activations with the kvalue's sign (maddubs, <= 2 * 127 * 127), times
- * the sub-block's scale (vpmaddwd); times d_w * d_x. In place of the decoded-block loop (Intel AMX host, AVX2
- * build, C harness, [*, 2048] rows): one thread from L1 12.2-13.3 -> 15.7 GB/s, two threads from DRAM (four
- * streams) 19.6-19.8 -> 23.9-25.6; without the asm statement 13.5 and 22.5, two rows at a time 12-13 and 22. */
-static inline __attribute__((always_inline)) void iq4xs_block(const uint8_t *b, const uint8_t *xb, __m256 *acc) {
-    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues)), m4 = _mm256_set1_epi8(15);
-    int16_t ls[8] __attribute__((aligned(16)));  /* each sub-block's scale - 32 */
-    const uint64_t sc = nibbles8(u32_at(b + 4)) | crumbs8(u16_at(b + 2)) << 4;
-    scales_in_memory(ls, _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)sc), _mm_set1_epi8(32))));
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * c));
-        const __m256i k = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4));
-        const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c)), k);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(k), x), _mm256_set1_epi16(ls[c])));
-    }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * f32_at(xb)), _mm256_cvtepi32_ps(s), *acc);
 }
 
 /* rows x one token through four_streams: a block step a format (each prefetching its block, cpu_stream.h) */
@@ -2533,14 +2503,16 @@ static inline __attribute__((always_inline)) void iq3xxst_block(const uint8_t *b
     iq3xxs_block(block, xb, acc);
 }
 BLOCK_STEP(iq3xxst, 98)
-BLOCK_STEP(iq4xs, 136)
 
 /* IQ4_XS with the token's quants reordered once per call (x_iq4xs_pairs): for sub-blocks 2p, 2p + 1 the 32 bytes
  * [x(2p) 0..15, x(2p + 1) 0..15], then [x(2p) 16..31, x(2p + 1) 16..31], so that two sub-blocks' 32 weight bytes are
  * one load whose low nibbles and high nibbles are one vector each, and the two sub-blocks' scales one shuffle
- * (group_scales). In place of the loop above (a sub-block a vector: 16 bytes widened by vinserti128, each scale
- * broadcast): one Zen 4 core from DRAM, AVX2 build, GB/s, twice alternated, 12.9-13.3 -> 15.4-15.8 (llama.cpp's
- * AVX2 vec_dot 12.1-12.3). Numerics as the loop above (float32 order only). */
+ * (group_scales); a kvalue's magnitude (vpabsb) times the quants with its sign (vpsignb), <= 2 * 127 * 127 a pair.
+ * Numerics: each block's integer sum exact in int32, times d_w d_x in float32 (float32 order only differs from the
+ * decoded-block loop). In place of a loop on the quants as they lie (a sub-block a vector: 16 bytes widened by
+ * vinserti128, each scale broadcast), itself in place of the decoded-block loop (Intel AMX host, C harness, one
+ * thread from L1 12.2-13.3 -> 15.7 GB/s, two from DRAM 19.6-19.8 -> 23.9-25.6): one Zen 4 core from DRAM, AVX2
+ * build, GB/s, twice alternated, 12.9-13.3 -> 15.4-15.8 (llama.cpp's AVX2 vec_dot 12.1-12.3). */
 enum { X4P_D = 256 };
 static void x_iq4xs_pairs(const uint8_t *x, int64_t blocks, uint8_t *out) {
     for (int64_t i = 0; i < blocks; i++) {
@@ -2574,7 +2546,6 @@ static inline __attribute__((always_inline)) void iq4xs_pairs_step(const uint8_t
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b) * f32_at(x + X4P_D)), _mm256_cvtepi32_ps(s), *acc);
 }
 STREAMED(iq4xs_pairs, 4, 136, ORDERED_BYTES, __m256, _mm256_setzero_ps(), iq4xs_pairs_step, as_is)
-
 
 /* Q3_K and Q2_K: one block into acc, 32 values (two 16-value groups: the low lane's and the high lane's) a vector,
  * their 2-bit fields where they lie (vector 4j + k: bits 2k of bytes 32j..), Q3_K's third bit c of each hmask byte
@@ -2625,7 +2596,6 @@ ONE_ROW(iq3s, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3s_step, as_is)
 ONE_ROW(iq3st, 110, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3st_step, as_is)
 ONE_ROW(iq3xxs, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxs_step, as_is)
 ONE_ROW(iq3xxst, 98, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq3xxst_step, as_is)
-STREAMED(iq4xs, 4, 136, Q8K_BYTES, __m256, _mm256_setzero_ps(), iq4xs_step, as_is)
 
 #endif
 
@@ -2652,7 +2622,6 @@ static int one_token_as_is(int64_t wtype, four_rows_fn *four, one_row_fn *one) {
     case IQ3_S_T: *four = NULL, *one = iq3st_one; return 1;
     case IQ3_XXS: *four = NULL, *one = iq3xxs_one; return 1;
     case IQ3_XXS_T: *four = NULL, *one = iq3xxst_one; return 1;
-    case IQ4_XS: *four = iq4xs_four, *one = iq4xs_one; return 1;
 #endif
     default: return 0;
     }
