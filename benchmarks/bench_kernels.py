@@ -67,7 +67,8 @@ def llama_vec_dots(cpu_lib: str | None):
     try:
         cpu = ctypes.CDLL(path)
     except OSError as e:
-        raise SystemExit(f"bench_kernels: --llama-cpu-lib {path}: cannot load it ({e})") from None
+        where = "--llama-cpu-lib" if cpu_lib else "llama-cpp-python's CPU library"
+        raise SystemExit(f"bench_kernels: {where} {path}: cannot load it ({e})") from None
     cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
     cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
     cpu.ggml_cpu_init()  # its float16 table: vec_dot reads scales through it
@@ -125,7 +126,6 @@ def measure(name: str, args, kernels, traits, rows_loop, read) -> dict:
     return {"rows": rows, "cols": args.cols, "mb": round(w.numel() / 1e6, 1), "held_as": NAME_OF[held],
             "moetier_gb_per_s": best["moetier"], "llama_cpp_gb_per_s": best["llama.cpp"], "read_gb_per_s": best["read"],
             "vs_llama_cpp": best["moetier"] / best["llama.cpp"], "max_diff_over_sum_abs": worst}
-
 
 
 def main() -> None:
