@@ -230,7 +230,7 @@ def measure(layout_path: Path | None, model: Path | None, out: Path | None, thre
     layout = load_layout(layout_path) if layout_path is not None else None
     named = out is None and layout is not None and bool(layout.scheduler.calibration)  # the layout names the output
     target = out or (layout.relative(layout.scheduler.calibration) if named else Path("calibration.json"))
-    folder = model or (layout.relative(layout.model) if layout is not None and layout.model else None)
+    folder = model or (layout.model_path() if layout is not None else None)
     check_output(target, f"{layout.path} [scheduler].calibration" if named else "--out",
                  [("--layout", layout_path), ("--model", folder)])
     checkpoint = open_checkpoint(folder or builtin_model())

@@ -176,6 +176,10 @@ class Layout:
         """A path written in the layout, relative to the layout file."""
         return (self.path.parent / value) if value and not Path(value).is_absolute() else Path(value)
 
+    def model_path(self) -> Path | None:
+        """The model the layout names (`model = ...`, relative to the layout file), None where it names none."""
+        return self.relative(self.model) if self.model else None
+
     def check_model(self, num_layers: int, num_experts: int) -> None:
         """Checks that need the model: parts cover every layer once, in order; slots fit."""
         last = self.parts[-1]

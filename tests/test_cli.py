@@ -70,6 +70,41 @@ def test_info_json(tiny):
     assert info["bytes_per_expert"] == 3 * checkpoint.spec.hidden_size * checkpoint.spec.moe_intermediate_size * 4
 
 
+def test_info_and_score_take_the_model_as_their_argument_or_as_model(tiny, tmp_path):
+    """`info` and `score` take MODEL as the other commands take it, --model, too; given twice it must be the same."""
+    assert moetier_here("info", "--model", tiny, "--json").stdout == moetier_here("info", tiny, "--json").stdout
+    assert moetier_here("info", tiny, "--model", tiny, "--json").returncode == 0
+    refused(moetier_here("info", tiny, "--model", tmp_path, "--json"), "given twice", str(tmp_path))
+    np.save(tmp_path / "ids.npy", np.array([3, 9, 27], dtype=np.int64))
+    refused(moetier_here("score", tiny, "--model", tmp_path, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy"),
+            "given twice")
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_a_layouts_model_is_found_relative_to_the_layout(tiny, tmp_path):
+    """`model = "..."` in a cluster.toml is relative to that file for every command, wherever it runs from: `score`
+    (through the engine every run opens) reads the layout's model, and refuses an --out inside it."""
+    from layouts import cache_layout
+
+    folder = tiny.parent
+    (folder / "layout.toml").write_text(f'model = "{tiny.name}"\n' + cache_layout())
+    ids = np.array([3, 9, 27, 81], dtype=np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    result = moetier("score", "--layout", folder / "layout.toml", "--ids", tmp_path / "ids.npy", "--out",
+                     tmp_path / "logits.npy", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), score(Engine(open_checkpoint(tiny)), ids), atol=1e-5)
+    refused(moetier_here("score", "--layout", folder / "layout.toml", "--ids", tmp_path / "ids.npy", "--out",
+                         tiny / "o.npy", cwd=tmp_path), "inside the layout's model folder")
+    # kl and sweep without --model take the layout's model too (they took the built-in one): a missing one is named
+    (tmp_path / "elsewhere.toml").write_text('model = "no-such-model"\n' + cache_layout())
+    missing = str(tmp_path / "no-such-model")
+    refused(moetier_here("kl", "--ids", tmp_path / "ids.npy", "--layout", tmp_path / "elsewhere.toml"), missing)
+    (tmp_path / "s.jsonl").write_text("")
+    refused(moetier_here("sweep", "--sessions", tmp_path / "s.jsonl", "--layout", tmp_path / "elsewhere.toml", "--out",
+                         tmp_path / "sweep"), missing)
+
+
 def test_synth_writes_a_loadable_checkpoint(tmp_path):
     result = moetier("synth", "--arch", "mixtral", "--preset", "tiny", "--seed", 1, "--out", tmp_path / "m")
     assert result.returncode == 0, result.stderr

@@ -63,10 +63,24 @@ def open_engine(model: Optional[Path], backend: str, device: str, threads: Optio
         from moetier.engine.runtime import build_runtime
 
         plan = load_layout(layout).with_scheduler(defer_into_linear=defer_into_linear)
-        folder = model or (Path(plan.model) if plan.model else None)
+        folder = model or plan.model_path()
         runtime = build_runtime(plan, open_checkpoint(folder if folder is not None else builtin_model()))
         return runtime.engine, runtime
     return Engine(open_checkpoint(model if model is not None else builtin_model()), backend=backend, device=device), None
+
+
+def model_given(argument: Optional[Path], option: Optional[Path]) -> Optional[Path]:
+    """The model of a command that takes it as its argument or as --model, as the other commands do (None: neither)."""
+    if argument is not None and option is not None and argument != option:
+        raise UsageError(f"the model is given twice, MODEL {argument} and --model {option} (expected one of them)")
+    return argument if argument is not None else option
+
+
+def layout_model(layout: Optional[Path]) -> Optional[Path]:
+    """The model the cluster.toml at `layout` names (relative to it), None for no layout or none named."""
+    from moetier.config import load_layout
+
+    return load_layout(layout).model_path() if layout is not None else None
 
 
 def check_device(device: str) -> None:

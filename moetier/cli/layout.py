@@ -156,7 +156,7 @@ def show(file: Path = typer.Argument(..., help="cluster.toml"),
     layout = load_layout(file)
     from moetier.model.builtin import builtin_model
 
-    folder = model or (layout.relative(layout.model) if layout.model else builtin_model())
+    folder = model or layout.model_path() or builtin_model()
     summary = describe_layout(layout, folder)
     if as_json:
         print(json.dumps(summary))

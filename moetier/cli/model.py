@@ -17,8 +17,8 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from moetier.cli.common import (UsageError, console, default_prompt, errors_to_exit, expert_formats, load_ids, open_engine,
-                                parse_list, status)
+from moetier.cli.common import (UsageError, console, default_prompt, errors_to_exit, expert_formats, layout_model, load_ids,
+                                model_given, open_engine, parse_list, status)
 
 
 @errors_to_exit
@@ -162,7 +162,8 @@ def _stream_text(engine, tokenizer, ids: list[int], max_new_tokens: int, samplin
 
 @errors_to_exit
 def score(
-    model: Path = typer.Argument(..., help="HF model folder or GGUF file"),
+    model: Optional[Path] = typer.Argument(None, help="HF model folder or GGUF file; default: the layout's model, else the "
+                                                      "built-in synthetic model"),
     ids: Path = typer.Option(..., help="token ids: a 1-D integer .npy file"),
     out: Path = typer.Option(..., help="where to write float32 logits [T, vocab] (.npy)"),
     backend: str = typer.Option("torch"),
@@ -172,13 +173,16 @@ def score(
     bias: Optional[Path] = typer.Option(None, help="router bias table (.safetensors, from `moetier bias`)"),
     affinity: Optional[float] = typer.Option(None, help="live-cache affinity lambda (needs --layout with a vram tier)"),
     bias_mode: Optional[str] = typer.Option(None, help="selection | damped"),
+    model_option: Optional[Path] = typer.Option(None, "--model", help="MODEL, as an option"),
 ):
     """Teacher-forced logits for every position of a sequence."""
     from moetier.engine import score as score_ids
     from moetier.engine.router_bias import apply_router_options
     from moetier.model.output import check_output, new_file
 
-    check_output(out, "--out", [("--ids", ids), ("MODEL", model), ("--layout", layout), ("--bias", bias)])
+    model = model_given(model, model_option)
+    check_output(out, "--out", [("--ids", ids), ("MODEL", model), ("layout's model", layout_model(layout)),
+                                ("--layout", layout), ("--bias", bias)])
     token_ids = load_ids(ids)
     engine, runtime = open_engine(model, backend, device, threads, layout)
     try:
@@ -194,15 +198,20 @@ def score(
 
 @errors_to_exit
 def info(
-    model: Path = typer.Argument(..., help="HF model folder or GGUF file"),
+    model: Optional[Path] = typer.Argument(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
     as_json: bool = typer.Option(False, "--json"),
+    model_option: Optional[Path] = typer.Option(None, "--model", help="MODEL, as an option"),
 ):
     """Layers, experts, router and sizes of a checkpoint (reads headers only).
 
     Experts are held in their stored formats (expert_formats, bytes_per_expert: the largest layer's); the trunk is
     held in its stored formats too (trunk_bytes), norms and router as float32."""
     from moetier.model import open_checkpoint
+    from moetier.model.builtin import builtin_model
 
+    model = model_given(model, model_option)
+    if model is None:
+        model = builtin_model()
     checkpoint = open_checkpoint(model)
     s = checkpoint.spec
     summary = {

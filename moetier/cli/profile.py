@@ -15,14 +15,15 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from moetier.cli.common import UsageError, console, errors_to_exit, load_ids, parse_list, status
+from moetier.cli.common import UsageError, console, errors_to_exit, layout_model, load_ids, parse_list, status
 
 
-def _model(model: Optional[Path]):
+def _model(model: Optional[Path], layout: Optional[Path] = None):
+    """--model, else the model --layout names, else the built-in synthetic model."""
     from moetier.model.builtin import builtin_model
     from moetier.model import open_checkpoint
 
-    return open_checkpoint(model if model is not None else builtin_model())
+    return open_checkpoint(model or layout_model(layout) or builtin_model())
 
 
 def _progress():
@@ -191,7 +192,8 @@ def bias_write(model: Path = typer.Option(..., help="glm4_moe / glm5_next model 
 
 
 @errors_to_exit
-def kl(model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
+def kl(model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the layout's model, else the "
+                                                       "built-in synthetic model"),
        sessions: Optional[List[Path]] = typer.Option(None, help="session file(s) (.jsonl); repeatable"),
        ids: Optional[Path] = typer.Option(None, help="token ids: a 1-D integer .npy file"),
        bias: Optional[Path] = typer.Option(None, help="candidate: bias table"),
@@ -208,7 +210,7 @@ def kl(model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF 
 
     if (sessions is None) == (ids is None):
         raise UsageError("kl needs exactly one of --sessions S.jsonl or --ids F.npy")
-    checkpoint = _model(model)
+    checkpoint = _model(model, layout)
     requests = _requests(checkpoint, sessions) if sessions else requests_from_ids(load_ids(ids), "all", str(ids))
     candidate = Candidate(bias, affinity, bias_mode, affinity_prefill, layout, stepwise)
     with _progress() as bar:
@@ -233,7 +235,8 @@ def kl(model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF 
 def sweep(sessions: List[Path] = typer.Option(..., help="session file(s) (.jsonl); repeatable"),
           layout: Path = typer.Option(..., help="cluster.toml with a vram tier"),
           out: Path = typer.Option(..., help="folder for sweep.md, sweep.json, the plots and the tables"),
-          model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the built-in synthetic model"),
+          model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF file; default: the layout's model, else the "
+                                                          "built-in synthetic model"),
           caps: Optional[str] = typer.Option(None, help="static table arms: caps, comma-separated [default: -0.25,-0.5,-1; sigmoid routers /10]"),
           lambdas: Optional[str] = typer.Option(None, help="affinity arms: lambdas, comma-separated [default: 0.1,0.25,0.5; sigmoid routers /10]"),
           profile_path: Optional[Path] = typer.Option(None, "--profile", help="profile for the tables; default: profile the sessions"),
@@ -246,8 +249,9 @@ def sweep(sessions: List[Path] = typer.Option(..., help="session file(s) (.jsonl
     from moetier.profile.sweep import markdown, run_sweep, write_outputs
 
     check_output(out, "--out", [("--sessions", path) for path in sessions]
-                 + [("--layout", layout), ("--profile", profile_path), ("--model", model)], kind="folder")
-    checkpoint = _model(model)
+                 + [("--layout", layout), ("--profile", profile_path), ("--model", model),
+                    ("layout's model", layout_model(layout))], kind="folder")
+    checkpoint = _model(model, layout)
     # sigmoid routers take the bias in probability space, where useful values are ~10x smaller
     scale = 0.1 if checkpoint.spec.router == "sigmoid" else 1.0
     cap_values = parse_list(caps, "--caps", float) if caps else [c * scale for c in (-0.25, -0.5, -1.0)]

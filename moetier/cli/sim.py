@@ -49,7 +49,7 @@ def resolve_shape(layout, trace, model: Optional[Path], shape: Optional[str], ex
     if model is not None or (layout.model and shape is None and expert_bytes is None):
         from moetier.model.checkpoint import open_checkpoint  # the headers only, but the readers import torch
 
-        folder = model or layout.relative(layout.model)
+        folder = model or layout.model_path()
         return ModelShape.from_checkpoint(open_checkpoint(folder), str(model or layout.model))
     if shape is not None:
         if shape not in SHAPES:

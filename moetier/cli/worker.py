@@ -194,7 +194,7 @@ def launch(
     layout = load_layout(file)
     from moetier.model.builtin import builtin_model
 
-    folder = model or (layout.relative(layout.model) if layout.model else builtin_model())
+    folder = model or layout.model_path() or builtin_model()
     if not any(t.kind == "remote" for t in layout.tiers):
         raise UsageError(f"{file}: no tier of kind \"remote\" (nothing to launch)")
     if logs is not None:
