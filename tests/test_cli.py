@@ -105,6 +105,26 @@ def test_a_layouts_model_is_found_relative_to_the_layout(tiny, tmp_path):
                          tmp_path / "sweep"), missing)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "glm5_next"])
+def test_info_names_a_hybrids_layers(arch, tmp_path):
+    """info's rows for the hybrids: which layers attend and how (Gated DeltaNet or KDA; GLM-5.3's latent attention, its
+    indexer and hyper-connections), from the spec, as a user checks a file before running it."""
+    folder = write_synthetic(tmp_path / arch, arch=arch, preset="tiny", seed=1)
+    spec = open_checkpoint(folder).spec
+    info = json.loads(moetier_here("info", folder, "--json").stdout)
+    attending = ", ".join(map(str, spec.attention_layers))
+    assert info["linear_attention_layers"] == f"{len(spec.linear_layers)} of {spec.num_layers} (" + (
+        "latent" if arch == "glm5_next" else "full") + f" attention: {attending})"
+    assert info["linear_attention"].startswith("KDA: " if arch == "glm5_next" else "Gated DeltaNet: ")
+    glm = {"latent_attention", "indexer", "hyper_connections"}
+    if arch == "glm5_next":
+        assert info["latent_attention"].endswith(f"kv rank {spec.latent_attention.kv_rank} (the cached latent a position)")
+        assert info["indexer"].startswith(f"top {spec.indexer.topk} positions in pools of {spec.indexer.pool}, ")
+        assert info["hyper_connections"].startswith(f"{spec.hyper.streams} residual streams")
+    else:
+        assert not glm & set(info)
+
+
 def test_synth_writes_a_loadable_checkpoint(tmp_path):
     result = moetier("synth", "--arch", "mixtral", "--preset", "tiny", "--seed", 1, "--out", tmp_path / "m")
     assert result.returncode == 0, result.stderr

@@ -247,12 +247,25 @@ def info(
 
 
 def _linear_attention(s) -> dict[str, str]:
-    """info's rows for a hybrid model's linear-attention layers (Qwen3-Next's Gated DeltaNet)."""
-    g = s.linear_attention
-    return {"linear_attention_layers": f"{len(s.linear_layers)} of {s.num_layers} (full attention: "
+    """info's rows for a hybrid model's layers: linear attention (Qwen3-Next's Gated DeltaNet, GLM-5.3's KDA), and
+    GLM-5.3's latent attention, its indexer and its hyper-connections."""
+    g, mla, index, hyper = s.linear_attention, s.latent_attention, s.indexer, s.hyper
+    attention = "latent attention" if mla is not None else "full attention"
+    rows = {"linear_attention_layers": f"{len(s.linear_layers)} of {s.num_layers} ({attention}: "
                                        f"{', '.join(map(str, s.attention_layers)) or 'none'})",
-            "linear_attention": f"{g.key_heads} key heads x {g.key_dim}, {g.value_heads} value heads x {g.value_dim}, "
-                                f"conv {g.conv_kernel}; state {g.value_heads * g.key_dim * g.value_dim * 4:,} bytes a layer"}
+            "linear_attention": f"{'KDA' if g.kind == 'kda' else 'Gated DeltaNet'}: {g.key_heads} key heads x {g.key_dim}, "
+                                f"{g.value_heads} value heads x {g.value_dim}, conv {g.conv_kernel}; "
+                                f"state {g.value_heads * g.key_dim * g.value_dim * 4:,} bytes a layer"}
+    if mla is not None:
+        rows["latent_attention"] = (f"{s.num_heads} heads x {mla.key_dim} (values {mla.value_dim}), no rotary; q rank "
+                                    f"{mla.q_rank}, kv rank {mla.kv_rank} (the cached latent a position)")
+    if index is not None:
+        shared = f"; layers {', '.join(map(str, index.shared_layers))} reuse the previous one's" if index.shared_layers else ""
+        rows["indexer"] = (f"top {index.topk} positions in pools of {index.pool}, {index.heads} heads x {index.head_dim} "
+                           f"(a key and its pool gate cached a position){shared}")
+    if hyper is not None:
+        rows["hyper_connections"] = f"{hyper.streams} residual streams, {hyper.sinkhorn_iters} Sinkhorn iterations"
+    return rows
 
 
 @errors_to_exit
