@@ -215,11 +215,12 @@ def test_recorded_sessions_go_through_profile_bias_kl_simulate_and_serve_bias(cl
     result = moetier("kl", "--model", model, "--sessions", sessions, "--bias", table, "--no-floor", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["mean_kl"] >= 0
-    trace = record / next(r["meta"]["trace"] for r in records if r["meta"]["trace"])
+    traced = next(r for r in records if r["meta"]["trace"])
     layout = tmp_path / "layout.toml"
     layout.write_text(cache_layout(slots=4))
-    result = moetier("simulate", "--layout", layout, "--trace", trace, "--model", model, "--json")
+    result = moetier("simulate", "--layout", layout, "--trace", record / traced["meta"]["trace"], "--model", model, "--json")
     assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["warmup_tokens"] == traced["meta"]["prefill_tokens"]  # the prompt warms the cache
     with server("--model", model, "--bias", table) as (base, _):
         status, answer = http(f"{base}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                "max_tokens": 4, "temperature": 0})

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_runs import moetier, moetier_here
 from layouts import REMOTE_TIER
 from tier_layouts import CPU, HEAD, IDS, ONE_PART, SECOND_GPU_EMULATED, TWO_PARTS, runtime_for, scheduler, vram
 from moetier.config import load_layout
@@ -85,8 +86,34 @@ def test_run_layout_report_json(model, tmp_path):
     assert served == 8 * len(spec.moe_layers) * spec.top_k  # every pick of the 8 decode steps served once
     assert 0.0 <= report["hit_rate"] <= 1.0 and "attention" in report["ms_per_token"]
     saved = np.load(trace, allow_pickle=False)
-    assert saved["picks"].shape == (8, len(spec.moe_layers), spec.top_k)
+    prompt = len(report["prompt_ids"])  # the prompt's rows first ("prefill"), then the 8 decoded tokens' ("decode")
+    assert saved["picks"].shape == (prompt + 8, len(spec.moe_layers), spec.top_k)
+    assert saved["phase"].tolist() == [0] * prompt + [1] * 8
+    assert json.loads(str(saved["metadata"]))["phase_names"] == ["prefill", "decode"]
     assert (saved["tiers"] >= 0).all()
+
+
+@pytest.mark.parametrize("name", ["vram-lru", "two-parts-two-caches"])
+def test_simulate_replays_a_runs_trace_to_its_hit_rate(model, tmp_path, name):
+    """`simulate` on the trace `run --layout --trace` wrote, with the same layout: its caches warmed by the prompt's
+    rows (the trace's "prefill" phase) as the run's were, then the decoded tokens counted, so the replayed hit rate is
+    the run's, per tier, exactly (LRU / LFU policies are deterministic). Without the warm-up it is not."""
+    import json
+
+    path, trace = tmp_path / "layout.toml", tmp_path / "trace.npz"
+    path.write_text(HEAD + LAYOUTS[name])
+    run = moetier("run", "--layout", path, "--model", model.folder, "--max-new-tokens", 24, "--json", "--trace", trace)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    simulated = moetier_here("simulate", "--layout", path, "--model", model.folder, "--trace", trace, "--json")
+    assert simulated.returncode == 0, simulated.stderr
+    replay = json.loads(simulated.stdout)
+    assert replay["warmup_tokens"] == len(report["prompt_ids"])
+    measured = {t["name"]: t["hit_rate"] for t in report["tiers"] if t["kind"] == "vram"}
+    assert {t["name"]: t["hit_rate"] for t in replay["tiers"] if t["name"] in measured} == pytest.approx(measured, abs=1e-12)
+    cold = json.loads(moetier_here("simulate", "--layout", path, "--model", model.folder, "--trace", trace, "--warmup", 0,
+                                   "--json").stdout)
+    assert cold["warmup_tokens"] == 0 and cold["hit_rate"] != replay["hit_rate"]
 
 
 REMOTE = REMOTE_TIER

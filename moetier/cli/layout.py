@@ -47,7 +47,7 @@ def layout_report(runtime, result, times) -> dict:
         "layout": str(layout.path), "model": str(engine.checkpoint.folder), "fingerprint": engine.checkpoint.fingerprint,
         "defer_cpu": engine.defer_cpu, "defer_into_linear": engine.defer_into_linear,
         "deferred_layers": sorted(l for l in engine.deferred if engine.spec.is_moe(l)), "tail_skip": executor.tail_skip, "budget_us": executor.budget_us,
-        "generated_ids": result.ids, "prefill_tok_per_s": result.prefill_tok_per_s,
+        "prompt_ids": result.prompt_ids, "generated_ids": result.ids, "prefill_tok_per_s": result.prefill_tok_per_s,
         "decode_tok_per_s": result.decode_tok_per_s, "decode_tokens": len(result.ids) - 1,
         "hit_rate": hits / picks if picks else 0.0, "skipped_per_token": executor.skipped / steps,
         "ms_per_token": ms, "tiers": tiers, "parts": parts,
@@ -62,12 +62,16 @@ def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optio
 
     engine, executor = runtime.engine, runtime.executor
     times = StepTimes()
+    if trace_path is not None:  # the prompt's rows too: they warm the caches the decode then counts on
+        executor.trace = TraceRows(layers=list(engine.spec.moe_layers), tier_index=dict(executor.index))
+    prompt_rows = 0
 
     def start_decode() -> None:
+        nonlocal prompt_rows
         executor.reset_counters()
         engine.times = executor.times = times
         if trace_path is not None:
-            executor.trace = TraceRows(layers=list(engine.spec.moe_layers), tier_index=dict(executor.index))
+            prompt_rows = executor.trace.tokens
 
     try:
         result = generate(engine, prompt, max_new_tokens, sampling, stop_ids=stop_ids, before_decode=start_decode)
@@ -79,7 +83,7 @@ def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optio
         ids = result.ids[:-1] if result.ids[-1] in stop_ids else result.ids
         report["text"] = tokenizer.decode(ids, skip_special=True)
     if trace_path is not None:
-        write_trace(trace_path, executor.trace, runtime)
+        write_trace(trace_path, executor.trace, runtime, prompt_rows)
         report["trace"] = str(trace_path)
     if as_json:
         print(json.dumps(report))
@@ -88,21 +92,25 @@ def run_over_layout(runtime, prompt, max_new_tokens, sampling, trace_path: Optio
     return report
 
 
-def write_trace(path: Path, rows, runtime) -> None:
-    """The DESIGN.md routing-trace npz, plus the tier that served each pick."""
+def write_trace(path: Path, rows, runtime, prompt_rows: int) -> None:
+    """The DESIGN.md routing-trace npz, plus the tier that served each pick: the prompt's `prompt_rows` rows first
+    (phase "prefill"), then the decoded tokens' ("decode")."""
     import numpy as np
+
+    from moetier.model.output import new_file
+    from moetier.sim.traces import RUN_PHASES
 
     engine = runtime.engine
     metadata = {"fingerprint": engine.checkpoint.fingerprint, "top_k": engine.spec.top_k,
                 "num_experts": engine.spec.num_experts, "layers": list(engine.spec.moe_layers),
-                "tier_names": [t.name for t in runtime.layout.tiers], "source": f"moetier run --layout {runtime.layout.path}"}
-    from moetier.model.output import new_file
-
+                "tier_names": [t.name for t in runtime.layout.tiers], "source": f"moetier run --layout {runtime.layout.path}",
+                "phase_names": list(RUN_PHASES)}
+    picks = np.concatenate(rows.picks).astype(np.int16)  # [T, L, k]
+    phase = (np.arange(len(picks)) >= prompt_rows).astype(np.int8)  # [T] 0: prefill, 1: decode
     with new_file(path, ".npz") as partial:  # whole file or nothing
-        np.savez_compressed(partial, picks=np.concatenate(rows.picks).astype(np.int16),
-                            weights=np.concatenate(rows.weights).astype(np.float16),
-                            probs=np.concatenate(rows.probs).astype(np.float16),
-                            tiers=np.concatenate(rows.tiers), metadata=np.array(json.dumps(metadata)))
+        np.savez_compressed(partial, picks=picks, weights=np.concatenate(rows.weights).astype(np.float16),
+                            probs=np.concatenate(rows.probs).astype(np.float16), tiers=np.concatenate(rows.tiers),
+                            phase=phase, metadata=np.array(json.dumps(metadata)))
 
 
 def print_report(report: dict, out: Console) -> None:

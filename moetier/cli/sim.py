@@ -104,7 +104,7 @@ def plot(folder: Path, layout, shape, calibration, trace, options: dict, sweeps:
     grid = sweeps.get("slots") or sorted({max(k, int(round(E * f))) for f in (0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0)})
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy, rates in hit_rate_curves(trace, grid, warmup_tokens=options.get("warmup_tokens", 0)).items():
+    for policy, rates in hit_rate_curves(trace, grid, warmup_tokens=options.get("warmup_tokens")).items():
         style = (dict(color="black", linestyle="--", label="Belady (optimum without prefetch)") if policy == "belady"
                  else dict(marker="o", label=policy))
         ax.plot(grid, [100 * r for r in rates], **style)
@@ -152,7 +152,8 @@ def simulate(
     defer_into_linear: Optional[bool] = typer.Option(
         None, "--defer-into-linear/--no-defer-into-linear",
         help="DEFER_CPU into linear-attention layers too, as `run --defer-into-linear` (default: the layout's)"),
-    warmup: int = typer.Option(0, help="trace tokens that warm the caches before counting"),
+    warmup: Optional[int] = typer.Option(None, help="trace tokens that warm the caches before counting (default: the "
+                                                    "prompt's, in a `run --layout --trace` trace; else 0)"),
     sweep_spec: Optional[str] = typer.Option(None, "--sweep", help="slots=8,16,32 | rtt_us=50,167 | lambda=0,0.25"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     plot_dir: Optional[Path] = typer.Option(None, "--plot", help="write PNG plots into this folder"),
@@ -168,8 +169,9 @@ def simulate(
     model_shape = resolve_shape(plan, routing, model, shape, expert_bytes, hidden_bytes, cal)
     if tokens_per_pass is not None and tokens_per_pass <= 0:
         raise ValueError(f"--tokens-per-pass is {tokens_per_pass} (expected > 0)")
+    warmup = routing.prefill_tokens() if warmup is None else warmup  # shown in the report
     options = dict(rows_per_pass=rows_per_pass, tokens_per_pass=tokens_per_pass, affinity=affinity, warmup_tokens=warmup)
-    result = {"layout": str(layout), "trace": str(trace), "shape": model_shape.name,
+    result = {"layout": str(layout), "trace": str(trace), "shape": model_shape.name, "warmup_tokens": warmup,
               "calibration": str(calibration or plan.scheduler.calibration or "defaults"),
               "defer_cpu": plan.scheduler.defer_cpu, "defer_into_linear": plan.scheduler.defer_into_linear,
               "linear_layers": list(model_shape.linear_layers)}

@@ -49,6 +49,11 @@ class TraceRows:
     def add(self, decision: Route, assign: dict[str, list[int]]) -> None:
         self._records.append((decision.picks, decision.weights, decision.probs, assign))
 
+    @property
+    def tokens(self) -> int:
+        """Token rows traced so far (each forward's rows, counted at its first MoE layer)."""
+        return sum(int(record[0].shape[0]) for record in self._records[:: len(self.layers)])
+
     def _forwards(self):
         """One [(picks, weights, probs, assign) per MoE layer] per forward, in order."""
         per = len(self.layers)

@@ -183,12 +183,15 @@ def _classify(layout: Layout, shape: ModelShape, trace: RoutingTrace, lam: float
 
 def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace: RoutingTrace, *,
              rows_per_pass: int = 1, tokens_per_pass: float | None = None, affinity: float | None = None,
-             profiles: Mapping[str, np.ndarray] | None = None, warmup_tokens: int = 0, max_passes: int = 400,
+             profiles: Mapping[str, np.ndarray] | None = None, warmup_tokens: int | None = None, max_passes: int = 400,
              planning: Calibration | None = None) -> Simulation:
     """Predict the layout's decode over the trace (see the module docstring). `profiles`: tier name ->
     [its layers, E] brightness for static caches and hot/cold rules (default: the tier's profile file,
     else the trace's own counts); `affinity` overrides [router].affinity; `planning`: the calibration
-    the runtime plans with, when it differs from the rates that time the pass (default: the same)."""
+    the runtime plans with, when it differs from the rates that time the pass (default: the same);
+    `warmup_tokens`: the trace's first tokens that only warm the caches (default: its prompt's, a run's
+    "prefill" rows)."""
+    warmup_tokens = trace.prefill_tokens() if warmup_tokens is None else warmup_tokens
     E, k, moe = shape.num_experts, shape.top_k, list(shape.moe_layers)
     if (trace.num_experts, trace.top_k, trace.num_layers) != (E, k, len(moe)):
         raise ValueError(f"trace {trace.source or ''} has {trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k} "
@@ -301,7 +304,8 @@ def load_trace(path) -> RoutingTrace:
                 meta = json.loads(str(z["metadata"]))
                 return RoutingTrace(picks=z["picks"], weights=z["weights"], probs=z["probs"] if "probs" in z.files else None,
                                     num_experts=meta["num_experts"], layer_ids=meta["layers"], model=meta.get("fingerprint", ""),
-                                    source=str(path), extra={"tier_names": meta.get("tier_names", [])})
+                                    source=str(path), extra={"tier_names": meta.get("tier_names", [])},
+                                    phase=z["phase"] if "phase" in z.files else None, phase_names=tuple(meta.get("phase_names", ())))
         except (OSError, KeyError, json.JSONDecodeError) as inner:
             raise ValueError(f"{path}: not a routing trace ({inner})") from None
 
@@ -336,9 +340,11 @@ CURVE_POLICIES = ("static", "lru", "lfu", "xlayer")
 
 
 def hit_rate_curves(trace: RoutingTrace, slots: Sequence[int], policies: Sequence[str] = CURVE_POLICIES,
-                    warmup_tokens: int = 0) -> dict[str, list[float]]:
+                    warmup_tokens: int | None = None) -> dict[str, list[float]]:
     """Hit rate per policy at each slot count (static: the trace's own counts, an oracle profile), and
-    Belady's optimum with bypass, which bounds every policy that admits only requested experts."""
+    Belady's optimum with bypass, which bounds every policy that admits only requested experts. warmup_tokens as
+    `simulate`'s."""
+    warmup_tokens = trace.prefill_tokens() if warmup_tokens is None else warmup_tokens
     counts = trace.tokens(warmup_tokens).counts()
     curves: dict[str, list[float]] = {}
     for policy in policies:

@@ -3,7 +3,8 @@
 A `RoutingTrace` holds picks int16 [T, L, k], gate weights float16 [T, L, k], optionally the
 router's probabilities (or sigmoid scores) float16 [T, L, E] and a phase label int8 [T], and
 metadata stored as one JSON string entry: model, top_k, experts per layer, the model's layer
-ids that the trace's layer axis maps to, source, free-form extras. Invariant: a RoutingTrace
+ids that the trace's layer axis maps to, source, free-form extras. A trace `moetier run --layout --trace` writes
+labels its prompt's rows "prefill" and the rest "decode" (RUN_PHASES); `prefill_tokens` finds a prompt's rows. Invariant: a RoutingTrace
 that exists is valid (shapes agree, ids in range, a token's picks at a layer are distinct);
 `load` turns any violation into one ValueError that names the file. Adapters read the real
 traces in shared/traces (FLAME-MoE, Qwen1.5-MoE); `load_counts` reads the expert-count files
@@ -24,6 +25,7 @@ import numpy as np
 
 FORMAT = "moetier.routing_trace"
 VERSION = 1
+RUN_PHASES = ("prefill", "decode")  # a `moetier run --layout --trace` trace: its prompt's rows, then the decoded tokens'
 QWEN15_MOE_EXPERTS = 60  # Qwen1.5-MoE-A2.7B config.json num_experts (the published trace does not store it)
 
 
@@ -99,6 +101,14 @@ class RoutingTrace:
     @property
     def top_k(self) -> int:
         return self.picks.shape[2]
+
+    def prefill_tokens(self) -> int:
+        """How many leading tokens are a prompt's (they warm caches before a decode): a `run --layout --trace`
+        trace's "prefill" rows (RUN_PHASES), a `serve` trace's extra["prefill_tokens"]; else 0."""
+        if self.phase is not None and tuple(self.phase_names) == RUN_PHASES:
+            decoded = np.flatnonzero(self.phase != 0)
+            return int(decoded[0]) if len(decoded) else len(self.phase)
+        return int(self.extra.get("prefill_tokens", 0))
 
     def tokens(self, start: int, stop: int | None = None) -> "RoutingTrace":
         """The sub-trace of tokens [start, stop)."""
