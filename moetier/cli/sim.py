@@ -77,6 +77,9 @@ def _print(result: dict, out: Console) -> None:
     out.print(times)
     out.print(f"predicted decode {result['decode_tok_per_s']:.1f} tok/s ({result['tokens_per_pass']:g} tokens per pass), "
               f"VRAM hit rate {result['hit_rate']:.1%}, skipped {result['skipped_per_token']:.2f} experts/token", highlight=False)
+    if result.get("warmup_tokens"):
+        out.print(f"[dim]the trace's first {result['warmup_tokens']} tokens warmed the caches (a run's prompt, or --warmup) "
+                  "and are not counted[/dim]", highlight=False)
     for note in result["notes"]:
         out.print(f"[dim]note: {note}[/dim]", highlight=False)
 
