@@ -933,7 +933,6 @@ static inline void spread_scales(wblock *w, __m256i s16) {
     for (int c = 0; c < 8; c++) w->sc[c] = group_scales(s16, c);  /* group 2c across the low lane, 2c + 1 the high */
 }
 
-
 /* bit `from` of each byte moved to bit `to` (all other bits cleared) */
 static inline __m256i move_bit(__m256i v, int from, int to) {
     const __m256i b = _mm256_and_si256(v, _mm256_set1_epi8((char)(1 << from)));

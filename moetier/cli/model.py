@@ -209,9 +209,7 @@ def info(
     from moetier.model import open_checkpoint
     from moetier.model.builtin import builtin_model
 
-    model = model_given(model, model_option)
-    if model is None:
-        model = builtin_model()
+    model = model_given(model, model_option) or builtin_model()
     checkpoint = open_checkpoint(model)
     s = checkpoint.spec
     summary = {

@@ -18,12 +18,11 @@ from rich.table import Table
 from moetier.cli.common import UsageError, console, errors_to_exit, layout_model, load_ids, parse_list, status
 
 
-def _model(model: Optional[Path], layout: Optional[Path] = None):
-    """--model, else the model --layout names, else the built-in synthetic model."""
+def _model(model: Optional[Path]):
     from moetier.model.builtin import builtin_model
     from moetier.model import open_checkpoint
 
-    return open_checkpoint(model or layout_model(layout) or builtin_model())
+    return open_checkpoint(model if model is not None else builtin_model())
 
 
 def _progress():
@@ -210,7 +209,7 @@ def kl(model: Optional[Path] = typer.Option(None, help="HF model folder or GGUF 
 
     if (sessions is None) == (ids is None):
         raise UsageError("kl needs exactly one of --sessions S.jsonl or --ids F.npy")
-    checkpoint = _model(model, layout)
+    checkpoint = _model(model or layout_model(layout))  # --model, else the layout's, else the built-in
     requests = _requests(checkpoint, sessions) if sessions else requests_from_ids(load_ids(ids), "all", str(ids))
     candidate = Candidate(bias, affinity, bias_mode, affinity_prefill, layout, stepwise)
     with _progress() as bar:
@@ -248,10 +247,11 @@ def sweep(sessions: List[Path] = typer.Option(..., help="session file(s) (.jsonl
     from moetier.profile.brightness import Profile
     from moetier.profile.sweep import markdown, run_sweep, write_outputs
 
+    named = layout_model(layout)
     check_output(out, "--out", [("--sessions", path) for path in sessions]
-                 + [("--layout", layout), ("--profile", profile_path), ("--model", model),
-                    ("layout's model", layout_model(layout))], kind="folder")
-    checkpoint = _model(model, layout)
+                 + [("--layout", layout), ("--profile", profile_path), ("--model", model), ("layout's model", named)],
+                 kind="folder")
+    checkpoint = _model(model or named)
     # sigmoid routers take the bias in probability space, where useful values are ~10x smaller
     scale = 0.1 if checkpoint.spec.router == "sigmoid" else 1.0
     cap_values = parse_list(caps, "--caps", float) if caps else [c * scale for c in (-0.25, -0.5, -1.0)]

@@ -172,7 +172,7 @@ def simulate(
     model_shape = resolve_shape(plan, routing, model, shape, expert_bytes, hidden_bytes, cal)
     if tokens_per_pass is not None and tokens_per_pass <= 0:
         raise ValueError(f"--tokens-per-pass is {tokens_per_pass} (expected > 0)")
-    warmup = routing.prefill_tokens() if warmup is None else warmup  # shown in the report
+    warmup = routing.warmup_tokens(warmup)  # shown in the report
     options = dict(rows_per_pass=rows_per_pass, tokens_per_pass=tokens_per_pass, affinity=affinity, warmup_tokens=warmup)
     result = {"layout": str(layout), "trace": str(trace), "shape": model_shape.name, "warmup_tokens": warmup,
               "calibration": str(calibration or plan.scheduler.calibration or "defaults"),

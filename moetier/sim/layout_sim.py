@@ -191,7 +191,7 @@ def simulate(layout: Layout, shape: ModelShape, calibration: Calibration, trace:
     the runtime plans with, when it differs from the rates that time the pass (default: the same);
     `warmup_tokens`: the trace's first tokens that only warm the caches (default: its prompt's, a run's
     "prefill" rows)."""
-    warmup_tokens = trace.prefill_tokens() if warmup_tokens is None else warmup_tokens
+    warmup_tokens = trace.warmup_tokens(warmup_tokens)
     E, k, moe = shape.num_experts, shape.top_k, list(shape.moe_layers)
     if (trace.num_experts, trace.top_k, trace.num_layers) != (E, k, len(moe)):
         raise ValueError(f"trace {trace.source or ''} has {trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k} "
@@ -344,7 +344,7 @@ def hit_rate_curves(trace: RoutingTrace, slots: Sequence[int], policies: Sequenc
     """Hit rate per policy at each slot count (static: the trace's own counts, an oracle profile), and
     Belady's optimum with bypass, which bounds every policy that admits only requested experts. warmup_tokens as
     `simulate`'s."""
-    warmup_tokens = trace.prefill_tokens() if warmup_tokens is None else warmup_tokens
+    warmup_tokens = trace.warmup_tokens(warmup_tokens)
     counts = trace.tokens(warmup_tokens).counts()
     curves: dict[str, list[float]] = {}
     for policy in policies:

@@ -3,10 +3,11 @@
 A `RoutingTrace` holds picks int16 [T, L, k], gate weights float16 [T, L, k], optionally the
 router's probabilities (or sigmoid scores) float16 [T, L, E] and a phase label int8 [T], and
 metadata stored as one JSON string entry: model, top_k, experts per layer, the model's layer
-ids that the trace's layer axis maps to, source, free-form extras. A trace `moetier run --layout --trace` writes
-labels its prompt's rows "prefill" and the rest "decode" (RUN_PHASES); `prefill_tokens` finds a prompt's rows. Invariant: a RoutingTrace
-that exists is valid (shapes agree, ids in range, a token's picks at a layer are distinct);
-`load` turns any violation into one ValueError that names the file. Adapters read the real
+ids that the trace's layer axis maps to, source, free-form extras. A trace `moetier run --layout
+--trace` writes labels its prompt's rows "prefill" and the rest "decode" (RUN_PHASES), which
+`warmup_tokens` finds. Invariant: a RoutingTrace that exists is valid (shapes agree, ids in
+range, a token's picks at a layer are distinct); `load` turns any violation into one ValueError
+that names the file. Adapters read the real
 traces in shared/traces (FLAME-MoE, Qwen1.5-MoE); `load_counts` reads the expert-count files
 (OLMoE, Mixtral, Switch), which are profiles, not traces. `synthetic_trace` makes skewed,
 temporally and cross-layer correlated traces for tests and benchmarks.
@@ -102,9 +103,11 @@ class RoutingTrace:
     def top_k(self) -> int:
         return self.picks.shape[2]
 
-    def prefill_tokens(self) -> int:
-        """How many leading tokens are a prompt's (they warm caches before a decode): a `run --layout --trace`
-        trace's "prefill" rows (RUN_PHASES), a `serve` trace's extra["prefill_tokens"]; else 0."""
+    def warmup_tokens(self, given: int | None = None) -> int:
+        """The leading tokens that only warm caches before a replay counts: `given`, else the prompt's rows (a `run
+        --layout --trace` trace's "prefill" phase, RUN_PHASES; a `serve` trace's extra["prefill_tokens"]), else 0."""
+        if given is not None:
+            return given
         if self.phase is not None and tuple(self.phase_names) == RUN_PHASES:
             decoded = np.flatnonzero(self.phase != 0)
             return int(decoded[0]) if len(decoded) else len(self.phase)
